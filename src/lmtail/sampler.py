@@ -1,0 +1,227 @@
+"""The per-row sampler over exact top-k candidates (SPEC 3), and its friendly params.
+
+Per row, given candidates v[0..k-1] (bf16, descending, ties by lower id), their ids, the
+FULL bf16 row (for normalizers over the whole vocabulary) and (top_k, top_p, temperature,
+u, min_p):
+  1. top-k: 1 <= top_k <= k keeps v >= v[top_k-1] (ties at the threshold survive);
+     top_k <= 0 disables it (the filtered set is the whole vocab); top_k > k acts as k
+     and flags `truncated`; so does a threshold tie that continues past the k-th candidate.
+  2. greedy: temperature < 1e-5 returns idx[0] (the lowest id among equal maxima).
+  3. p = softmax(v / T) over the filtered set; when top-k is disabled the normalizer is
+     the log-sum-exp over all V lanes of the row.
+  4. top-p: keep candidate i iff the mass strictly before it is < top_p (the crossing
+     token is kept; the first always); top_p >= 1 keeps all. Top-k disabled and the k
+     candidates' mass < top_p: all k kept, `truncated`.
+  5. min_p: drop p < min_p * p[0] (HF's order: top-k, top-p, then min-p; vLLM applies
+     min-p before top-k/top-p, so the kept sets can differ when both are on).
+  6. draw: cdf_j = c_j / c_last over the kept prefix (c = running sum of p), token =
+     idx[pos], pos = #{j : cdf_j <= u} clamped to the last kept slot.
+Every kept set is a prefix of the candidates (values descend, so p descends), which is
+what makes 4-6 prefix computations.
+
+Numerics (declared; all float64 from the exactly widened bf16 values):
+  z = v / T (one float64 division; T widened exactly from fp32); e = exp64(z - m) with m
+  the max of the normalizing set (exp64: basic ops only; z == m gives exactly 1, so +-inf
+  rows are defined: the +inf lanes split the mass equally; an all -inf row is uniform);
+  p = e / S with S = sum64(e over the set) (one correctly rounded division).
+  Sums over the full row: `sum64` (256 float64 lane chains in pass order, then a halving
+  tree of 8 levels; depth ceil(V/256) + 8). Running sums over candidates: a sequential
+  float64 chain in candidate order (depth k). log via numerics.log64.
+  logprobs = fp32(v_tok - (max + log64(sum64(exp64(v - max))))) at T = 1 over the full row.
+With nan_fold=True NaN lanes count as -inf (zero mass) in the full-row sums.
+
+Shape legend: R rows, V vocab (full row), k candidates, P = 3|4|5 parameter columns.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .numerics import draw_u, exp64, log64
+
+GREEDY_TEMPERATURE = 1e-5
+DEFAULT_U = 0.5
+LANES = 256
+
+
+# ---------------------------------------------------------------------------------------
+# parameters
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling settings; `sampling_tensor` reduces a batch of them to the
+    tail's [R, 5] tensor (top_k, top_p, temperature, u, min_p). With `seed` set, u comes
+    from `numerics.draw_u(seed, position)` (SplitMix64, the same bits on any machine),
+    otherwise from `u` (default 0.5)."""
+
+    top_k: int = 0
+    top_p: float = 1.0
+    temperature: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    u: float | None = None
+
+
+def sampling_tensor(params: list[SamplingParams], positions=None) -> torch.Tensor:
+    """[R] SamplingParams (+ decode positions when seeds are used) -> [R, 5] fp32."""
+    if positions is None:
+        positions = [0] * len(params)
+    if len(positions) != len(params):
+        raise ValueError(f"positions must have one entry per request ({len(params)}); got {len(positions)}")
+    rows = []
+    for p, pos in zip(params, positions):
+        if p.seed is not None and p.u is not None:
+            raise ValueError("give either seed (+ position) or u, not both")
+        u = float(draw_u(p.seed, pos)) if p.seed is not None else (DEFAULT_U if p.u is None else p.u)
+        rows.append([float(p.top_k), p.top_p, p.temperature, u, p.min_p])
+    return torch.tensor(rows, dtype=torch.float32).reshape(len(params), 5)
+
+
+def validate_params(sp: torch.Tensor, rows: int) -> None:
+    """ValueError (naming the row) unless sp is a valid [rows, 3|4|5] fp32 tensor."""
+    if not isinstance(sp, torch.Tensor) or sp.dtype != torch.float32:
+        got = sp.dtype if isinstance(sp, torch.Tensor) else type(sp).__name__
+        raise ValueError(f"sampling_params must be a float32 tensor; got {got}")
+    if sp.dim() != 2 or sp.shape[0] != rows or sp.shape[1] not in (3, 4, 5):
+        raise ValueError(f"sampling_params must be [R={rows}, 3|4|5]; got {tuple(sp.shape)}")
+    checks = [
+        (torch.isnan(sp).any(dim=1), "has NaN"),
+        (sp[:, 0] != torch.round(sp[:, 0]), "top_k must be a whole number"),
+        ((sp[:, 1] <= 0) | (sp[:, 1] > 1), "top_p must be in (0, 1]"),
+        (sp[:, 2] < 0, "temperature must be >= 0"),
+    ]
+    if sp.shape[1] >= 4:
+        checks.append(((sp[:, 3] < 0) | (sp[:, 3] >= 1), "u must be in [0, 1)"))
+    if sp.shape[1] >= 5:
+        checks.append(((sp[:, 4] < 0) | (sp[:, 4] > 1), "min_p must be in [0, 1]"))
+    for bad, what in checks:
+        if bad.any():
+            i = int(torch.nonzero(bad)[0])
+            raise ValueError(f"sampling_params row {i}: {what}; got {sp[i].tolist()}")
+
+
+# ---------------------------------------------------------------------------------------
+# declared float64 sums
+# ---------------------------------------------------------------------------------------
+def sum64(x: torch.Tensor) -> torch.Tensor:
+    """Declared float64 row sum [R, N] -> [R]: 256 lane chains (lane t holds t, t+256, ...,
+    added in pass order from +0.0), then a halving tree (lane t += lane t+128, +64, ...)."""
+    r, n = x.shape
+    p = -(-n // LANES)
+    x = torch.nn.functional.pad(x.double(), (0, p * LANES - n)).view(r, p, LANES)
+    acc = torch.zeros(r, LANES, dtype=torch.float64)
+    for i in range(p):
+        acc = acc + x[:, i]
+    w = LANES
+    while w > 1:
+        w //= 2
+        acc = acc[:, :w] + acc[:, w:2 * w]
+    return acc[:, 0]
+
+
+def running_sum64(x: torch.Tensor) -> torch.Tensor:
+    """Sequential float64 running sum along candidates: c_j = (...(x_0 + x_1) + ...) + x_j."""
+    out = torch.empty_like(x, dtype=torch.float64)
+    acc = torch.zeros(x.shape[0], dtype=torch.float64)
+    for j in range(x.shape[1]):
+        acc = acc + x[:, j]
+        out[:, j] = acc
+    return out
+
+
+def shifted_exp(z: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """exp64(z - m) with z == m -> 1 (defines +inf rows and all -inf rows)."""
+    d = torch.where(z == m[:, None], torch.zeros_like(z), z - m[:, None])
+    return exp64(d)
+
+
+def row_mass(row: torch.Tensor, scale: torch.Tensor):
+    """Max and shifted mass of row/scale over the full row, declared order.
+    row [R, V] float64 (NaN already folded to -inf if asked), scale [R] ->
+    (m [R], S [R]) with S = sum64(exp64(row/scale - m)) >= 1."""
+    z = row / scale[:, None]
+    m = z.max(dim=1).values
+    return m, sum64(shifted_exp(z, m))
+
+
+# ---------------------------------------------------------------------------------------
+# the sampler
+# ---------------------------------------------------------------------------------------
+def sampling_plan(cand_values, full_rows, sampling_params, *, nan_fold=False) -> dict:
+    """Steps 1-5 for every row: the filtered probabilities and the kept prefix.
+
+    cand_values [R, k] bf16 descending; full_rows [R, V] bf16; sampling_params validated
+    [R, 3|4|5]. Returns p [R, k] float64 (softmax over the filtered set; 0 outside it),
+    running [R, k] (running sum of p), keep [R, k] bool (a prefix, slot 0 always kept),
+    u [R], greedy [R], truncated [R] (False on greedy rows: their answer is exact),
+    lse1 [R] (full-row log-sum-exp at T = 1).
+    """
+    r, k = cand_values.shape
+    sp = sampling_params.double()
+    top_k = sp[:, 0].to(torch.int64)
+    top_p, temp = sp[:, 1], sp[:, 2]
+    u = sp[:, 3] if sp.shape[1] >= 4 else torch.full((r,), DEFAULT_U, dtype=torch.float64)
+    min_p = sp[:, 4] if sp.shape[1] >= 5 else torch.zeros(r, dtype=torch.float64)
+    row64 = full_rows.double()  # [R, V]
+    if nan_fold:
+        row64 = torch.where(torch.isnan(row64), torch.full_like(row64, -torch.inf), row64)
+    v = cand_values.double()  # [R, k]
+    greedy = temp < GREEDY_TEMPERATURE
+    safe_t = torch.where(greedy, torch.ones_like(temp), temp)
+    m1, s1 = row_mass(row64, torch.ones(r, dtype=torch.float64))
+    lse1 = m1 + log64(s1)
+
+    # 1. top-k: a prefix of the candidates
+    enabled = top_k > 0
+    kk = torch.where(enabled, top_k.clamp(max=k), torch.full_like(top_k, k))
+    thr = v.gather(1, (kk - 1)[:, None])  # [R, 1]
+    in_k = v >= thr  # [R, k]
+    ties_past_k = (row64 >= thr).sum(dim=1) > in_k.sum(dim=1)
+    truncated = enabled & ((top_k > k) | ties_past_k)
+
+    # 3. softmax(v / T) over the filtered set (the whole row when top-k is disabled)
+    z = v / safe_t[:, None]
+    m_k = z[:, 0]  # candidates descend: the filtered set's max
+    s_k = sum64(torch.where(in_k, shifted_exp(z, m_k), torch.zeros_like(z)))
+    m_v, s_v = row_mass(row64, safe_t)
+    m = torch.where(enabled, m_k, m_v)
+    p = shifted_exp(z, m) / torch.where(enabled, s_k, s_v)[:, None]
+    p = torch.where(in_k, p, torch.zeros_like(p))  # [R, k]
+    p = torch.nan_to_num(p, nan=0.0)  # only NaN rows without the fold get here
+
+    # 4. top-p on the mass strictly before each candidate; 5. min-p
+    c = running_sum64(p)  # [R, k]
+    keep = in_k & ((c - p < top_p[:, None]) | (top_p[:, None] >= 1))
+    truncated = truncated | (~enabled & (c[:, -1] < top_p) & (top_p < 1))
+    keep = keep & (p >= min_p[:, None] * p[:, :1])
+    keep[:, 0] = True
+    return {"p": p, "running": c, "keep": keep, "u": u, "greedy": greedy,
+            "truncated": truncated & ~greedy, "lse1": lse1}
+
+
+def draw(plan: dict) -> torch.Tensor:
+    """Step 6: slot [R] = #{j kept : cdf_j <= u}, cdf = running / running[last kept];
+    clamped to the last kept slot; 0 on greedy rows."""
+    keep, c = plan["keep"], plan["running"]
+    n_keep = keep.sum(dim=1)  # [R] >= 1
+    total = c.gather(1, (n_keep - 1)[:, None])  # [R, 1]
+    cdf = c / total
+    pos = ((cdf <= plan["u"][:, None]) & keep).sum(dim=1).clamp(max=n_keep - 1)
+    return torch.where(plan["greedy"], torch.zeros_like(pos), pos)
+
+
+def sample_rows(cand_values, cand_ids, full_rows, sampling_params, *, nan_fold=False):
+    """Sample one token per row (module docstring: semantics and numerics).
+
+    cand_values [R, k] bf16 descending; cand_ids [R, k] int64; full_rows [R, V] bf16;
+    sampling_params [R, 3|4|5] fp32 (validated here).
+    Returns (tokens [R] int64, logprobs [R] fp32, truncated [R] bool).
+    """
+    validate_params(sampling_params, cand_values.shape[0])
+    plan = sampling_plan(cand_values, full_rows, sampling_params, nan_fold=nan_fold)
+    pos = draw(plan)[:, None]
+    tokens = cand_ids.gather(1, pos)[:, 0]
+    v_tok = cand_values.double().gather(1, pos)[:, 0]
+    logprobs = (v_tok - plan["lse1"]).to(torch.float32)
+    return tokens, logprobs, plan["truncated"]

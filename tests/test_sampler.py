@@ -1,0 +1,243 @@
+"""The sampler: HF-equal kept sets, exact inverse-transform draws, flags, errors."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from lmtail.numerics import draw_u
+from lmtail.reference.tail import sampler_ref
+from lmtail.sampler import (SamplingParams, draw, running_sum64, sample_rows, sampling_plan,
+                            sampling_tensor, sum64, validate_params)
+from lmtail.topk import exact_topk
+
+
+def run(rows, params, k=None, nan_fold=False):
+    """rows [R, V] bf16, params [R, P] -> (tokens, logprobs, truncated, plan, ids)."""
+    rows = rows.to(torch.bfloat16)
+    k = k or rows.shape[1]
+    vals, ids, _ = exact_topk(rows, k, nan_fold=nan_fold)
+    sp = torch.tensor(params, dtype=torch.float32)
+    tok, lp, tr = sample_rows(vals, ids, rows, sp, nan_fold=nan_fold)
+    plan = sampling_plan(vals, rows, sp, nan_fold=nan_fold)
+    return tok, lp, tr, plan, ids
+
+
+def hf_warpers(row, top_k, top_p, temperature):
+    """Hugging Face's documented warper semantics, written out in float64 torch:
+    temperature, TopK (remove scores < the k-th largest), TopP (sort ascending, remove
+    tokens whose ascending cumulative probability is <= 1 - top_p, keep at least 1).
+    Returns the probability of every token after the warpers (0 = removed)."""
+    s = row.double() / temperature
+    if top_k > 0:
+        kth = torch.topk(s, min(top_k, s.numel())).values[-1]
+        s = torch.where(s < kth, torch.full_like(s, -math.inf), s)
+    if top_p < 1.0:
+        # stable ascending sort with ties ordered so that the lower id counts as larger
+        ids = torch.arange(s.numel())
+        order = sorted(range(s.numel()), key=lambda i: (s[i].item(), -ids[i].item()))
+        order = torch.tensor(order)
+        probs = torch.softmax(s[order], 0)
+        cum = torch.cumsum(probs, 0)
+        remove = cum <= (1 - top_p)
+        remove[-1] = False
+        s = s.clone()
+        s[order[remove]] = -math.inf
+    return torch.softmax(s, 0)
+
+
+HAND_ROWS = [
+    [3.0, 1.0, 3.0, 2.0, 2.0, 0.0, -1.0, 2.0],
+    [0.5, 0.5, 0.5, 0.5, 0.25, 0.25, 0.0, -4.0],
+    [8.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0],
+    [-1.0, -2.0, -3.0, -4.0, -5.0, -6.0, -7.0, -8.0],
+]
+HAND_PARAMS = [(k, p, t) for k in (0, 1, 2, 3, 5, 8) for p in (0.3, 0.5, 0.75, 0.9, 1.0) for t in (0.5, 1.0, 2.0)]
+
+
+@pytest.mark.parametrize("row", HAND_ROWS)
+def test_kept_set_and_probs_equal_hf_warpers(row):
+    x = torch.tensor([row] * len(HAND_PARAMS), dtype=torch.bfloat16)
+    params = [(k, p, t, 0.5) for k, p, t in HAND_PARAMS]
+    _, _, _, plan, ids = run(x, params)
+    for i, (k, p, t) in enumerate(HAND_PARAMS):
+        hf = hf_warpers(x[i].float(), k, p, t)
+        kept = ids[i][plan["keep"][i]].tolist()
+        assert sorted(kept) == torch.nonzero(hf > 0)[:, 0].tolist(), (row, k, p, t)
+        # renormalized kept probabilities agree with HF's to float64 rounding
+        pk = plan["p"][i][plan["keep"][i]]
+        assert torch.allclose(pk / pk.sum(), hf[ids[i][plan["keep"][i]]], rtol=1e-12, atol=0)
+
+
+def test_threshold_ties_survive_top_k():
+    x = torch.tensor([[5.0, 4.0, 4.0, 4.0, 1.0]])
+    _, _, _, plan, ids = run(x, [(2, 1.0, 1.0)])
+    assert ids[0][plan["keep"][0]].tolist() == [0, 1, 2, 3]
+
+
+def test_crossing_token_is_kept_and_planted_drop_is_caught():
+    # probs 0.5, 0.25, 0.25 (exact): top_p = 0.6 -> mass before slot 1 is 0.5 < 0.6: kept
+    x = torch.tensor([[math.log(2.0), 0.0, 0.0]])
+    _, _, _, plan, ids = run(x, [(0, 0.6, 1.0)])
+    kept = ids[0][plan["keep"][0]].tolist()
+    assert kept == [0, 1]
+    wrong = (plan["running"][0] < 0.6).nonzero()[:, 0].tolist()  # planted: drops the crossing token
+    assert wrong != kept
+
+
+def test_top_p_one_keeps_all_and_first_always_kept():
+    x = torch.randn(3, 50)
+    _, _, _, plan, _ = run(x, [(0, 1.0, 1.0)] * 3)
+    assert plan["keep"].all()
+    _, _, _, plan, _ = run(torch.tensor([[9.0, 0.0, 0.0]]), [(0, 1e-6, 1.0)])
+    assert plan["keep"][0].tolist() == [True, False, False]
+
+
+def test_greedy_lowest_id_among_equal_maxima():
+    x = torch.tensor([[1.0, 7.0, 3.0, 7.0, 7.0]])
+    for t in (0.0, 9e-6):
+        tok, _, tr, _, _ = run(x, [(0, 0.9, t, 0.99)])
+        assert tok.tolist() == [1] and not tr.any()
+
+
+def test_u_grid_reproduces_kept_distribution_exactly():
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(1, 40, generator=g) * 2).to(torch.bfloat16)
+    n = 4096
+    us = torch.arange(n, dtype=torch.float32) / n
+    rows = x.repeat(n, 1)
+    params = torch.stack([torch.full((n,), 10.0), torch.full((n,), 0.9), torch.full((n,), 0.8), us], 1)
+    tok, _, _, plan, ids = run(rows, params.tolist())
+    p = plan["p"][0][plan["keep"][0]]
+    p = p / p.sum()
+    kept = ids[0][plan["keep"][0]]
+    freq = torch.tensor([(tok == t).sum().item() / n for t in kept.tolist()], dtype=torch.float64)
+    assert (freq - p).abs().max() <= 1.0 / n + 1e-12
+    assert set(tok.tolist()) == set(kept.tolist())
+
+
+def test_top_k_disabled_normalizes_over_full_vocab_and_flags_truncation():
+    x = torch.zeros(1, 1000)  # uniform: 8 candidates hold 0.8% of the mass
+    _, _, tr, plan, _ = run(x, [(0, 0.5, 1.0)], k=8)
+    assert abs(plan["p"][0].sum().item() - 8 / 1000) < 1e-12
+    assert tr.tolist() == [True] and plan["keep"][0].all()
+    _, _, tr, _, _ = run(x, [(50, 0.5, 1.0)], k=8)  # top_k > k
+    assert tr.tolist() == [True]
+    y = torch.arange(100.0, 0, -1)[None]  # strictly descending: nothing past k ties
+    _, _, tr, _, _ = run(y, [(8, 0.5, 1.0)], k=8)
+    assert tr.tolist() == [False]
+    z = torch.tensor([[5.0] + [1.0] * 20])  # threshold ties continue past k
+    _, _, tr, _, _ = run(z, [(4, 0.9, 1.0)], k=4)
+    assert tr.tolist() == [True]
+
+
+def test_min_p_drops_relative_to_top():
+    x = torch.tensor([[math.log(8.0), math.log(4.0), math.log(1.0), math.log(0.5)]])
+    _, _, _, plan, _ = run(x, [(0, 1.0, 1.0, 0.5, 0.125)])
+    assert plan["keep"][0].tolist() == [True, True, True, False]
+
+
+def test_logprob_is_raw_full_row_log_softmax():
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(3, 777, generator=g) * 3).to(torch.bfloat16)
+    tok, lp, _, _, _ = run(x, [(5, 0.9, 0.7, 0.3)] * 3, k=16)
+    ref = torch.log_softmax(x.double(), 1).gather(1, tok[:, None])[:, 0]
+    assert torch.equal(lp, ref.float()) or (lp.double() - ref).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_random_rows_match_float64_reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    r, v = 40, 300
+    x = (torch.randn(r, v, generator=g) * 2).to(torch.bfloat16)
+    params = []
+    for i in range(r):
+        params.append((int(torch.randint(-1, 20, (1,), generator=g)), float(torch.rand(1, generator=g)) * 0.99 + 0.01,
+                       float(torch.rand(1, generator=g)) * 1.5, float(torch.rand(1, generator=g)) * 0.999,
+                       float(torch.rand(1, generator=g)) * 0.2))
+    tok, lp, tr, plan, _ = run(x, params, k=v)
+    sp = torch.tensor(params, dtype=torch.float32).double()
+    for i in range(r):
+        ref = sampler_ref(x[i].float(), top_k=int(sp[i, 0]), top_p=sp[i, 1].item(), temperature=sp[i, 2].item(),
+                          u=sp[i, 3].item(), min_p=sp[i, 4].item())
+        assert tok[i].item() == ref["token"], (i, params[i])
+        assert abs(lp[i].item() - ref["logprob"]) < 1e-5
+
+
+def test_seeded_draws_are_pinned_bits():
+    # the counter-based draw is a pure integer function: pin its bits
+    assert draw_u(1, 0).item() == np.float32(0.3681895).item()
+    assert draw_u(12345, 7) == draw_u(np.array([12345]), np.array([7]))[0]
+    t = sampling_tensor([SamplingParams(top_k=5, seed=9), SamplingParams(u=0.25)], positions=[3, 0])
+    assert t.shape == (2, 5) and t[0, 3].item() == draw_u(9, 3).item() and t[1, 3].item() == 0.25
+    with pytest.raises(ValueError, match="either seed"):
+        sampling_tensor([SamplingParams(seed=1, u=0.5)])
+
+
+def test_declared_sums_follow_their_order():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 1000, generator=g, dtype=torch.float64) * torch.tensor([1.0, 1e10])[:, None]
+    got = sum64(x)
+    for i in range(2):
+        lanes = [0.0] * 256
+        for j in range(1000):
+            lanes[j % 256] += x[i, j].item()
+        w = 256
+        while w > 1:
+            w //= 2
+            lanes = [lanes[t] + lanes[t + w] for t in range(w)]
+        assert got[i].item() == lanes[0]
+    # planted: a plain left-to-right sum is another order, and the check tells them apart
+    y = torch.ones(1, 1000, dtype=torch.float64)
+    y[0, 0] = 2.0**53
+    seq = 0.0
+    for t in y[0].tolist():
+        seq += t
+    assert sum64(y).item() != seq
+    c = running_sum64(x[:, :10])
+    acc = 0.0
+    for j in range(10):
+        acc += x[0, j].item()
+        assert c[0, j].item() == acc
+
+
+@pytest.mark.parametrize("bad,match", [
+    ([[1, float("nan"), 1.0]], r"row 0: has NaN"),
+    ([[1, 0.0, 1.0]], r"row 0: top_p must be in \(0, 1\]"),
+    ([[1, 1.5, 1.0]], r"top_p must be in \(0, 1\]"),
+    ([[1, 0.5, -1.0]], r"temperature must be >= 0"),
+    ([[1, 0.5, 1.0, 1.0]], r"u must be in \[0, 1\)"),
+    ([[1, 0.5, 1.0, -0.1]], r"u must be in \[0, 1\)"),
+    ([[1.5, 0.5, 1.0]], r"top_k must be a whole number"),
+    ([[1, 0.5, 1.0, 0.5, 2.0]], r"min_p must be in \[0, 1\]"),
+])
+def test_bad_params_name_the_row(bad, match):
+    with pytest.raises(ValueError, match=match):
+        validate_params(torch.tensor(bad, dtype=torch.float32), 1)
+
+
+def test_bad_param_shapes():
+    with pytest.raises(ValueError, match=r"must be \[R=2, 3\|4\|5\]; got \(2, 2\)"):
+        validate_params(torch.zeros(2, 2), 2)
+    with pytest.raises(ValueError, match="float32 tensor; got torch.float64"):
+        validate_params(torch.zeros(2, 3, dtype=torch.float64), 2)
+
+
+def test_special_rows_are_defined():
+    inf = float("inf")
+    tok, lp, _, plan, _ = run(torch.tensor([[1.0, inf, 0.0, inf]]), [(0, 1.0, 1.0, 0.75)])
+    assert plan["p"][0].tolist()[:2] == [0.5, 0.5] and tok.item() == 3
+    tok, _, _, plan, _ = run(torch.full((1, 4), -inf), [(0, 1.0, 1.0, 0.6)])
+    assert tok.item() == 2  # uniform over an all -inf row
+    nan = float("nan")
+    tok, _, _, _, _ = run(torch.tensor([[nan, 1.0, 2.0]]), [(0, 0.9, 1.0)], nan_fold=True)
+    assert tok.item() in (1, 2)
+    run(torch.tensor([[nan, 1.0, 2.0]]), [(0, 0.9, 1.0)], nan_fold=False)  # must not crash
+
+
+def test_draw_counts_cdf_at_or_below_u():
+    plan = {"keep": torch.tensor([[True, True, True, False]]), "running": torch.tensor([[0.25, 0.5, 1.0, 1.0]], dtype=torch.float64),
+            "u": torch.tensor([0.5], dtype=torch.float64), "greedy": torch.tensor([False])}
+    assert draw(plan).tolist() == [2]  # cdf 0.25, 0.5 <= 0.5: slot 2
+    plan["u"] = torch.tensor([0.4999], dtype=torch.float64)
+    assert draw(plan).tolist() == [1]
