@@ -1,0 +1,63 @@
+"""Build a small C source into a shared library once, cache it, load it with ctypes.
+
+No torch headers, no ninja: one `cc -O3 -shared` call (about a second), keyed by the
+source bytes, the flags, the compiler's version line and the machine, written to a temp
+name and renamed into place, so concurrent first calls (pytest workers, torchrun ranks)
+never load a half-written file. The cache lives in $XDG_CACHE_HOME/lmtail (default
+~/.cache/lmtail), or in the temp dir when that is not writable.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+# -ffp-contract=off: the compiler may not fuse a*b+c on its own; the kernels' fmas are
+# explicit calls. No -ffast-math (it would also set FTZ/DAZ at load time). No -march:
+# wide-ISA functions carry target attributes and are dispatched at run time.
+FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-ffp-contract=off",
+         "-fno-fast-math", "-Wall")
+BUILD_TIMEOUT_S = 120
+
+
+def _cache_dir() -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lmtail"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if os.access(root, os.W_OK):
+            return root
+    except OSError:
+        pass
+    tmp = Path(tempfile.gettempdir()) / f"lmtail-{os.getuid()}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    return tmp
+
+
+def _compiler() -> tuple[str, str]:
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise RuntimeError("no C compiler found on PATH (looked for gcc, cc)")
+    ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+    return cc, (ver.stdout.splitlines() or ["?"])[0]
+
+
+def load_c_library(source: Path) -> ctypes.CDLL:
+    """Compile `source` (cached) and return the loaded library. Raises RuntimeError
+    with the compiler's message when there is no compiler or the build fails."""
+    text = Path(source).read_bytes()
+    cc, version = _compiler()
+    key = hashlib.sha256(text + repr((version, FLAGS, platform.machine())).encode())
+    lib = _cache_dir() / f"{Path(source).stem}-{key.hexdigest()[:16]}.so"
+    if not lib.exists():
+        tmp = lib.with_name(f"{lib.stem}.{os.getpid()}.tmp.so")
+        cmd = [cc, *FLAGS, str(source), "-o", str(tmp), "-lm"]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if res.returncode != 0:
+            raise RuntimeError(f"building {source} failed: {' '.join(cmd)}\n{res.stderr}")
+        os.replace(tmp, lib)
+    return ctypes.CDLL(str(lib))
