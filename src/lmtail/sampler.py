@@ -184,9 +184,11 @@ def sampling_plan(cand_values, full_rows, sampling_params, *, nan_fold=False) ->
     z = v / safe_t[:, None]
     m_k = z[:, 0]  # candidates descend: the filtered set's max
     s_k = sum64(torch.where(in_k, shifted_exp(z, m_k), torch.zeros_like(z)))
-    m_v, s_v = row_mass(row64, safe_t)
-    m = torch.where(enabled, m_k, m_v)
-    p = shifted_exp(z, m) / torch.where(enabled, s_k, s_v)[:, None]
+    m, s = m_k.clone(), s_k.clone()
+    off = torch.nonzero(~enabled & ~greedy)[:, 0]  # rows normalized over the whole vocab
+    if off.numel():
+        m[off], s[off] = row_mass(row64[off], safe_t[off])
+    p = shifted_exp(z, m) / s[:, None]
     p = torch.where(in_k, p, torch.zeros_like(p))  # [R, k]
     p = torch.nan_to_num(p, nan=0.0)  # only NaN rows without the fold get here
 
