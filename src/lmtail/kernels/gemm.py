@@ -20,8 +20,9 @@ as slicing the full result. A row block goes into a preallocated result by
 `gemm_bf16_chain(a[r0:r1], w, out=full[r0:r1])`.
 
 Backends, all bit-equal (the tests prove it against `gemm_bf16_chain_reference`):
-  "avx512"  C kernel, 6x64 register tiles, bf16 panel widened once per (h block, column
-            tile), pthreads over column tiles (src/lmtail/kernels/gemm_chain.c);
+  "avx512"  C kernel (src/lmtail/kernels/gemm_chain.c): 6x64 register tiles over an fp32
+            panel widened once per (h block, column tile); for M <= 6, accumulators in
+            L1 and w rows streamed; pthreads over column tiles;
   "generic" the same C library's plain-C loop with fmaf (any CPU with a C compiler);
   "numba"   used only when the C library cannot be built: float64 emulation of the fma
             (product exact in float64; the double rounding float64 -> fp32 is innocuous
@@ -32,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import subprocess
 import warnings
 from pathlib import Path
 
@@ -100,7 +102,7 @@ def _c_library():
 
     try:
         lib = load_c_library(Path(__file__).with_name("gemm_chain.c"))
-    except (OSError, RuntimeError, ValueError) as exc:  # no compiler, failed build, ...
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:  # no cc, bad build
         warnings.warn(f"lmtail gemm: C kernel unavailable, using the numba fallback: {exc}",
                       RuntimeWarning, stacklevel=3)
         return None
