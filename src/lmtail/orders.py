@@ -99,15 +99,35 @@ def lane_totals(lanes: torch.Tensor, order: Order) -> torch.Tensor:
     return total
 
 
+def _products_exact(a: torch.Tensor, b: torch.Tensor, prod: torch.Tensor) -> bool:
+    """True when every fp32 product prod = a*b is exact, so fma(a, b, acc) == prod + acc.
+    Cheap sufficient test first: a and b are bf16 values (8-bit significands: low 16 bits
+    zero), so a product is exact when it is a normal finite fp32 (16 significant bits), or
+    zero with a zero factor. Otherwise (infs, NaNs, tiny or wide values) compare in float64."""
+    ai, bi = a.view(torch.int32), b.view(torch.int32)
+    if prod.numel() and not bool(((ai | bi) & 0xFFFF).any()):
+        m = prod.abs()
+        zero = m == 0
+        lo, hi = torch.aminmax(torch.where(zero, 1.0, m))
+        if bool(lo >= 2.0**-126) and bool(hi <= 3.4028234663852886e38):
+            n_zero = int(zero.sum())
+            if n_zero == 0 or n_zero == int(((a == 0) | (b == 0)).sum()):  # no underflow to 0
+                return True
+    return bool(((prod.double() == a.double() * b.double()) | torch.isnan(prod)).all())
+
+
 def fma_sum(a: torch.Tensor, b: torch.Tensor, order: Order) -> torch.Tensor:
     """sum_i a[..., i] * b[..., i] in the declared order, fp32 in, fp32 out.
 
     a, b: [..., N] fp32 (b broadcastable to a). Each lane's chain is acc = fma(a_i, b_i, acc)
     rounded once per step (exact fp32 fma), then `lane_totals`. Row-independent by
-    construction: a row's result never depends on other rows.
+    construction: a row's result never depends on other rows. When every product is exact
+    in fp32 (squares of bf16 values) the fma is one fp32 add of the product: same bits.
     """
     a = a.to(torch.float32)
     b = torch.broadcast_to(b.to(torch.float32), a.shape)
+    prod = a * b  # [..., N] fp32 products
+    exact = _products_exact(a, b, prod)
     n = a.shape[-1]
     t, v = order.lanes, order.vec
     p = -(-n // (t * v))
@@ -115,13 +135,11 @@ def fma_sum(a: torch.Tensor, b: torch.Tensor, order: Order) -> torch.Tensor:
     if pad:
         a = torch.nn.functional.pad(a, (0, pad))
         b = torch.nn.functional.pad(b, (0, pad))
+        prod = torch.nn.functional.pad(prod, (0, pad))  # 0*0 = +0: fma(0, 0, acc) == acc + 0
     a = a.reshape(*a.shape[:-1], p, t, v)  # [..., P, T, vec]
     b = b.reshape(*b.shape[:-1], p, t, v)
+    prod = prod.reshape(*prod.shape[:-1], p, t, v)
     acc = torch.zeros(a.shape[:-3] + (t,), dtype=torch.float32)  # [..., T]
-    prod = a * b  # [..., P, T, vec] fp32 products
-    # fma(a, b, acc) == prod + acc when every product is exact in fp32 (e.g. squares of
-    # bf16 values): then one fp32 add per step gives the same bits, ~100x faster.
-    exact = bool(((prod.double() == a.double() * b.double()) | torch.isnan(prod)).all())
     for i in range(p):
         for j in range(v):
             if exact:

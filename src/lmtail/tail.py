@@ -12,7 +12,7 @@
 Numerics declared (see docs/numerics.md for the float64 bounds):
   ssq: fp32 fma chains, strided(256) over the H padded lanes (pad lanes are exact zeros),
        depth ceil(H/256) + 5 + 7.
-  gemm: fp32, sequential over h, depth H; bf16 products are exact in fp32.
+  gemm: fp32 fma chain, sequential over h = 0..H-1, depth H (docs/gemm.md).
   rounding points: x*gamma (fp32), a (bf16), ssq/H_u, +eps, sqrt, 1/s (fp32 each),
        acc*rms (fp32), mirror (bf16).
 Every step is row-independent, so a row's bytes never depend on the batch it is in.
@@ -59,7 +59,7 @@ def tail_decl(h: int, deferred_rms: bool = True) -> Decl:
         op="decode_tail" + ("" if deferred_rms else "[legacy]"),
         rounding_points=pts,
         sums=(SumDecl("ssq", "fp32", SSQ_ORDER.depth(h), SSQ_ORDER.describe(h)),
-              SumDecl("gemm", "fp32", h, "sequential over h = 0..H-1 per output element")),
+              SumDecl("gemm", "fp32", h, "fp32 fma chain, sequential over h = 0..H-1 per output element")),
     )
 
 
