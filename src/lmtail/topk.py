@@ -17,6 +17,8 @@ torch.topk (any algorithm, any thread count) must return it.
 
 Stages:  row [R, V] --pad to n*C with -inf (ids >= V)--> [R, n, C]
          stage 1: top-min(k, C) keys per chunk           [R, n, k1]
+                  (for C <= 2**14 on int32 chunk-local keys mono << 14 | (C-1-pos): the
+                  same order inside a chunk, half the bytes; then widened to global keys)
          stage 2: top-k of the n*k1 candidates            [R, k]
 Exact because every global top-k key is among its own chunk's top-k1 keys. Pad lanes are
 -inf past the vocab with the reserved key 0, below every real lane (a real -inf, even a
@@ -87,12 +89,22 @@ def exact_topk(values: torch.Tensor, k: int, *, nan_fold: bool = False, chunk: i
         raise ValueError(f"chunk must be >= 1; got {chunk}")
     n = -(-v // chunk)
     pad = n * chunk - v
-    keys = row_keys(values, nan_fold=nan_fold)  # [R, V]
-    if pad:  # key 0: a -inf past the vocab, below every real lane (even a folded NaN)
-        keys = torch.cat([keys, torch.zeros((r, pad), dtype=torch.int64)], dim=1)
-    keys = keys.view(r, n, chunk)  # [R, n, C]
     k1 = min(k, chunk)
-    s1, pos1 = torch.topk(keys, k1, dim=-1, largest=True, sorted=True)  # [R, n, k1]
+    if chunk <= 1 << 14:  # stage 1 on int32 keys local to the chunk: mono << 14 | (C-1-pos)
+        local = mono_keys(values, nan_fold=nan_fold).to(torch.int32)  # [R, V]
+        if pad:  # mono 0: a -inf past the vocab, below every real lane (even a folded NaN)
+            local = torch.cat([local, torch.zeros((r, pad), dtype=torch.int32)], dim=1)
+        pos = torch.arange(chunk, dtype=torch.int32)
+        local = (local.view(r, n, chunk) << 14) | ((chunk - 1) - pos)  # [R, n, C]
+        l1, pos1 = torch.topk(local, k1, dim=-1, largest=True, sorted=True)  # [R, n, k1]
+        gid = pos1 + torch.arange(n, dtype=torch.int64)[None, :, None] * chunk  # [R, n, k1]
+        s1 = ((l1 >> 14).to(torch.int64) << 32) | (_ID_MASK - gid)  # global int64 keys
+        s1 = torch.where(gid >= v, torch.zeros_like(s1), s1)  # pad lanes keep key 0
+    else:
+        keys = row_keys(values, nan_fold=nan_fold)  # [R, V]
+        if pad:
+            keys = torch.cat([keys, torch.zeros((r, pad), dtype=torch.int64)], dim=1)
+        s1, pos1 = torch.topk(keys.view(r, n, chunk), k1, dim=-1, largest=True, sorted=True)
     cand = s1.reshape(r, n * k1)  # [R, n*k1]
     top, _ = torch.topk(cand, k, dim=-1, largest=True, sorted=True)  # [R, k]
     vals, ids = split_keys(top)
