@@ -35,23 +35,25 @@ NEG_INF_BF16_BITS = 0xFF80
 
 
 def mono_keys(values: torch.Tensor, *, nan_fold: bool) -> torch.Tensor:
-    """bf16 [R, V] -> int64 [R, V] in [1, 65536]: an integer that orders like the value.
+    """bf16 [R, V] -> int32 [R, V] in [1, 65536]: an integer that orders like the value.
     -0.0 maps to +0.0's key; with nan_fold every NaN maps to 1 (below -inf's 0x0080).
-    0 is reserved for pad lanes, below everything."""
+    0 is reserved for pad lanes, below everything.
+
+    Signed 16-bit pattern b: negative floats have their 15 magnitude bits flipped
+    (b ^ 0x7FFF), which makes the signed order the float order; + 32769 shifts to [1, 65536].
+    """
     assert values.dtype == torch.bfloat16
-    bits = values.view(torch.int16).to(torch.int64) & 0xFFFF  # [R, V] unsigned pattern
-    bits = torch.where(bits == 0x8000, torch.zeros_like(bits), bits)  # -0 -> +0
-    neg = (bits & 0x8000) != 0
-    mono = torch.where(neg, (~bits) & 0xFFFF, bits | 0x8000) + 1
+    b = values.view(torch.int16).to(torch.int32)  # [R, V] sign-extended pattern
+    b = b.masked_fill(b == -32768, 0)  # -0 -> +0
+    mono = (b ^ ((b >> 15) & 0x7FFF)) + 32769
     if nan_fold:
-        is_nan = ((bits & 0x7F80) == 0x7F80) & ((bits & 0x007F) != 0)
-        mono = torch.where(is_nan, torch.ones_like(mono), mono)
+        mono = mono.masked_fill((b & 0x7FFF) > 0x7F80, 1)
     return mono
 
 
 def mono_to_bf16(mono: torch.Tensor) -> torch.Tensor:
     """Inverse of mono_keys (a folded NaN decodes as a NaN, a pad lane as -inf)."""
-    m = mono - 1
+    m = mono.to(torch.int64) - 1
     pos = (m & 0x8000) != 0
     bits = torch.where(pos, m & 0x7FFF, (~m) & 0xFFFF)
     bits = torch.where(m == 0, torch.full_like(bits, 0x7FC0), bits)  # folded NaN
@@ -63,7 +65,7 @@ def row_keys(values: torch.Tensor, *, nan_fold: bool, id_offset: int = 0) -> tor
     """Unique ordering keys [R, V] int64 for a bf16 row block whose column j is vocab id
     id_offset + j."""
     ids = torch.arange(id_offset, id_offset + values.shape[-1], dtype=torch.int64)
-    return (mono_keys(values, nan_fold=nan_fold) << 32) | (_ID_MASK - ids)
+    return (mono_keys(values, nan_fold=nan_fold).to(torch.int64) << 32) | (_ID_MASK - ids)
 
 
 def split_keys(keys: torch.Tensor):
@@ -91,7 +93,7 @@ def exact_topk(values: torch.Tensor, k: int, *, nan_fold: bool = False, chunk: i
     pad = n * chunk - v
     k1 = min(k, chunk)
     if chunk <= 1 << 14:  # stage 1 on int32 keys local to the chunk: mono << 14 | (C-1-pos)
-        local = mono_keys(values, nan_fold=nan_fold).to(torch.int32)  # [R, V]
+        local = mono_keys(values, nan_fold=nan_fold)  # [R, V] int32
         if pad:  # mono 0: a -inf past the vocab, below every real lane (even a folded NaN)
             local = torch.cat([local, torch.zeros((r, pad), dtype=torch.int32)], dim=1)
         pos = torch.arange(chunk, dtype=torch.int32)
