@@ -241,3 +241,18 @@ def test_draw_counts_cdf_at_or_below_u():
     assert draw(plan).tolist() == [2]  # cdf 0.25, 0.5 <= 0.5: slot 2
     plan["u"] = torch.tensor([0.4999], dtype=torch.float64)
     assert draw(plan).tolist() == [1]
+
+
+def test_pure_temperature_sampling_over_a_large_vocab_is_flagged_truncated():
+    """top-k disabled and top_p = 1 keeps the whole vocab: k candidates are not enough."""
+    x = torch.zeros(2, 100)
+    x[1, 8:] = -float("inf")  # row 1: only 8 lanes carry mass, all among the candidates
+    _, _, tr, _, _ = run(x, [(0, 1.0, 1.0)] * 2, k=8)
+    assert tr.tolist() == [True, False]
+
+
+def test_folded_nan_candidates_do_not_turn_a_row_greedy():
+    nan = float("nan")
+    x = torch.tensor([[1.0, nan, 1.0, nan]])  # k = 4: two NaN candidates after the fold
+    tok, _, _, plan, _ = run(x, [(4, 1.0, 1.0, 0.75)], k=4, nan_fold=True)
+    assert plan["keep"][0].tolist()[:2] == [True, True] and tok.item() == 2

@@ -100,20 +100,35 @@ def lane_totals(lanes: torch.Tensor, order: Order) -> torch.Tensor:
 
 
 def _products_exact(a: torch.Tensor, b: torch.Tensor, prod: torch.Tensor) -> bool:
-    """True when every fp32 product prod = a*b is exact, so fma(a, b, acc) == prod + acc.
-    Cheap sufficient test first: a and b are bf16 values (8-bit significands: low 16 bits
-    zero), so a product is exact when it is a normal finite fp32 (16 significant bits), or
-    zero with a zero factor. Otherwise (infs, NaNs, tiny or wide values) compare in float64."""
-    ai, bi = a.view(torch.int32), b.view(torch.int32)
-    if prod.numel() and not bool(((ai | bi) & 0xFFFF).any()):
-        m = prod.abs()
-        zero = m == 0
-        lo, hi = torch.aminmax(torch.where(zero, 1.0, m))
-        if bool(lo >= 2.0**-126) and bool(hi <= 3.4028234663852886e38):
-            n_zero = int(zero.sum())
-            if n_zero == 0 or n_zero == int(((a == 0) | (b == 0)).sum()):  # no underflow to 0
-                return True
+    """True when fma(a_i, b_i, acc) == prod_i + acc for every element (prod = fp32 a*b).
+
+    Cheap sufficient test: a and b are bf16 values (8-bit significands: low 16 bits zero),
+    every product is finite and either a normal fp32 (then its 16 significant bits are
+    exact) or an exact zero with a zero factor. Otherwise: compare against float64.
+    """
+    if not prod.numel():
+        return True
+    square = a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
+    m = prod if square else prod.abs()  # a square is >= 0 or NaN
+    lo, hi = torch.aminmax(m)
+    bits = a.view(torch.int32) if square else a.view(torch.int32) | b.view(torch.int32)
+    if bool(hi <= 3.4028234663852886e38) and int((bits & 0xFFFF).amax()) == 0:
+        if bool(lo >= 2.0**-126):
+            return True
+        factor_zeros = m.numel() - int(torch.count_nonzero(a if square else torch.minimum(a.abs(), b.abs())))
+        if int(torch.count_nonzero(m < 2.0**-126)) == factor_zeros:  # the small ones are exact zeros
+            return True
     return bool(((prod.double() == a.double() * b.double()) | torch.isnan(prod)).all())
+
+
+def _passes(z: torch.Tensor, t: int, v: int):
+    """[..., N] -> the P passes [..., T, vec] of the order (views; only the last is padded)."""
+    n, tv = z.shape[-1], t * v
+    for i in range(0, n, tv):
+        c = z[..., i : i + tv]
+        if c.shape[-1] < tv:
+            c = torch.nn.functional.pad(c, (0, tv - c.shape[-1]))
+        yield c.reshape(*c.shape[:-1], t, v)
 
 
 def fma_sum(a: torch.Tensor, b: torch.Tensor, order: Order) -> torch.Tensor:
@@ -127,28 +142,20 @@ def fma_sum(a: torch.Tensor, b: torch.Tensor, order: Order) -> torch.Tensor:
     a = a.to(torch.float32)
     b = torch.broadcast_to(b.to(torch.float32), a.shape)
     prod = a * b  # [..., N] fp32 products
-    exact = _products_exact(a, b, prod)
-    n = a.shape[-1]
     t, v = order.lanes, order.vec
-    p = -(-n // (t * v))
-    pad = p * t * v - n
-    if pad:
-        a = torch.nn.functional.pad(a, (0, pad))
-        b = torch.nn.functional.pad(b, (0, pad))
-        prod = torch.nn.functional.pad(prod, (0, pad))  # 0*0 = +0: fma(0, 0, acc) == acc + 0
-    a = a.reshape(*a.shape[:-1], p, t, v)  # [..., P, T, vec]
-    b = b.reshape(*b.shape[:-1], p, t, v)
-    prod = prod.reshape(*prod.shape[:-1], p, t, v)
-    acc = torch.zeros(a.shape[:-3] + (t,), dtype=torch.float32)  # [..., T]
-    for i in range(p):
-        for j in range(v):
-            if exact:
-                acc = acc + prod[..., i, :, j]
-            else:
-                acc = fma32(a[..., i, :, j], b[..., i, :, j], acc)
+    acc = torch.zeros(a.shape[:-1] + (t,), dtype=torch.float32)  # [..., T]
+    if _products_exact(a, b, prod):  # zero padding: 0*0 = +0 adds like fma(0, 0, acc)
+        for pp in _passes(prod, t, v):
+            for j in range(v):
+                acc = acc + pp[..., j]
+    else:
+        for pa, pb in zip(_passes(a, t, v), _passes(b, t, v)):
+            for j in range(v):
+                acc = fma32(pa[..., j], pb[..., j], acc)
     return lane_totals(acc, order)
 
 
 def sum_squares(x: torch.Tensor, order: Order) -> torch.Tensor:
     """ssq = sum x_i * x_i over the last dim, in the declared order. [..., N] -> [...]."""
+    x = x.to(torch.float32)
     return fma_sum(x, x, order)

@@ -11,7 +11,8 @@ u, min_p):
      the log-sum-exp over all V lanes of the row.
   4. top-p: keep candidate i iff the mass strictly before it is < top_p (the crossing
      token is kept; the first always); top_p >= 1 keeps all. Top-k disabled and the k
-     candidates' mass < top_p: all k kept, `truncated`.
+     candidates' mass < top_p (or, at top_p >= 1, any lane past them with mass > 0):
+     all k kept, `truncated`.
   5. min_p: drop p < min_p * p[0] (HF's order: top-k, top-p, then min-p; vLLM applies
      min-p before top-k/top-p, so the kept sets can differ when both are on).
   6. draw: cdf_j = c_j / c_last over the kept prefix (c = running sum of p), token =
@@ -139,10 +140,12 @@ def shifted_exp(z: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 def row_mass(row: torch.Tensor, scale: torch.Tensor):
     """Max and shifted mass of row/scale over the full row, declared order.
     row [R, V] float64 (NaN already folded to -inf if asked), scale [R] ->
-    (m [R], S [R]) with S = sum64(exp64(row/scale - m)) >= 1."""
+    (m [R], S [R], nz [R]) with S = sum64(exp64(row/scale - m)) >= 1 and nz the number
+    of lanes whose exp64 term is > 0 (the lanes that carry probability mass)."""
     z = row / scale[:, None]
     m = z.max(dim=1).values
-    return m, sum64(shifted_exp(z, m))
+    e = shifted_exp(z, m)
+    return m, sum64(e), (e > 0).sum(dim=1)
 
 
 # ---------------------------------------------------------------------------------------
@@ -167,9 +170,11 @@ def sampling_plan(cand_values, full_rows, sampling_params, *, nan_fold=False) ->
     if nan_fold:
         row64 = torch.where(torch.isnan(row64), torch.full_like(row64, -torch.inf), row64)
     v = cand_values.double()  # [R, k]
+    if nan_fold:  # a folded NaN candidate (fewer than k numbers) has no mass
+        v = torch.where(torch.isnan(v), torch.full_like(v, -torch.inf), v)
     greedy = temp < GREEDY_TEMPERATURE
     safe_t = torch.where(greedy, torch.ones_like(temp), temp)
-    m1, s1 = row_mass(row64, torch.ones(r, dtype=torch.float64))
+    m1, s1, _ = row_mass(row64, torch.ones(r, dtype=torch.float64))
     lse1 = m1 + log64(s1)
 
     # 1. top-k: a prefix of the candidates
@@ -184,10 +189,10 @@ def sampling_plan(cand_values, full_rows, sampling_params, *, nan_fold=False) ->
     z = v / safe_t[:, None]
     m_k = z[:, 0]  # candidates descend: the filtered set's max
     s_k = sum64(torch.where(in_k, shifted_exp(z, m_k), torch.zeros_like(z)))
-    m, s = m_k.clone(), s_k.clone()
+    m, s, nz = m_k.clone(), s_k.clone(), torch.zeros(r, dtype=torch.int64)
     off = torch.nonzero(~enabled & ~greedy)[:, 0]  # rows normalized over the whole vocab
     if off.numel():
-        m[off], s[off] = row_mass(row64[off], safe_t[off])
+        m[off], s[off], nz[off] = row_mass(row64[off], safe_t[off])
     p = shifted_exp(z, m) / s[:, None]
     p = torch.where(in_k, p, torch.zeros_like(p))  # [R, k]
     p = torch.nan_to_num(p, nan=0.0)  # only NaN rows without the fold get here
@@ -195,7 +200,10 @@ def sampling_plan(cand_values, full_rows, sampling_params, *, nan_fold=False) ->
     # 4. top-p on the mass strictly before each candidate; 5. min-p
     c = running_sum64(p)  # [R, k]
     keep = in_k & ((c - p < top_p[:, None]) | (top_p[:, None] >= 1))
-    truncated = truncated | (~enabled & (c[:, -1] < top_p) & (top_p < 1))
+    # top-k disabled: truncated when the k candidates cannot reach top_p, or (top_p >= 1)
+    # when a lane outside them still carries mass (nz > k)
+    short = torch.where(top_p < 1, c[:, -1] < top_p, nz > k)
+    truncated = truncated | (~enabled & short)
     keep = keep & (p >= min_p[:, None] * p[:, :1])
     keep[:, 0] = True
     return {"p": p, "running": c, "keep": keep, "u": u, "greedy": greedy,

@@ -1,0 +1,860 @@
+"""The decode tail's contract kinds and planted controls (docs/contract.md).
+
+Kinds (op x variant x dtype), each run through gates 1-4 and the byte gates:
+  tail.logits.deferred.fp32   decode_tail logits, deferred_rms=True, fp32 hidden
+  tail.logits.legacy.fp32     deferred_rms=False: a = bf16((x*rms)*gamma)
+  tail.logits.deferred.fp16   fp16 hidden: in range AND the bytes of the widened fp32 run
+  tail.logits.deferred.bf16   bf16 hidden: the same
+  tail.mirror.bf16            the bf16 mirror: top-k of decode_tail == exact top-k of
+                              bf16(its own fp32 logits), values and ids
+  tail.topk.exact             exact_topk == reference.tail.topk_ref, exactly
+  tail.sampler                rows_tail's tokens/truncated/logprobs vs the float64 sampler
+                              (reference.contract.sample_decision); near-ties counted
+  tail.decode                 decode_tail end to end; tokens certified against the float64
+                              ideal logits (certify.certify_tail); the ranks gate runs here
+
+Data dicts ("tail data"): x [gbs, H] fp32|fp16|bf16, gamma [H] fp32, w [H, V] bf16, eps,
+h_u, interleaved, deferred (+ k, sp [R, 5] fp32, nan_fold for the mirror/decode kinds);
+"rows data": rows [R, V] bf16, k, chunk, nan_fold (+ sp, exact for the sampler).
+
+Controls are the same bodies as the real ops with ONE defect each (`logits_variant`,
+`sampler_variant`, ...; defect=None reproduces the real op byte for byte, which the tests
+assert), so a red control shows the gate sees that defect and nothing else.
+
+Shape legend: gbs rows, H hidden (padded), H_u real hidden, V vocab, R rows, k candidates.
+"""
+from __future__ import annotations
+
+import math
+import os
+from functools import partial
+
+import numpy as np
+import torch
+
+from ..kernels.gemm import gemm_bf16_chain, gemm_bf16_chain_reference
+from ..numerics import Decl, SumDecl, U
+from ..orders import sum_squares
+from ..reference.contract import logprob_ref, range_margin, sample_decision, sampler_slack
+from ..reference.tail import as_np, logits_range, mirror_range, topk_ref
+from ..sampler import draw, sampling_plan, validate_params
+from ..tail import SSQ_ORDER, decode_tail, pad_mask, rows_tail, tail_decl, validate_tail_inputs
+from ..topk import exact_topk, row_keys, split_keys
+from .harness import Case, Control, Kind, Verdict, diff_outputs
+
+# ---------------------------------------------------------------------------------------
+# tail data
+# ---------------------------------------------------------------------------------------
+SHAPES = [  # (gbs, H, H_u, V, interleaved): 1 row, 300 rows, odd widths, both pad styles
+    (1, 64, 64, 100, False), (300, 61, 61, 37, False), (7, 96, 88, 129, True),
+    (5, 257, 250, 33, False), (3, 3072, 2880, 64, True), (2, 1, 1, 5, False),
+    (4, 520, 513, 24, False), (2, 8, 4, 9, True)]
+
+
+def tail_data(gbs, h, h_u, v, interleaved, seed, *, scale=1.0, dtype=torch.float32,
+              deferred=True, eps=1e-5, k=None, sp=None):
+    """Real-looking tail inputs: N(0, scale) hidden with two massive-activation lanes
+    (x20), garbage in the pad lanes (x100: they must be ignored), gamma ~ 1 +- 0.3,
+    w ~ N(0, 1/H) in bf16."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(gbs, h, generator=g) * scale  # [gbs, H]
+    x[:, torch.randint(0, h, (2,), generator=g)] *= 20.0
+    real = pad_mask(h, h_u, interleaved)
+    x = torch.where(real, x, 100.0 * torch.randn(gbs, h, generator=g))
+    gamma = 1 + 0.3 * torch.randn(h, generator=g)
+    w = (torch.randn(h, v, generator=g) / math.sqrt(h)).to(torch.bfloat16)
+    d = dict(x=x.to(dtype), gamma=gamma, w=w, eps=eps, h_u=h_u, interleaved=interleaved,
+             deferred=deferred)
+    if k is not None:
+        d.update(k=min(k, v), nan_fold=False)
+    if sp is not None:
+        d["sp"] = sp
+    return d
+
+
+def tail_rows(data, idx):
+    """The same problem on a subset of rows (the batch gate)."""
+    out = dict(data, x=data["x"][list(idx)])
+    if "sp" in data:
+        out["sp"] = data["sp"][list(idx)]
+    return out
+
+
+def tail_decl_of(data) -> Decl:
+    return tail_decl(data["w"].shape[0], data.get("deferred", True))
+
+
+def _tail_kw(data):
+    return dict(eps=data["eps"], hidden_actual=data["h_u"], zero_interleaved_pad=data["interleaved"],
+                deferred_rms=data["deferred"])
+
+
+# ---------------------------------------------------------------------------------------
+# the real ops and their float64 checks
+# ---------------------------------------------------------------------------------------
+def run_logits(data) -> dict:
+    out = decode_tail(data["x"], data["gamma"], data["w"], k=1, **_tail_kw(data))
+    return {"logits": out.logits}
+
+
+def _nonfinite_rows(data) -> np.ndarray:
+    """[gbs] bool: rows with NaN or inf in a real lane (their logits are defined as NaN)."""
+    x = as_np(data["x"])
+    real = pad_mask(x.shape[1], data["h_u"], data["interleaved"]).numpy()
+    return ~np.isfinite(np.where(real, x, 0.0)).all(axis=1)
+
+
+def logits_verdict(data, logits) -> Verdict:
+    """Finite rows: inside reference.tail.logits_range (margin in range widths); rows with
+    NaN/inf in a real lane: all NaN (ssq = inf or NaN -> rms 0 or NaN -> NaN * ...)."""
+    y = as_np(logits)
+    bad = _nonfinite_rows(data)
+    if bad.any() and not np.isnan(y[bad]).all():
+        r = int(np.nonzero(bad & ~np.isnan(y).all(axis=1))[0][0])
+        return Verdict(False, None, f"row {r} has a non-finite input but logits not all NaN")
+    ok_rows = ~bad
+    if not ok_rows.any():
+        return Verdict(True, None, "all rows non-finite: NaN as defined")
+    lo, hi = logits_range(data["x"][torch.from_numpy(ok_rows)], data["gamma"], data["w"], eps=data["eps"],
+                          hidden_actual=data["h_u"], interleaved=data["interleaved"],
+                          deferred_rms=data["deferred"])
+    inside, m = range_margin(y[ok_rows], lo, hi)
+    if not inside.all():
+        r, c = (int(i) for i in np.argwhere(~inside)[0])
+        row = int(np.nonzero(ok_rows)[0][r])
+        return Verdict(False, float(m.min()), f"logits[{row},{c}] = {float(y[row, c])!r} outside "
+                       f"[{float(lo[r, c])!r}, {float(hi[r, c])!r}]")
+    return Verdict(True, float(m.min()), f"{inside.size} elements inside")
+
+
+def check_logits(data, out, run) -> Verdict:
+    """The float64 range; for 16-bit hidden also the widened fp32 run's bytes (SPEC 1)."""
+    v = logits_verdict(data, out["logits"])
+    if v.ok and data["x"].dtype != torch.float32:
+        d = diff_outputs(out, run(dict(data, x=data["x"].float())))
+        if d:
+            return Verdict(False, v.margin, f"{data['x'].dtype} input vs widened fp32: {d}")
+    return v
+
+
+def run_mirror(data) -> dict:
+    out = decode_tail(data["x"], data["gamma"], data["w"], k=data["k"], nan_fold=data["nan_fold"],
+                      **_tail_kw(data))
+    return {"logits": out.logits, "topk_values": out.topk_values, "topk_indices": out.topk_indices}
+
+
+def topk_verdict(rows_bf16, vals, ids, k, nan_fold) -> Verdict:
+    """Exact: ids == topk_ref's and values == the row's bf16 values there (NaN == NaN)."""
+    if vals.dtype != torch.bfloat16:
+        return Verdict(False, None, f"topk_values must be bf16; got {vals.dtype}")
+    rv, ri = topk_ref(rows_bf16, k, nan_fold=nan_fold)
+    gi, gv = ids.numpy(), as_np(vals)
+    same_v = (gv == rv) | (np.isnan(gv) & np.isnan(rv))
+    if gi.shape != ri.shape or not (gi == ri).all() or not same_v.all():
+        bad = np.argwhere((gi != ri) | ~same_v)[0] if gi.shape == ri.shape else (0, 0)
+        r, j = (int(i) for i in bad)
+        return Verdict(False, None, f"row {r} slot {j}: id {gi[r, j]} value {float(gv[r, j])!r}, "
+                       f"exact top-k has id {ri[r, j]} value {float(rv[r, j])!r}")
+    return Verdict(True, None, f"{gi.size} candidates exact")
+
+
+def check_mirror(data, out, run) -> Verdict:
+    """logits in range; the top-k is the exact top-k of the bf16 mirror of those logits
+    (so the collective carried bf16(logits)), and each value lies in mirror_range."""
+    v = logits_verdict(data, out["logits"])
+    if not v.ok:
+        return v
+    mirror = out["logits"].to(torch.bfloat16)
+    t = topk_verdict(mirror, out["topk_values"], out["topk_indices"], data["k"], data["nan_fold"])
+    if not t.ok:
+        return Verdict(False, v.margin, "mirror: " + t.detail)
+    fin = ~_nonfinite_rows(data)
+    if fin.any():
+        lo, hi = logits_range(data["x"][torch.from_numpy(fin)], data["gamma"], data["w"], eps=data["eps"],
+                              hidden_actual=data["h_u"], interleaved=data["interleaved"],
+                              deferred_rms=data["deferred"])
+        mlo, mhi = mirror_range(lo, hi)
+        ids = out["topk_indices"].numpy()[fin]
+        inside, _ = range_margin(as_np(out["topk_values"])[fin], np.take_along_axis(mlo, ids, 1),
+                                 np.take_along_axis(mhi, ids, 1))
+        if not inside.all():
+            return Verdict(False, v.margin, "a top-k value is outside the mirror's bf16 range")
+    return Verdict(True, v.margin, f"{v.detail}; top-k of the bf16 mirror exact")
+
+
+# ---------------------------------------------------------------------------------------
+# the tail logits with one planted defect (controls); defect=None is the real op
+# ---------------------------------------------------------------------------------------
+DEFECTS = ("fp16_accum", "eps_dropped", "mean_over_H", "pad_not_zeroed", "row_mixing",
+           "splitk_threads", "shuffled_order", "rms_after_round", "fp16_narrowed")
+
+
+def _gemm_variant(a, w, defect):
+    """[gbs, H] bf16 @ [H, V] bf16 -> fp32, in the declared chain or a planted wrong one."""
+    if defect == "fp16_accum":  # the chain kept in fp16: partial sums past 65504 are inf
+        acc = torch.zeros(a.shape[0], w.shape[1], dtype=torch.float16)
+        a32, w32 = a.float(), w.float()
+        for h in range(a.shape[1]):
+            acc = (acc.float() + a32[:, h:h + 1] * w32[h]).to(torch.float16)
+        return acc.float()
+    if defect == "splitk_threads":  # split-K over the thread count, partials added after
+        parts = torch.tensor_split(torch.arange(a.shape[1]), torch.get_num_threads())
+        acc = gemm_bf16_chain(a[:, parts[0]].contiguous(), w[parts[0]].contiguous())
+        for p in parts[1:]:
+            acc = acc + gemm_bf16_chain(a[:, p].contiguous(), w[p].contiguous())
+        return acc
+    if defect == "shuffled_order":  # a fresh summation order every call (atomics)
+        perm = torch.randperm(a.shape[1], generator=torch.Generator().manual_seed(
+            int.from_bytes(os.urandom(4), "little")))
+        return gemm_bf16_chain(a[:, perm].contiguous(), w[perm].contiguous())
+    if defect == "emulate":  # not a defect: the declared chain, one exact fma32 a step
+        return gemm_bf16_chain_reference(a, w)
+    return gemm_bf16_chain(a, w)
+
+
+def emulate_logits(data) -> dict:
+    """The declared order emulated step by step (numerics.fma32 chain over h), for the
+    emulate gate: the op's logits must be these bytes."""
+    return logits_variant(data, defect="emulate")
+
+
+def logits_variant(data, defect=None) -> dict:
+    """shard_logits (tail.py) restated step by step with one defect (module docstring)."""
+    x, g, w = data["x"], data["gamma"].reshape(-1), data["w"]
+    validate_tail_inputs(x, data["gamma"], w, eps=data["eps"], hidden_actual=data["h_u"],
+                         zero_interleaved_pad=data["interleaved"], k=1, sampling_params=None,
+                         vocab_size=w.shape[1])
+    h, h_u, deferred = x.shape[1], data["h_u"], data["deferred"]
+    real = pad_mask(h, h_u, data["interleaved"])  # [H]
+    if defect == "fp16_narrowed" and x.dtype == torch.float16:
+        x = (x * g.to(torch.float16)).float() / g  # x*gamma taken in fp16 (then undone)
+    x = x.to(torch.float32)
+    if defect != "pad_not_zeroed":
+        x = torch.where(real, x, torch.zeros((), dtype=torch.float32))
+    ssq = sum_squares(x, SSQ_ORDER)  # [gbs]
+    if defect == "row_mixing":  # a neighbour row leaks into this row's statistic
+        ssq = ssq + torch.roll(ssq, -1) * 2.0**-12
+    n = torch.tensor(float(h if defect == "mean_over_H" else h_u), dtype=torch.float32)
+    t = ssq / n
+    if defect != "eps_dropped":
+        t = t + torch.tensor(data["eps"], dtype=torch.float32)
+    rms = torch.tensor(1.0, dtype=torch.float32) / torch.sqrt(t)  # [gbs]
+    if deferred or defect == "rms_after_round":
+        a = (x * g).to(torch.bfloat16)
+    else:
+        a = ((x * rms[:, None]) * g).to(torch.bfloat16)
+    if defect != "pad_not_zeroed":
+        a = torch.where(real, a, torch.zeros((), dtype=torch.bfloat16))  # [gbs, H]
+    acc = _gemm_variant(a, w, defect)  # [gbs, V]
+    return {"logits": acc * rms[:, None] if deferred or defect == "rms_after_round" else acc}
+
+
+def mirror_variant(data, defect=None) -> dict:
+    """run_mirror restated; defect "mirror_skipped": the fp32 logits are carried and
+    ranked (ties by id in fp32), values rounded to bf16 only at the end."""
+    if defect is None:
+        return run_mirror(data)
+    logits = logits_variant(data)["logits"]  # [gbs, V]
+    ids = torch.sort(-logits, dim=1, stable=True).indices[:, :data["k"]]
+    return {"logits": logits, "topk_values": logits.gather(1, ids).to(torch.bfloat16), "topk_indices": ids}
+
+
+# ---------------------------------------------------------------------------------------
+# special values and adversarial data for the tail logits
+# ---------------------------------------------------------------------------------------
+def _zero_logits(data, out, run) -> Verdict:
+    y = out["logits"]
+    ok = bool((y == 0).all())
+    return Verdict(ok, None, "logits all 0 as defined" if ok else f"expected all 0; got {y.flatten()[:4].tolist()}")
+
+
+def _rows_independent(rows):
+    """Expect: the other rows' bytes equal their solo runs, then the kind's check."""
+    def expect(data, out, run, *, check):
+        others = [i for i in range(data["x"].shape[0]) if i not in rows]
+        d = diff_outputs(run(tail_rows(data, others)), {k: v[others] for k, v in out.items()})
+        if d:
+            return Verdict(False, None, f"rows {others} changed by the special row: {d}")
+        return check(data, out, run)
+    return expect
+
+
+def _pad_ignored(data, out, run, *, check) -> Verdict:
+    real = pad_mask(data["x"].shape[1], data["h_u"], data["interleaved"])
+    clean = dict(data, x=torch.where(real, data["x"], torch.zeros((), dtype=data["x"].dtype)))
+    d = diff_outputs(out, run(clean))
+    return Verdict(False, None, f"pad lane NaN/inf reached the outputs: {d}") if d else check(data, out, run)
+
+
+def tail_special(fast, *, dtype=torch.float32, deferred=True, k=None, check=check_logits):
+    """Gate 3 for the logits kinds: each special value with its defined result or error."""
+    mk = partial(tail_data, dtype=dtype, deferred=deferred, k=k)
+    cases = []
+    for label, val in (("NaN lane", math.nan), ("+inf lane", math.inf), ("-inf lane", -math.inf)):
+        d = mk(4, 64, 60, 50, False, 11)
+        x = d["x"].clone()
+        x[1, 3] = val
+        if k is not None:
+            d["nan_fold"] = True  # the NaN row's top-k is defined only with the fold
+        cases.append(Case(f"{label} -> that row NaN, others unchanged", dict(d, x=x),
+                          expect=partial(_rows_independent([1]), check=check)))
+    for label, val in (("zeros", 0.0), ("-0.0", -0.0)):
+        d = mk(3, 64, 64, 40, False, 12)
+        cases.append(Case(f"{label} -> logits 0 (rms = 1/sqrt(eps))", dict(d, x=torch.full_like(d["x"], val)),
+                          expect=_zero_logits))
+    d = mk(3, 64, 64, 40, False, 13)
+    sign = torch.sign(torch.randn(d["x"].shape, generator=torch.Generator().manual_seed(13)))
+    mags = ((("tiny 1e-30 (squares underflow: rms = 1/sqrt(eps))", 1e-30), ("subnormal 2^-128", 2.0**-128),
+             ("huge 1e19 (ssq overflows: rms = 0)", 1e19)) if dtype != torch.float16 else
+            (("fp16 subnormal 2^-24", 2.0**-24), ("fp16 near max 6e4", 6e4)))
+    for label, mag in mags:
+        cases.append(Case(label, dict(d, x=(sign * mag).to(dtype)), expect=_zero_logits if mag == 1e19 else None))
+    d = mk(4, 96, 88, 33, True, 14)
+    x = d["x"].clone()
+    real = pad_mask(96, 88, True)
+    x[:, ~real] = torch.tensor([math.nan, math.inf, -math.inf, 1e4]).to(dtype).repeat(2)
+    cases.append(Case("NaN/inf in pad lanes -> ignored", dict(d, x=x), expect=partial(_pad_ignored, check=check)))
+    cases.extend(tail_errors(mk(2, 16, 16, 8, False, 15)))
+    return cases
+
+
+def tail_errors(d):
+    """Defined errors: ValueError with expected-vs-got, nothing computed."""
+    return [Case("eps < 0 -> ValueError", dict(d, eps=-1e-5), raises=r"eps must be >= 0"),
+            Case("eps NaN -> ValueError", dict(d, eps=math.nan), raises=r"eps must be >= 0"),
+            Case("int hidden -> ValueError", dict(d, x=d["x"].to(torch.int32)), raises=r"hidden_states must be float32"),
+            Case("fp32 weight -> ValueError", dict(d, w=d["w"].float()), raises=r"lm_head_weight_t must be bfloat16"),
+            Case("H_u > H -> ValueError", dict(d, h_u=d["x"].shape[1] + 1), raises=r"hidden_actual must be in"),
+            Case("1-D hidden -> ValueError", dict(d, x=d["x"][0]), raises=r"hidden_states must be \[gbs, H\]")]
+
+
+def _exact_logits(data, out, run, *, check) -> Verdict:
+    """Gate 4: every partial sum is exact in fp32 in any order and rms = 1 or 1/16 exactly,
+    so the logits must equal the exact sum itself, and lie in range."""
+    v = check(data, out, run)
+    want = np.asarray(data["exact"], dtype=np.float64)
+    got = as_np(out["logits"])
+    if not np.array_equal(got, want):
+        r, c = (int(i) for i in np.argwhere(got != want)[0])
+        return Verdict(False, v.margin, f"logits[{r},{c}] = {float(got[r, c])!r}; the exact sum is {float(want[r, c])!r}")
+    return v
+
+
+def tail_adversarial(fast, *, dtype=torch.float32, deferred=True, k=None, check=check_logits):
+    """Gate 4: powers of two, one product 2^17 (> fp16's 65504) and rows of +-16 whose
+    squares sum to 65536; eps = 0 so rms is a power of two; pad lanes hold 1e4 garbage."""
+    cases = []
+    for seed, (h, h_u) in enumerate([(256, 256), (256, 240)]):
+        g = torch.Generator().manual_seed(40 + seed)
+        sgn = lambda *s: torch.where(torch.rand(*s, generator=g) < 0.5, -1.0, 1.0)  # noqa: E731
+        x = sgn(4, h)  # rows 0, 1: +-1 (ssq = H_u, rms = 1); rows 2, 3: +-16 (ssq = 65536 H_u/256)
+        x[2:] *= 16.0
+        gam = 2.0 ** torch.randint(-1, 2, (h,), generator=g).float()  # {1/2, 1, 2}
+        w = sgn(h, 24) * 2.0 ** torch.randint(-4, 5, (h, 24), generator=g).float()
+        w[0] = 2.0**17 * sgn(24)  # the FIRST product is past fp16's range in every column
+        real = pad_mask(h, h_u, False)
+        x = torch.where(real, x, torch.full_like(x, 1e4))
+        xr = torch.where(real, x, torch.zeros_like(x))
+        rms = 1.0 / torch.sqrt((xr * xr).sum(1, keepdim=True) / h_u)  # exact powers of two
+        a = (xr * rms * gam) if not deferred else (xr * gam)
+        exact = (a.double() @ w.double()) * (rms.double() if deferred else 1.0)
+        d = dict(x=x.to(dtype), gamma=gam, w=w.to(torch.bfloat16), eps=0.0, h_u=h_u, interleaved=False,
+                 deferred=deferred, exact=exact.numpy())
+        if k is not None:
+            d.update(k=min(k, 24), nan_fold=False)
+        cases.append(Case(f"powers of two, H={h} H_u={h_u}, product 2^17", d,
+                          expect=partial(_exact_logits, check=check)))
+    return cases
+
+
+def tail_shapes(fast, *, dtype=torch.float32, deferred=True, k=None):
+    return [Case(f"{gbs}x{h} (H_u={hu}{', interleaved' if il else ''}) V={v}",
+                 tail_data(gbs, h, hu, v, il, 100 + i, dtype=dtype, deferred=deferred, k=k))
+            for i, (gbs, h, hu, v, il) in enumerate(SHAPES)]
+
+
+def tail_random(fast, *, dtype=torch.float32, deferred=True, k=None, v=512):
+    seeds = range(2 if fast else 6)
+    scales = (1.0, 1e-2, 30.0, 1.0, 3.0, 0.1)
+    return [Case(f"seed {s} scale {scales[s]}", tail_data(8, 256, 240, v, True, s, scale=scales[s],
+                                                           dtype=dtype, deferred=deferred, k=k))
+            for s in seeds]
+
+
+# ---------------------------------------------------------------------------------------
+# exact top-k
+# ---------------------------------------------------------------------------------------
+def rows_data(r, v, seed, *, k, chunk=512, scale=2.0, nan_fold=False):
+    """bf16 rows [R, V] ~ N(0, scale) (bf16 ties are common at V = 1000s)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = (torch.randn(r, v, generator=g) * scale).to(torch.bfloat16)
+    return dict(rows=rows, k=min(k, v), chunk=chunk, nan_fold=nan_fold)
+
+
+def take_rows_rows(data, idx):
+    out = dict(data, rows=data["rows"][list(idx)])
+    if "sp" in data:
+        out["sp"] = data["sp"][list(idx)]
+    return out
+
+
+def run_topk(data) -> dict:
+    v, i, _ = exact_topk(data["rows"], data["k"], nan_fold=data["nan_fold"], chunk=data["chunk"])
+    return {"topk_values": v, "topk_indices": i}
+
+
+def check_topk(data, out, run) -> Verdict:
+    return topk_verdict(data["rows"], out["topk_values"], out["topk_indices"], data["k"], data["nan_fold"])
+
+
+def topk_variant(data, defect=None) -> dict:
+    """exact_topk with one defect: "ties_higher_id" (equal values ranked by the higher id)
+    or "stage1_short" (stage 1 keeps only k/2 keys per chunk: not exact when more than
+    k/2 winners share a chunk)."""
+    rows, k, nf, chunk = data["rows"], data["k"], data["nan_fold"], data["chunk"]
+    if defect == "ties_higher_id":
+        v, i, _ = exact_topk(rows.flip(-1), k, nan_fold=nf, chunk=chunk)
+        return {"topk_values": v, "topk_indices": rows.shape[1] - 1 - i}
+    if defect == "stage1_short":
+        r, n_v = rows.shape
+        if not 1 <= k <= n_v:
+            raise ValueError(f"k must be in [1, V={n_v}]; got {k}")
+        n = -(-n_v // chunk)
+        keys = torch.cat([row_keys(rows, nan_fold=nf), torch.zeros(r, n * chunk - n_v, dtype=torch.int64)], 1)
+        s1 = torch.topk(keys.view(r, n, chunk), max(1, min(k, chunk) // 2), dim=-1).values
+        cand = s1.reshape(r, -1)
+        cand = torch.cat([cand, torch.zeros(r, max(0, k - cand.shape[1]), dtype=torch.int64)], 1)
+        v, i = split_keys(torch.topk(cand, k, dim=-1).values)
+        return {"topk_values": v, "topk_indices": i}
+    return run_topk(data)
+
+
+def _topk_no_crash(data, out, run) -> Verdict:
+    r, k = data["rows"].shape[0], data["k"]
+    ok = tuple(out["topk_indices"].shape) == (r, k) and bool(((out["topk_indices"] >= 0) &
+                                                               (out["topk_indices"] < data["rows"].shape[1])).all())
+    return Verdict(ok, None, "NaN without the fold: unspecified but no crash, ids in range" if ok else
+                   "NaN without the fold: bad shape or ids")
+
+
+def topk_shapes(fast):
+    table = [(1, 1, 1, 4096), (300, 37, 5, 8), (3, 4097, 256, 4096), (2, 10000, 256, 4096),
+             (5, 129, 129, 16), (4, 1000, 1, 64), (2, 61, 60, 7)]
+    return [Case(f"{r}x{v} k={k} chunk={c}", rows_data(r, v, 200 + i, k=k, chunk=c))
+            for i, (r, v, k, c) in enumerate(table)]
+
+
+def topk_random(fast):
+    return [Case(f"seed {s}", rows_data(16, 3000, s, k=64, scale=(2.0, 0.01, 300.0, 1.0)[s % 4]))
+            for s in range(2 if fast else 6)]
+
+
+def topk_special(fast):
+    d = rows_data(6, 300, 7, k=20, chunk=64, nan_fold=True)
+    rows = d["rows"].float()
+    rows[0, [0, 5, 77]] = math.nan  # NaN below every number (fold)
+    rows[1] = math.nan  # an all-NaN row: ids 0..k-1
+    rows[2, [3, 9, 200]] = math.inf  # +inf ties by id
+    rows[2, [4, 8]] = -math.inf
+    rows[3] = -math.inf  # all -inf: ids 0..k-1, never a pad lane
+    rows[4] = torch.where(torch.arange(300) % 2 == 0, 0.0, -0.0)  # +-0 tie by id
+    rows[5] = torch.randn(300, generator=torch.Generator().manual_seed(5)).sign() * 2.0**-130  # subnormal
+    cases = [Case("NaN (folded), +-inf, all -inf, +-0, subnormal", dict(d, rows=rows.to(torch.bfloat16)))]
+    nf = dict(d, rows=rows.to(torch.bfloat16), nan_fold=False)
+    cases.append(Case("NaN without the fold: unspecified, no crash", nf, expect=_topk_no_crash))
+    cases += [Case("k = 0 -> ValueError", dict(d, k=0), raises=r"k must be in \[1, V=300\]"),
+              Case("k > V -> ValueError", dict(d, k=301), raises=r"k must be in \[1, V=300\]"),
+              Case("chunk = 0 -> ValueError", dict(d, chunk=0), raises=r"chunk must be >= 1")]
+    return cases
+
+
+def topk_adversarial(fast):
+    v, c = 1000, 128
+    eq = torch.full((2, v), 1.5)  # all ties: ids 0..k-1
+    one = torch.randn(1, v, generator=torch.Generator().manual_seed(9)) - 10
+    one[0, 3 * c - 20:4 * c] = torch.linspace(5, 6, 20 + c)  # every winner in chunks 2-3
+    one[0, c - 1] = one[0, c] = 7.0  # a tie straddling a chunk boundary
+    asc = torch.arange(v, dtype=torch.float32)[None] / 8  # winners at the end, ties of 8
+    rows = torch.cat([eq, one, asc]).to(torch.bfloat16)
+    return [Case("ties everywhere, winners in one chunk, ties across chunk edges", dict(rows=rows, k=64, chunk=c, nan_fold=False)),
+            Case("k = V with a padded last chunk", dict(rows=rows, k=v, chunk=c, nan_fold=False))]
+
+
+# ---------------------------------------------------------------------------------------
+# the sampler
+# ---------------------------------------------------------------------------------------
+def random_params(r, seed, k) -> torch.Tensor:
+    """[R, 5] fp32 (top_k, top_p, temperature, u, min_p): a mix of everything SPEC 3 has."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    pick = lambda vals: torch.tensor(vals)[torch.randint(0, len(vals), (r,), generator=g)]  # noqa: E731
+    return torch.stack([pick([0.0, 1.0, 5.0, 40.0, float(k), float(k + 7)]),
+                        pick([1.0, 0.95, 0.8, 0.5, 0.1]), pick([1.0, 0.7, 1.5, 0.0, 0.05]),
+                        torch.rand(r, generator=g) * (1 - 2.0**-24), pick([0.0, 0.0, 0.05])], 1).float()
+
+
+def sampler_data(r, v, seed, *, k, scale=2.0):
+    d = rows_data(r, v, seed, k=k, scale=scale)
+    d["sp"] = random_params(r, seed, d["k"])
+    return d
+
+
+def run_sampler(data) -> dict:
+    out = rows_tail(data["rows"], k=data["k"], sampling_params=data["sp"], nan_fold=data["nan_fold"])
+    return {"tokens": out["tokens"], "logprobs": out["logprobs"], "truncated": out["truncated"]}
+
+
+def sampler_variant(data, defect=None) -> dict:
+    """rows_tail's sampler restated with one defect: "topp_drops_crossing" (keep iff the
+    mass INCLUDING the candidate is < top_p) or "greedy_1e-3" (T < 1e-3 taken as greedy)."""
+    rows, k, sp, nf = data["rows"], data["k"], data["sp"], data["nan_fold"]
+    validate_params(sp, rows.shape[0])
+    vals, ids, _ = exact_topk(rows, k, nan_fold=nf)
+    plan = sampling_plan(vals, rows, sp, nan_fold=nf)
+    top_p = sp[:, 1].double()[:, None]
+    if defect == "topp_drops_crossing":
+        keep = plan["keep"] & ((plan["running"] < top_p) | (top_p >= 1))
+        keep[:, 0] = True
+        plan = dict(plan, keep=keep)
+    if defect == "greedy_1e-3":
+        plan = dict(plan, greedy=sp[:, 2].double() < 1e-3)
+    pos = draw(plan)[:, None]
+    v_tok = vals.double().gather(1, pos)[:, 0]
+    return {"tokens": ids.gather(1, pos)[:, 0], "logprobs": (v_tok - plan["lse1"]).to(torch.float32),
+            "truncated": plan["truncated"]}
+
+
+def sampler_verdict(rows_bf16, sp, k, nan_fold, out, *, exact=False) -> Verdict:
+    """Per row, the float64 decision on the row's own bf16 values (delta = 0): on a
+    certified row the truncated flag must be SPEC 3's and, where the exact token can be
+    drawn from k candidates (`comparable`), the token must match; near-ties (a mass within
+    the float64 slack of a threshold) are counted; the logprob must be within
+    slack*(1 + |lse| + |lp|) + u32 of the float64 log_softmax at its token."""
+    r64 = as_np(rows_bf16)
+    if nan_fold:
+        r64 = np.where(np.isnan(r64), -np.inf, r64)
+    n_v = r64.shape[1]
+    slack = 0.0 if exact else sampler_slack(n_v, k)
+    spn = sp.double().numpy()
+    spn = np.pad(spn, ((0, 0), (0, 5 - spn.shape[1])), constant_values=0.0)
+    if sp.shape[1] < 4:
+        spn[:, 3] = 0.5
+    tok, lp, tr = out["tokens"].numpy(), out["logprobs"].double().numpy(), out["truncated"].numpy()
+    counts = dict(certified=0, matched=0, near_ties=0, truncated=0)
+    worst, fail = math.inf, ""
+    for i in range(r64.shape[0]):
+        tk, tp, t, u, mp = spn[i]
+        dec = sample_decision(r64[i], np.zeros(n_v), top_k=tk, top_p=tp, temperature=t, u=u,
+                              min_p=mp, k=k, slack=slack)
+        if not dec["certified"]:
+            counts["near_ties"] += 1
+            continue
+        counts["truncated"] += dec["truncated"]
+        if bool(tr[i]) != dec["truncated"] and not fail:
+            fail = (f"row {i} {spn[i].tolist()}: truncated flag {bool(tr[i])}, SPEC 3 says {dec['truncated']} "
+                    f"(k={k}, {dec['n_filter']} filtered, {dec['n_keep']} kept)")
+        if not dec["comparable"]:
+            continue
+        counts["certified"] += 1
+        if tok[i] != dec["token"] and not fail:
+            fail = (f"row {i} {spn[i].tolist()}: token {tok[i]}, float64 gives {dec['token']} "
+                    f"(slot {dec['slot']} of {dec['n_keep']} kept)")
+        else:
+            counts["matched"] += 1
+        ref = logprob_ref(r64[i])[tok[i]]
+        if not (lp[i] == ref or np.isnan(ref) and np.isnan(lp[i])):
+            lse = abs(r64[i].max()) + abs(ref)
+            err = slack * (1 + lse + abs(ref)) + U["fp32"] * (abs(ref) + 1e-300) * 1.0001
+            inside, m = range_margin(lp[i], ref - err, ref + err)
+            worst = min(worst, float(m))
+            if not inside and not fail:
+                fail = f"row {i}: logprob {lp[i]!r} vs float64 {ref!r} (bound {err:.3g})"
+    detail = fail or (f"{counts['matched']}/{counts['certified']} certified rows match, "
+                      f"{counts['near_ties']} near-ties, {counts['truncated']} truncated")
+    return Verdict(not fail, None if worst == math.inf else worst, detail, counts)
+
+
+def check_sampler(data, out, run) -> Verdict:
+    return sampler_verdict(data["rows"], data["sp"], data["k"], data["nan_fold"], out,
+                           exact=bool(data.get("exact", False)))
+
+
+def _sp(rows):
+    return torch.tensor(rows, dtype=torch.float32).reshape(len(rows), 5)
+
+
+def _tokens_are(want):
+    def expect(data, out, run):
+        got = out["tokens"].tolist()
+        return Verdict(got == list(want), None, f"tokens {got}" + ("" if got == list(want) else f", defined {list(want)}"))
+    return expect
+
+
+def sampler_shapes(fast):
+    table = [(1, 5, 5), (300, 37, 8), (7, 1000, 64), (3, 4097, 256), (2, 61, 61)]
+    return [Case(f"{r}x{v} k={k}", sampler_data(r, v, 300 + i, k=k)) for i, (r, v, k) in enumerate(table)]
+
+
+def sampler_random(fast):
+    return [Case(f"seed {s}", sampler_data(64, 1000, s, k=64, scale=(2.0, 0.5, 8.0, 1.0, 4.0, 2.0)[s]))
+            for s in range(2 if fast else 6)]
+
+
+def sampler_special(fast):
+    t_above = float(np.nextafter(np.float32(1e-5), np.float32(1)))
+    d = rows_data(7, 100, 17, k=16)
+    rows = d["rows"].float()
+    rows[:, 40] = rows[:, 41] = rows.max() + 1  # a tied top two (ids 40, 41)
+    sp = _sp([[0, 1, 0, 0.9, 0], [0, 1, np.float32(1e-5), 0.9, 0], [2, 1, t_above, 0.75, 0],
+              [2, 1, 5e-4, 0.75, 0], [5, 1, 1, 0, 0], [5, 1, 1, 1 - 2.0**-24, 0], [20, 1, 1, 0.5, 0]])
+    cases = [Case("T = 0, fp32(1e-5) greedy; T just above 1e-5 and 5e-4 sample the tie; u = 0, "
+                  "u = 1-2^-24; top_k > k flagged", dict(d, rows=rows.to(torch.bfloat16), sp=sp))]
+    inf_row = torch.full((2, 16), 1.0)
+    inf_row[:, [3, 7]] = math.inf
+    cases.append(Case("two +inf lanes split the mass: u = 0.25 -> id 3, u = 0.75 -> id 7",
+                      dict(rows=inf_row.to(torch.bfloat16), k=16, chunk=512, nan_fold=False,
+                           sp=_sp([[0, 1, 1, 0.25, 0], [0, 1, 1, 0.75, 0]])), expect=_tokens_are([3, 7])))
+    cases.append(Case("all -inf row: uniform, u = 0.3 -> id 2; u = 0.99 -> id 7",
+                      dict(rows=torch.full((2, 8), -math.inf).to(torch.bfloat16), k=8, chunk=512, nan_fold=False,
+                           sp=_sp([[0, 1, 1, 0.3, 0], [0, 1, 1, 0.99, 0]])), expect=_tokens_are([2, 7])))
+    nrows = rows_data(3, 64, 18, k=64)["rows"].float()
+    nrows[:, [0, 4]] = math.nan
+    cases.append(Case("NaN lanes (folded) never chosen", dict(rows=nrows.to(torch.bfloat16), k=64, chunk=512, nan_fold=True,
+                                                           sp=_sp([[0, 1, 0, 0.5, 0], [0, 1, 1, 0.5, 0], [3, 0.9, 0.7, 0.2, 0]]))))
+    base = dict(rows=rows[:1].to(torch.bfloat16), k=16, chunk=512, nan_fold=False)
+    for label, row, match in (("NaN param", [0, math.nan, 1, 0.5, 0], "has NaN"),
+                              ("top_p = 0", [0, 0, 1, 0.5, 0], r"top_p must be in \(0, 1\]"),
+                              ("top_p > 1", [0, 1.5, 1, 0.5, 0], r"top_p must be in \(0, 1\]"),
+                              ("T < 0", [0, 1, -1, 0.5, 0], "temperature must be >= 0"),
+                              ("u = 1", [0, 1, 1, 1.0, 0], r"u must be in \[0, 1\)"),
+                              ("top_k = 2.5", [2.5, 1, 1, 0.5, 0], "top_k must be a whole number")):
+        cases.append(Case(f"{label} -> ValueError naming row 0", dict(base, sp=_sp([row])), raises=rf"row 0: {match}"))
+    return cases
+
+
+def sampler_adversarial(fast):
+    """Exact dyadic decisions: 4 equal maxima (ids 2, 5, 9, 11), the rest -inf, so every
+    p is 1/4 and every mass and cdf is exact; top_p and u sit ON the boundaries."""
+    row = torch.full((16,), -math.inf)
+    row[[2, 5, 9, 11]] = 3.0
+    sp = _sp([[0, 0.5, 1, 0.5, 0], [0, 0.5, 1, 0.4999, 0], [2, 1, 1, 0.75, 0], [0, 0.75, 1, 0.0, 0],
+              [0, 0.25, 1, 0.9, 0], [0, 1, 0.5, 0.9, 1.0], [0, 1, 1, 0.5, 0], [0, 1, 1, 0.25, 0]])
+    rows = row.repeat(sp.shape[0], 1).to(torch.bfloat16)
+    return [Case("top_p and u exactly on mass boundaries, ties at the top-k threshold",
+                 dict(rows=rows, k=16, chunk=512, nan_fold=False, sp=sp, exact=True))]
+
+
+# ---------------------------------------------------------------------------------------
+# decode_tail end to end (certified tokens; the ranks gate)
+# ---------------------------------------------------------------------------------------
+def decode_data(gbs, h, h_u, v, interleaved, seed, *, k=32, scale=1.0):
+    return tail_data(gbs, h, h_u, v, interleaved, seed, scale=scale, k=k, sp=random_params(gbs, seed, min(k, v)))
+
+
+def run_decode(data) -> dict:
+    out = decode_tail(data["x"], data["gamma"], data["w"], k=data["k"], sampling_params=data["sp"],
+                      nan_fold=data["nan_fold"], **_tail_kw(data))
+    return {f: getattr(out, f) for f in ("logits", "topk_values", "topk_indices", "tokens", "logprobs", "truncated")}
+
+
+def check_decode(data, out, run) -> Verdict:
+    """mirror check (range + exact top-k of bf16(logits)) + the sampler on its own mirror
+    rows (exact float64 decisions) + certification against the float64 ideal logits."""
+    from .certify import certify_tail
+
+    v = check_mirror(data, out, run)
+    if not v.ok:
+        return v
+    s = sampler_verdict(out["logits"].to(torch.bfloat16), data["sp"], data["k"], data["nan_fold"], out)
+    if not s.ok:
+        return Verdict(False, v.margin, "sampler on the mirror: " + s.detail)
+    c = certify_tail(data["x"], data["gamma"], data["w"], out, sampling_params=data["sp"], eps=data["eps"],
+                     hidden_actual=data["h_u"], interleaved=data["interleaved"], deferred_rms=data["deferred"],
+                     k=data["k"])
+    counts = {"certified": c["certified"], "near_ties": c["near_ties"], "truncated": c["truncated"]}
+    if c["mismatched"]:
+        return Verdict(False, v.margin, f"certified decision differs from float64: {c['mismatches'][0]}", counts)
+    return Verdict(True, v.margin, f"{v.detail}; certified {c['matched']}/{c['certified']} match, "
+                   f"{c['near_ties']} near-ties", counts)
+
+
+def decode_shapes(fast):
+    return [Case(f"{gbs}x{h} (H_u={hu}) V={v}", decode_data(gbs, h, hu, v, il, 500 + i))
+            for i, (gbs, h, hu, v, il) in enumerate(SHAPES) if gbs * v <= 20000]
+
+
+def decode_random(fast):
+    return [Case(f"seed {s}", decode_data(8, 256, 240, 1024, True, s, scale=(1.0, 3.0, 0.3, 1.0)[s % 4]))
+            for s in range(2 if fast else 4)]
+
+
+def decode_temperature_ignored(data) -> dict:
+    """Control: the sampler runs at T = 1 whatever the request says (greedy kept)."""
+    sp = data["sp"].clone()
+    sp[:, 2] = torch.where(sp[:, 2] >= 1e-5, torch.ones_like(sp[:, 2]), sp[:, 2])
+    return run_decode(dict(data, sp=sp))
+
+
+# ---------------------------------------------------------------------------------------
+# the ranks gate: decode_tail over 2, 4 (or 8) gloo ranks vs one rank
+# ---------------------------------------------------------------------------------------
+def rank_layouts(world: int):
+    """(label, vtp, hops, batch_groups, fence) run inside one launch of `world` ranks
+    (vtp < world: on subgroups of consecutive ranks)."""
+    out = [("vtp2", 2, (2,), 1, False), ("vtp2 G=2", 2, (2,), 2, False)]
+    if world >= 4:
+        out += [("vtp4", 4, (4,), 1, False), ("vtp4 hops=(2,2)", 4, (2, 2), 1, False),
+                ("vtp4 G=2 fence", 4, (4,), 2, True)]
+    if world >= 8:
+        out += [("vtp8", 8, (8,), 1, False), ("vtp8 hops=(2,4)", 8, (2, 4), 1, False),
+                ("vtp8 hops=(2,2,2)", 8, (2, 2, 2), 1, False)]
+    return [lay for lay in out if lay[1] <= world]
+
+
+def _rank_fn(rank, data, world):
+    """Runs in a spawned rank: every layout, on subgroups when vtp < world. Returns
+    [(label, rank-in-group, owned rows, outputs)] for the ranks of group 0."""
+    import torch.distributed as dist
+
+    from ..layout import owned_rows
+
+    torch.set_num_threads(1)
+    res, made = [], {}
+    for label, vtp, hops, g, fence in rank_layouts(world):
+        if vtp not in made:  # every rank creates every group, in the same order
+            made[vtp] = [dist.new_group(list(range(s, s + vtp))) for s in range(0, world, vtp)]
+        grp, sub = made[vtp][rank // vtp], rank % vtp
+        rows = owned_rows(sub, vtp, data["x"].shape[0], hops, g)
+        vs = data["w"].shape[1] // vtp
+        out = decode_tail(data["x"], data["gamma"], data["w"][:, sub * vs:(sub + 1) * vs].contiguous(),
+                          k=data["k"], sampling_params=data["sp"][rows], nan_fold=data["nan_fold"], group=grp,
+                          hops=hops, batch_groups=g, fence=fence, **_tail_kw(data))
+        if rank < vtp:
+            res.append((label, sub, rows, {f: getattr(out, f) for f in
+                                           ("logits", "topk_values", "topk_indices", "tokens", "logprobs", "truncated")}))
+    return res
+
+
+def assemble(per_rank, gbs, *, shift=0):
+    """Global-row outputs from the ranks' owned rows (shift != 0: the ownership map off by
+    that many rows, a planted control); logits: the column shards in rank order."""
+    by_label = {}
+    for label, sub, rows, out in per_rank:
+        by_label.setdefault(label, []).append((sub, rows, out))
+    result = []
+    for label, parts in by_label.items():
+        parts.sort(key=lambda p: p[0])
+        glob = {"logits": torch.cat([p[2]["logits"] for p in parts], 1)}
+        for f in ("topk_values", "topk_indices", "tokens", "logprobs", "truncated"):
+            t = parts[0][2][f]
+            full = torch.empty((gbs,) + tuple(t.shape[1:]), dtype=t.dtype)
+            for _, rows, out in parts:
+                full[[(r + shift) % gbs for r in rows]] = out[f]
+            glob[f] = full
+        result.append((label, glob))
+    return result
+
+
+class RankRuns:
+    """launch() once per problem and world size; both the kind and its ownership control
+    read the same rank outputs (the control differs only in how it assembles them)."""
+
+    def __init__(self):
+        self._cache = {}
+
+    def per_rank(self, data, world):
+        from ..launch import launch
+
+        key = (world, data["x"].numpy().tobytes(), data["sp"].numpy().tobytes())
+        if key not in self._cache:
+            res = launch(_rank_fn, world, args=(data, world), timeout_s=300.0, threads=1)
+            self._cache[key] = [item for rank_res in res for item in rank_res]
+        return self._cache[key]
+
+    def gate(self, data, world, run, *, shift=0):
+        return assemble(self.per_rank(data, world), data["x"].shape[0], shift=shift)
+
+
+# ---------------------------------------------------------------------------------------
+# the registry
+# ---------------------------------------------------------------------------------------
+def _logits_kind(name, *, dtype, deferred, about):
+    kw = dict(dtype=dtype, deferred=deferred)
+    return Kind(name, tail_decl_of, run_logits, check_logits,
+                {"shapes": partial(tail_shapes, **kw), "random": partial(tail_random, **kw),
+                 "special": partial(tail_special, **kw), "adversarial": partial(tail_adversarial, **kw)},
+                take_rows=tail_rows, emulate=emulate_logits, about=about)
+
+
+def _mirror_decl(data) -> Decl:
+    d = tail_decl_of(data)
+    return Decl("decode_tail mirror + exact_topk", d.rounding_points + ("top-k: exact, no rounding",), d.sums)
+
+
+def _sampler_decl(data) -> Decl:
+    v, k = data["rows"].shape[1], data["k"]
+    return Decl("sample_rows", ("z = v/T:fp64", "e = exp64(z - m):fp64", "p = e/S:fp64", "logprob:fp32"),
+                (SumDecl("S (full row)", "fp64", -(-v // 256) + 8, "sum64: 256 lane chains in pass order, halving tree"),
+                 SumDecl("running", "fp64", k, "sequential over candidates")))
+
+
+def tail_kinds(ranks: RankRuns | None = None) -> list[Kind]:
+    ranks = ranks or RankRuns()
+    mirror_kw = dict(k=64, check=check_mirror)
+    return [
+        _logits_kind("tail.logits.deferred.fp32", dtype=torch.float32, deferred=True,
+                     about="decode_tail logits, deferred rms, fp32 hidden"),
+        _logits_kind("tail.logits.legacy.fp32", dtype=torch.float32, deferred=False,
+                     about="decode_tail logits, a = bf16((x*rms)*gamma)"),
+        _logits_kind("tail.logits.deferred.fp16", dtype=torch.float16, deferred=True,
+                     about="fp16 hidden: in range and the widened fp32 run's bytes"),
+        _logits_kind("tail.logits.deferred.bf16", dtype=torch.bfloat16, deferred=True,
+                     about="bf16 hidden: in range and the widened fp32 run's bytes"),
+        Kind("tail.mirror.bf16", _mirror_decl, run_mirror, check_mirror,
+             {"shapes": partial(tail_shapes, k=64), "random": partial(tail_random, k=64, v=4096),
+              "special": partial(tail_special, **mirror_kw), "adversarial": partial(tail_adversarial, **mirror_kw)},
+             take_rows=tail_rows, about="top-k of decode_tail == exact top-k of bf16(its logits)"),
+        Kind("tail.topk.exact", lambda d: Decl("exact_topk", ("none: unique int64 keys",), ()), run_topk, check_topk,
+             {"shapes": topk_shapes, "random": topk_random, "special": topk_special, "adversarial": topk_adversarial},
+             take_rows=take_rows_rows, about="== topk_ref exactly (ties to the lower id)"),
+        Kind("tail.sampler", _sampler_decl, run_sampler, check_sampler,
+             {"shapes": sampler_shapes, "random": sampler_random, "special": sampler_special,
+              "adversarial": sampler_adversarial},
+             take_rows=take_rows_rows, about="tokens vs the float64 sampler where the margin is clear"),
+        Kind("tail.decode", tail_decl_of, run_decode, check_decode,
+             {"shapes": decode_shapes, "random": decode_random}, take_rows=tail_rows, ranks=ranks.gate,
+             about="decode_tail end to end; tokens certified against float64 ideal logits"),
+    ]
+
+
+def tail_controls(ranks: RankRuns | None = None) -> list[Control]:
+    ranks = ranks or RankRuns()
+    lv = lambda defect: partial(logits_variant, defect=defect)  # noqa: E731
+    d32 = "tail.logits.deferred.fp32"
+    return [
+        Control("tail.fp16_accum", d32, "adversarial", "GEMM chain accumulated in fp16", lv("fp16_accum")),
+        Control("tail.eps_dropped", d32, "special", "rms = 1/sqrt(ssq/H_u), no eps", lv("eps_dropped")),
+        Control("tail.mean_over_H", d32, "shapes", "ssq divided by H instead of H_u", lv("mean_over_H")),
+        Control("tail.pad_not_zeroed", d32, "shapes", "pad lanes enter ssq and the GEMM", lv("pad_not_zeroed")),
+        Control("tail.row_mixing", d32, "batch", "ssq += 2^-12 * the next row's ssq", lv("row_mixing")),
+        Control("tail.splitk_threads", d32, "threads", "GEMM split-K over the thread count", lv("splitk_threads")),
+        Control("tail.shuffled_order", d32, "repeat", "GEMM summed in a fresh order each call", lv("shuffled_order")),
+        Control("tail.rms_after_round", "tail.logits.legacy.fp32", "random",
+                "legacy kind computed the deferred way (rms after the bf16 rounding)", lv("rms_after_round")),
+        Control("tail.fp16_narrowed", "tail.logits.deferred.fp16", "random",
+                "fp16 hidden multiplied by gamma in fp16 before widening", lv("fp16_narrowed")),
+        Control("tail.mirror_skipped", "tail.mirror.bf16", "random",
+                "fp32 logits carried and ranked instead of the bf16 mirror", partial(mirror_variant, defect="mirror_skipped")),
+        Control("tail.ties_higher_id", "tail.topk.exact", "random", "equal values ranked by the higher id",
+                partial(topk_variant, defect="ties_higher_id")),
+        Control("tail.stage1_short", "tail.topk.exact", "adversarial", "stage 1 keeps k/2 per chunk",
+                partial(topk_variant, defect="stage1_short")),
+        Control("tail.topp_drops_crossing", "tail.sampler", "adversarial",
+                "top-p keeps mass-including-i < top_p (drops the crossing token)",
+                partial(sampler_variant, defect="topp_drops_crossing")),
+        Control("tail.greedy_1e-3", "tail.sampler", "special", "temperature < 1e-3 treated as greedy",
+                partial(sampler_variant, defect="greedy_1e-3")),
+        Control("tail.temperature_ignored", "tail.decode", "random", "the sampler always runs at T = 1",
+                decode_temperature_ignored),
+        Control("tail.ownership_off_by_one", "tail.decode", "ranks", "rank outputs assembled one row off",
+                ranks=partial(ranks.gate, shift=1)),
+    ]

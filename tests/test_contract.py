@@ -1,0 +1,242 @@
+"""The numerics contract harness: every kind passes its gates, every planted control is red
+where planted, a harness with its check (or its byte comparison) disabled lets a control
+through, the controls are the real ops plus one defect, and certification both certifies
+and catches. Runs the --fast subset (docs/contract.md)."""
+import json
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from lmtail.contract import certify_tail, registry
+from lmtail.contract import cli as contract_cli
+from lmtail.contract import harness
+from lmtail.contract import tail_kinds as tk
+from lmtail.contract.harness import Case, Config, Control, Verdict, run_control, run_gates, run_kind
+from lmtail.reference.contract import range_margin, sample_decision
+from lmtail.reference.tail import sampler_ref
+from lmtail.tail import decode_tail
+
+FAST = Config(fast=True)
+KINDS, CONTROLS = registry()  # one registry: the ranks gate and its control share one launch
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_kind_passes_every_gate(name):
+    res = run_kind(KINDS[name], FAST)
+    bad = {g: r.detail for g, r in res.gates.items() if r.ok is False}
+    assert not bad, f"{name}: {bad}"
+    assert {"shapes", "random", "threads", "repeat"} <= set(res.gates)
+
+
+@pytest.mark.parametrize("ctl", CONTROLS, ids=[c.name for c in CONTROLS])
+def test_control_is_red_where_planted(ctl):
+    res = run_control(ctl, KINDS, FAST)
+    assert res.red_as_planted, f"{ctl.name} passed gate {ctl.planted}: {res.gates}"
+
+
+def test_every_tail_kind_has_a_control_and_there_are_enough():
+    tail_ctl = [c for c in CONTROLS if c.name.startswith("tail.")]
+    assert len(tail_ctl) >= 8
+    planted = {c.planted for c in tail_ctl}
+    assert {"shapes", "random", "special", "adversarial", "batch", "threads", "repeat", "ranks"} <= planted
+    for name in KINDS:
+        if name.startswith("tail.") and not name.startswith("tail.logits.deferred.bf16"):
+            assert any(c.kind == name for c in CONTROLS), name
+
+
+# ---------------------------------------------------------------------------------------
+# the harness can fail: disable its check or its byte comparison and a control gets through
+# ---------------------------------------------------------------------------------------
+def _blind(kind):
+    """The same kind with every float64 check and case expectation replaced by 'ok'."""
+    ok = lambda data, out, run: Verdict(True, None, "check disabled")  # noqa: E731
+    strip = lambda gen: lambda fast: [replace(c, expect=None) for c in gen(fast)]  # noqa: E731
+    return replace(kind, check=ok, gens={g: strip(f) for g, f in kind.gens.items()})
+
+
+@pytest.mark.parametrize("ctl_name", ["tail.mean_over_H", "tail.ties_higher_id", "tail.topp_drops_crossing"])
+def test_disabled_check_lets_the_control_pass(ctl_name):
+    ctl = next(c for c in CONTROLS if c.name == ctl_name)
+    kinds = dict(KINDS, **{ctl.kind: _blind(KINDS[ctl.kind])})
+    assert not run_control(ctl, kinds, FAST).red_as_planted
+    assert run_control(ctl, KINDS, FAST).red_as_planted
+
+
+def test_disabled_byte_comparison_lets_row_mixing_pass(monkeypatch):
+    ctl = next(c for c in CONTROLS if c.name == "tail.row_mixing")
+    assert run_control(ctl, KINDS, FAST).red_as_planted
+    monkeypatch.setattr(harness, "same_bytes", lambda a, b: True)
+    monkeypatch.setattr(harness, "_bits_eq", lambda a, b: torch.ones(a.shape, dtype=torch.bool))
+    assert not run_control(ctl, KINDS, FAST).red_as_planted
+
+
+def test_a_passing_control_makes_the_cli_exit_nonzero(monkeypatch, tmp_path, capsys):
+    """A 'control' that is the real op passes every gate: the harness must call it out."""
+    import lmtail.contract as contract
+
+    kind = KINDS["tail.topk.exact"]
+    fake = Control("fake.real_op", kind.name, "random", "the real op posing as a control", kind.run)
+    monkeypatch.setattr(contract, "registry", lambda kinds=None: ({kind.name: kind}, [fake]))
+    path = tmp_path / "c.json"
+    assert contract_cli.main(["--fast", "--json", str(path)]) == 1
+    assert "PASSED (harness broken)" in capsys.readouterr().out
+    rep = json.loads(path.read_text())
+    assert rep["controls"][0]["red_as_planted"] is False and rep["kinds"][0]["ok"] is True
+
+
+def test_cli_green_run_and_unknown_pattern(tmp_path, capsys):
+    path = tmp_path / "c.json"
+    assert contract_cli.main(["--fast", "--kinds", "tail.topk.exact", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "RED as planted" in out and "tail.ties_higher_id" in out
+    rep = json.loads(path.read_text())
+    assert [k["kind"] for k in rep["kinds"]] == ["tail.topk.exact"]
+    assert all(c["red_as_planted"] for c in rep["controls"]) and len(rep["controls"]) == 2
+    assert contract_cli.main(["--fast", "--kinds", "no.such.kind"]) == 2
+
+
+# ---------------------------------------------------------------------------------------
+# controls are the real ops plus exactly one defect
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype,deferred", [(torch.float32, True), (torch.float32, False), (torch.float16, True),
+                                            (torch.bfloat16, True)])
+def test_logits_variant_without_defect_is_the_real_op(dtype, deferred):
+    for case in tk.tail_shapes(True, dtype=dtype, deferred=deferred)[:5]:
+        d = case.data
+        assert harness.same_bytes(tk.logits_variant(d)["logits"], tk.run_logits(d)["logits"]), case.label
+    d = tk.tail_random(True, dtype=dtype, deferred=deferred)[0].data
+    assert harness.same_bytes(tk.emulate_logits(d)["logits"], tk.run_logits(d)["logits"])
+
+
+def test_other_variants_without_defect_are_the_real_ops():
+    d = tk.sampler_random(True)[0].data
+    assert not harness.diff_outputs(tk.sampler_variant(d), tk.run_sampler(d))
+    d = tk.topk_random(True)[0].data
+    assert not harness.diff_outputs(tk.topk_variant(d), tk.run_topk(d))
+    d = tk.tail_random(True, k=64, v=4096)[0].data
+    assert not harness.diff_outputs(tk.mirror_variant(d), tk.run_mirror(d))
+
+
+def test_decode_ranks_gate_passes_on_two_ranks():
+    kind = KINDS["tail.decode"]
+    res = run_gates(kind, Config(fast=True, ranks=2), only=["ranks"])["ranks"]
+    assert res.ok and res.cases == 2, res.detail  # vtp2 and vtp2 G=2, bytes equal to one rank
+
+
+# ---------------------------------------------------------------------------------------
+# the float64 pieces
+# ---------------------------------------------------------------------------------------
+def test_range_margin_definition():
+    y = np.array([1.5, 1.0, 2.0, 2.5, 0.0, 3.0, np.nan, np.inf])
+    lo = np.array([1.0, 1.0, 1.0, 1.0, 0.0, 3.0, 0.0, 0.0])
+    hi = np.array([2.0, 2.0, 2.0, 2.0, 0.0, 3.0, 1.0, 1.0])
+    inside, m = range_margin(y, lo, hi)
+    assert inside.tolist() == [True, True, True, False, True, True, False, False]
+    assert m[:6].tolist() == [0.5, 0.0, 0.0, -0.5, 0.5, 0.5] and m[6] == m[7] == -math.inf
+    _, m2 = range_margin(np.array([0.1]), np.array([0.0]), np.array([0.0]))
+    assert m2[0] == -math.inf
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sample_decision_agrees_with_sampler_ref(seed):
+    """Our margin-aware float64 sampler gives the lead's sampler_ref token on every row it
+    certifies (delta = 0, no truncation: top_k in 1..V)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = (torch.randn(40, 300, generator=g) * 2).to(torch.bfloat16)
+    sp = tk.random_params(40, seed, 300)
+    sp[:, 0] = torch.where(sp[:, 0] > 0, sp[:, 0], torch.full_like(sp[:, 0], 300.0)).clamp(max=300)
+    checked = 0
+    for i in range(40):
+        tkk, tp, t, u, mp = sp[i].double().tolist()
+        dec = sample_decision(rows[i].double().numpy(), np.zeros(300), top_k=tkk, top_p=tp, temperature=t,
+                              u=u, min_p=mp, k=300, slack=1e-12)
+        want = sampler_ref(rows[i], top_k=int(tkk), top_p=tp, temperature=t, u=u, min_p=mp)
+        if dec["certified"]:
+            assert dec["token"] == want["token"], (i, sp[i].tolist())
+            checked += 1
+    assert checked >= 35
+
+
+def test_sample_decision_counts_a_near_tie_instead_of_guessing():
+    r = np.array([2.0, 1.0, 0.5])
+    u_on_boundary = math.exp(2.0) / (math.exp(2.0) + math.exp(1.0) + math.exp(0.5))
+    dec = sample_decision(r, np.full(3, 1e-3), top_k=0, top_p=1, temperature=1.0, u=u_on_boundary, k=3, slack=1e-12)
+    assert not dec["certified"] and "slot" in dec["why"]
+    far = sample_decision(r, np.full(3, 1e-3), top_k=0, top_p=1, temperature=1.0, u=0.1, k=3, slack=1e-12)
+    assert far["certified"] and far["token"] == 0 and far["margin"] > 1
+
+
+# ---------------------------------------------------------------------------------------
+# certification
+# ---------------------------------------------------------------------------------------
+def _problem(seed=0, gbs=12, h=64, v=500):
+    d = tk.decode_data(gbs, h, h, v, False, seed, k=16)
+    sp = d["sp"].clone()
+    sp[:, 0] = torch.where(sp[:, 0] <= 0, torch.full_like(sp[:, 0], 10.0), sp[:, 0]).clamp(max=16)
+    return d["x"], d["gamma"], d["w"], sp
+
+
+def _cert(x, gamma, w, out, sp):
+    return certify_tail(x, gamma, w, out, sampling_params=sp, hidden_actual=x.shape[1], interleaved=False, k=16)
+
+
+def test_certify_tail_certifies_and_catches_a_wrong_token():
+    x, gamma, w, sp = _problem()
+    out = decode_tail(x, gamma, w, k=16, sampling_params=sp, zero_interleaved_pad=False)
+    c = _cert(x, gamma, w, out, sp)
+    assert c["ok"] and c["certified"] >= 15 and c["matched"] == c["certified"] and c["near_ties"] > 0, c
+    assert c["decisions"]["argmax"]["certified"] + c["decisions"]["argmax"]["near_ties"] == 12
+    row = next(i for i in range(12) if i not in c["near_tie_rows"]["sample"])
+    bad_tok = out.tokens.clone()
+    bad_tok[row] = out.topk_indices[row, -1]  # the 16th candidate: not the sampled one
+    bad = dict(topk_indices=out.topk_indices, tokens=bad_tok, truncated=out.truncated)
+    c2 = _cert(x, gamma, w, bad, sp)
+    assert not c2["ok"] and c2["mismatched"] >= 1 and f"row {row} sample" in c2["mismatches"][0]
+    ids = out.topk_indices.clone()
+    ids[0] = ids[0].flip(0)
+    ids[0, 0] = (ids[0, 0] + 1) % 500 if ids[0, 0] + 1 not in ids[0] else ids[0, 1]
+    assert not _cert(x, gamma, w, dict(topk_indices=ids, tokens=out.tokens, truncated=out.truncated), sp)["ok"]
+
+
+def test_certify_counts_an_exact_tie_as_a_near_tie():
+    x, gamma, w, sp = _problem(1, gbs=3)
+    logits = decode_tail(x, gamma, w, k=16, zero_interleaved_pad=False).logits
+    best = int(logits[0].argmax())
+    w = w.clone()
+    w[:, best + 1 if best + 1 < 500 else best - 1] = w[:, best]  # two identical columns: a true tie
+    sp[:, 2] = 0.0  # greedy: the sampled slot is the argmax
+    out = decode_tail(x, gamma, w, k=16, sampling_params=sp, zero_interleaved_pad=False)
+    c = _cert(x, gamma, w, out, sp)
+    assert 0 in c["near_tie_rows"]["argmax"] and 0 in c["near_tie_rows"]["sample"]
+    assert c["ok"] and c["near_ties"] >= 2
+
+
+def test_certify_rejects_outputs_it_cannot_read():
+    x, gamma, w, sp = _problem(2, gbs=4)
+    with pytest.raises(ValueError, match=r"out must carry topk_indices"):
+        certify_tail(x, gamma, w, {"tokens": torch.zeros(4)})
+    with pytest.raises(ValueError, match=r"out must hold every row of hidden"):
+        certify_tail(x, gamma, w, {"topk_indices": torch.zeros(2, 16, dtype=torch.int64)})
+
+
+def test_special_case_expectations_are_live():
+    """The special gate's own expectations fail on wrong outputs (not only the range)."""
+    kind = KINDS["tail.logits.deferred.fp32"]
+    cases = {c.label.split(" ->")[0]: c for c in kind.gens["special"](True)}
+    zero = cases["zeros"]
+    out = kind.run(zero.data)
+    assert zero.expect(zero.data, out, kind.run).ok
+    assert not zero.expect(zero.data, {"logits": out["logits"] + 1e-30}, kind.run).ok
+    err = Case("no error", cases["eps < 0"].data, raises="eps must be >= 0")
+    assert not harness.run_case(kind, err, lambda d: {"logits": torch.zeros(1)}).ok
