@@ -75,3 +75,29 @@ def test_gamma_and_bf16_round():
     assert gamma(2**24, 2**-24) == math.inf
     assert bf16_round(torch.tensor([1 + 2**-8])).item() == 1.0  # tie to even
     assert bf16_round(torch.tensor([1 + 3 * 2**-8])).item() == 1 + 2**-6
+
+
+def test_sqrt_rn32_is_correctly_rounded_where_torch_sqrt_is_not():
+    from lmtail.numerics import sqrt_rn32
+    g = torch.Generator().manual_seed(0)
+    d = torch.rand(200000, generator=g) * 100
+    r = sqrt_rn32(d).double()
+    d64 = d.double()
+    inf = torch.full_like(d, math.inf)
+    up = torch.nextafter(r.float(), inf).double()
+    down = torch.nextafter(r.float(), -inf).double()
+    # r is the nearest fp32: both midpoints bracket sqrt(d) (squares of 25-bit midpoints are exact)
+    assert ((((r + down) / 2) ** 2 <= d64) & (d64 <= ((r + up) / 2) ** 2)).all()
+    # the planted variant: torch's own fp32 sqrt misses on some inputs of this build (or
+    # agrees everywhere on builds with a correctly rounded path: then there is nothing to catch)
+    t = torch.sqrt(d).double()
+    miss = ~((((t + torch.nextafter(t.float(), -inf).double()) / 2) ** 2 <= d64)
+             & (d64 <= ((t + torch.nextafter(t.float(), inf).double()) / 2) ** 2))
+    assert miss.sum() == (t != r).sum()
+    s = sqrt_rn32(torch.tensor([0.0, -0.0, math.inf, -1.0, math.nan, 1e-45]))
+    assert s[0].item() == 0 and math.copysign(1, s[1].item()) == -1 and s[2].item() == math.inf
+    assert math.isnan(s[3].item()) and math.isnan(s[4].item()) and s[5].item() == float(np.float32(math.sqrt(float(np.float32(1e-45)))))
+
+
+def test_exp64_empty():
+    assert exp64(torch.zeros(0, dtype=torch.float64)).numel() == 0

@@ -6,7 +6,7 @@ Common numerics (used by every norm here; `inv_rms`):
     ssq = sum_j h_j * h_j          fp32, the declared `order` (orders.sum_squares)
     m   = fl32(ssq / n)            n = the width (H, or the part), exact in fp32
     d   = fl32(m + eps32)          eps32 = fp32(eps) (1e-5 -> 9.99999974738e-06)
-    r   = fl32(sqrt(d))            IEEE sqrt, no rsqrt approximation
+    r   = fl32(sqrt(d))            IEEE sqrt, correctly rounded (sqrt_rn32), no rsqrt
     inv = fl32(1 / r)              IEEE division
     fl32 = one round-to-nearest-even to fp32; bf16(.) = one rounding fp32 -> bf16 (RNE).
     gamma is widened to fp32 exactly (bf16 -> fp32 is exact; fp32 is used as is).
@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from .numerics import fma32
+from .numerics import fma32, sqrt_rn32  # noqa: F401 (sqrt_rn32 re-exported)
 from .orders import Order, strided, sum_squares
 
 DEFAULT_ORDER = strided(256)
@@ -70,8 +70,9 @@ def embed_rows(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     ids [T] int (int32/int64, any integer dtype), table [V, H] bf16 -> out [T, H] bf16.
     An id < 0 or >= V is a ValueError naming the first bad position and id.
     """
-    _need(isinstance(ids, torch.Tensor) and not ids.is_floating_point() and not ids.is_complex()
-          and ids.dtype != torch.bool, f"ids must be an integer tensor [T]; got {getattr(ids, 'dtype', type(ids).__name__)}")
+    is_int = (isinstance(ids, torch.Tensor) and not ids.is_floating_point() and not ids.is_complex()
+              and ids.dtype != torch.bool)
+    _need(is_int, f"ids must be an integer tensor [T]; got {getattr(ids, 'dtype', type(ids).__name__)}")
     _need(ids.dim() == 1, f"ids must be [T]; got {tuple(ids.shape)}")
     _check_bf16("table", table, "[V, H]")
     _need(table.dim() == 2, f"table must be [V, H]; got {tuple(table.shape)}")
@@ -104,7 +105,7 @@ def inv_rms(h32: torch.Tensor, *, eps: float = _EPS, order: Order = DEFAULT_ORDE
     ssq = sum_squares(h32, order)  # [...] fp32
     m = ssq / torch.full_like(ssq, float(n))  # tensor / tensor: a true IEEE division
     d = m + torch.full_like(m, eps)  # eps rounded to fp32 by full_like
-    r = torch.sqrt(d)
+    r = sqrt_rn32(d)
     return torch.ones_like(r) / r
 
 

@@ -25,6 +25,8 @@ Numerics (declared; all float64 from the exactly widened bf16 values):
   the max of the normalizing set (exp64: basic ops only; z == m gives exactly 1, so +-inf
   rows are defined: the +inf lanes split the mass equally; an all -inf row is uniform);
   p = e / S with S = sum64(e over the set) (one correctly rounded division).
+  The full-row pass runs in kernels/rowmass.c (the same float64 ops per lane, the same
+  order; bit-equal to `row_mass`, which stays as the declared reference).
   Sums over the full row: `sum64` (256 float64 lane chains in pass order, then a halving
   tree of 8 levels; depth ceil(V/256) + 8). Running sums over candidates: a sequential
   float64 chain in candidate order (depth k). log via numerics.log64.
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels.rowmass import row_mass_fast
 from .numerics import draw_u, exp64, log64
 
 GREEDY_TEMPERATURE = 1e-5
@@ -174,7 +177,7 @@ def sampling_plan(cand_values, full_rows, sampling_params, *, nan_fold=False) ->
         v = torch.where(torch.isnan(v), torch.full_like(v, -torch.inf), v)
     greedy = temp < GREEDY_TEMPERATURE
     safe_t = torch.where(greedy, torch.ones_like(temp), temp)
-    m1, s1, _ = row_mass(row64, torch.ones(r, dtype=torch.float64))
+    m1, s1, _ = row_mass_fast(row64, torch.ones(r, dtype=torch.float64))
     lse1 = m1 + log64(s1)
 
     # 1. top-k: a prefix of the candidates
@@ -192,7 +195,7 @@ def sampling_plan(cand_values, full_rows, sampling_params, *, nan_fold=False) ->
     m, s, nz = m_k.clone(), s_k.clone(), torch.zeros(r, dtype=torch.int64)
     off = torch.nonzero(~enabled & ~greedy)[:, 0]  # rows normalized over the whole vocab
     if off.numel():
-        m[off], s[off], nz[off] = row_mass(row64[off], safe_t[off])
+        m[off], s[off], nz[off] = row_mass_fast(row64[off], safe_t[off])
     p = shifted_exp(z, m) / s[:, None]
     p = torch.where(in_k, p, torch.zeros_like(p))  # [R, k]
     p = torch.nan_to_num(p, nan=0.0)  # only NaN rows without the fold get here

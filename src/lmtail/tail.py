@@ -2,7 +2,7 @@
 
     hidden [gbs, H] fp32|fp16|bf16 --widen (exact)--> x [gbs, H] fp32, pad lanes := 0
       ssq  = sum_squares(x, strided(256))                      fp32, declared order
-      rms  = 1 / sqrt(ssq / H_u + eps)                         fp32, IEEE div and sqrt
+      rms  = 1 / sqrt(ssq / H_u + eps)                         fp32, IEEE div, sqrt_rn32
       deferred_rms=True : a = bf16(fp32(x * gamma));  logits = fp32(gemm(a, W) * rms)
       deferred_rms=False: a = bf16(fp32(fp32(x * rms) * gamma));  logits = gemm(a, W)
         gemm = kernels.gemm_bf16_chain: per element an fp32 chain over h = 0..H-1
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .kernels.gemm import gemm_bf16_chain
-from .numerics import Decl, SumDecl
+from .numerics import Decl, SumDecl, sqrt_rn32
 from .orders import strided, sum_squares
 from .sampler import sample_rows, validate_params
 from .topk import exact_topk
@@ -127,8 +127,8 @@ def shard_logits(hidden_states, gamma, lm_head_weight_t, *, eps=1e-5, hidden_act
     x = hidden_states[rows].to(torch.float32)  # [gbs, H], exact widen
     x = torch.where(real, x, torch.zeros((), dtype=torch.float32))
     ssq = sum_squares(x, SSQ_ORDER)  # [gbs]
-    s = torch.sqrt(ssq / torch.tensor(float(h_u), dtype=torch.float32)
-                   + torch.tensor(eps, dtype=torch.float32))
+    s = sqrt_rn32(ssq / torch.tensor(float(h_u), dtype=torch.float32)
+                  + torch.tensor(eps, dtype=torch.float32))
     rms = torch.tensor(1.0, dtype=torch.float32) / s  # [gbs]
     if deferred_rms:
         a = (x * g).to(torch.bfloat16)

@@ -32,6 +32,8 @@ from functools import partial
 import numpy as np
 import torch
 
+from ..numerics import sqrt_rn32
+
 from ..kernels.gemm import gemm_bf16_chain, gemm_bf16_chain_reference
 from ..numerics import Decl, SumDecl, U
 from ..orders import sum_squares
@@ -238,7 +240,7 @@ def logits_variant(data, defect=None) -> dict:
     t = ssq / n
     if defect != "eps_dropped":
         t = t + torch.tensor(data["eps"], dtype=torch.float32)
-    rms = torch.tensor(1.0, dtype=torch.float32) / torch.sqrt(t)  # [gbs]
+    rms = torch.tensor(1.0, dtype=torch.float32) / sqrt_rn32(t)  # [gbs]
     if deferred or defect == "rms_after_round":
         a = (x * g).to(torch.bfloat16)
     else:
