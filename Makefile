@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-all demo contract bench clean
+.PHONY: setup test test-all demo demo-synthetic contract bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -23,6 +23,14 @@ test-all: setup
 
 demo: setup
 	$(VENV)/bin/lmtail demo
+
+demo-synthetic: setup
+	$(VENV)/bin/lmtail demo --synthetic
+
+bench: setup
+	$(PY) benchmarks/bench_tail.py
+	$(PY) benchmarks/bench_gemm.py
+	$(PY) benchmarks/bench_exchange.py
 
 contract: setup
 	$(VENV)/bin/lmtail contract

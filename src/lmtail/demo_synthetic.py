@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gbs", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    con = Console()
+    con = Console(width=max(Console().width, 130))
     h, h_u, v = 3072, 2880, 25136
     x, gamma, w = gpt_oss_problem(args.gbs, h, h_u, v, args.seed)
     ps, sp = demo_params(args.gbs)
