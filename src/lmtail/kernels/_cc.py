@@ -15,6 +15,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 # -ffp-contract=off: the compiler may not fuse a*b+c on its own; the kernels' fmas are
@@ -61,3 +62,14 @@ def load_c_library(source: Path) -> ctypes.CDLL:
             raise RuntimeError(f"building {source} failed: {' '.join(cmd)}\n{res.stderr}")
         os.replace(tmp, lib)
     return ctypes.CDLL(str(lib))
+
+
+def load_optional(source: Path, *, what: str, fallback: str):
+    """load_c_library, or None with a RuntimeWarning naming the fallback the caller uses
+    (no compiler, a failed build): kernels degrade to a slower path with the same bytes."""
+    try:
+        return load_c_library(source)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        warnings.warn(f"lmtail {what}: C kernel unavailable, using {fallback}: {exc}",
+                      RuntimeWarning, stacklevel=3)
+        return None

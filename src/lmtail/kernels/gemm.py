@@ -33,8 +33,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import subprocess
-import warnings
 from pathlib import Path
 
 import numba
@@ -98,13 +96,10 @@ def _validate(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> Non
 @functools.lru_cache(maxsize=None)
 def _c_library():
     """The compiled C kernel (built and cached on first use), or None with a warning."""
-    from lmtail.kernels._cc import load_c_library
+    from lmtail.kernels._cc import load_optional
 
-    try:
-        lib = load_c_library(Path(__file__).with_name("gemm_chain.c"))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:  # no cc, bad build
-        warnings.warn(f"lmtail gemm: C kernel unavailable, using the numba fallback: {exc}",
-                      RuntimeWarning, stacklevel=3)
+    lib = load_optional(Path(__file__).with_name("gemm_chain.c"), what="gemm", fallback="the numba fallback")
+    if lib is None:
         return None
     fn = lib.lmtail_gemm_bf16_chain
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2

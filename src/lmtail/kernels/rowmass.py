@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import subprocess
-import warnings
 from pathlib import Path
 
 import torch
@@ -64,13 +62,10 @@ def row_mass_decl(V: int) -> Decl:
 @functools.lru_cache(maxsize=None)
 def _c_library():
     """The compiled C kernel (built and cached on first use), or None with a warning."""
-    from lmtail.kernels._cc import load_c_library
+    from lmtail.kernels._cc import load_optional
 
-    try:
-        lib = load_c_library(Path(__file__).with_name("rowmass.c"))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:  # no cc, bad build
-        warnings.warn(f"lmtail row_mass: C kernel unavailable, using the torch reference: "
-                      f"{exc}", RuntimeWarning, stacklevel=3)
+    lib = load_optional(Path(__file__).with_name("rowmass.c"), what="row_mass", fallback="the torch reference")
+    if lib is None:
         return None
     fn = lib.lmtail_row_mass
     fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
