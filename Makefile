@@ -30,7 +30,7 @@ demo-synthetic: setup
 bench: setup
 	$(PY) benchmarks/bench_tail.py
 	$(PY) benchmarks/bench_gemm.py
-	$(PY) benchmarks/bench_exchange.py
+	$(PY) benchmarks/bench_exchange.py --section exchange
 
 contract: setup
 	$(VENV)/bin/lmtail contract

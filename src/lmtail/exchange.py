@@ -18,6 +18,9 @@
     [g*gbs/G, (g+1)*gbs/G); block g's all-to-all is issued async as soon as its logits
     exist, so it overlaps the GEMM of blocks g+1..G-1; the G received [R/G, V] blocks are
     stacked in g order (the row order of layout.owned_rows(..., batch_groups=G)).
+    On a 2-core CPU box with gloo this measured slower than G=1 (each block re-streams
+    the weight shard; docs/exchange.md "Overlap"); it pays only where the exchange is a
+    real share of the step.
 
 Vocab shard id: rank r's `lm_head_weight_t` must be the shard of vocab ids
 r*V_s .. (r+1)*V_s - 1 (r = rank in `group`) for EVERY hop layout: hop t's groups are the

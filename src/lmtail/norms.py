@@ -149,17 +149,31 @@ def add_rms(x: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor, *, eps
 # ---------------------------------------------------------------------------------------
 # moe_add_rms
 # ---------------------------------------------------------------------------------------
-def _moe_combine(slots32: torch.Tensor, weights: torch.Tensor, n_shared: int) -> torch.Tensor:
-    """c = bf16(fl32(routed + shared)) as fp32 [T, H] (see moe_add_rms; no validation)."""
-    s = slots32.shape[0]
-    r = s - n_shared
-    acc = torch.zeros(slots32.shape[1:], dtype=torch.float32)  # [T, H], starts at +0.0
+def _moe_routed_torch(slots: torch.Tensor, weights: torch.Tensor, r: int) -> torch.Tensor:
+    """The routed chain's torch reference: acc = fma32(w[:, i], s_i, acc), i = 0..r-1 from
+    +0.0. slots [S, T, H] bf16/fp32, weights [T, R] fp32 -> [T, H] fp32."""
+    acc = torch.zeros(slots.shape[1:], dtype=torch.float32)  # [T, H], starts at +0.0
     for i in range(r):  # routed chain, slot order from 0
-        acc = fma32(weights[:, i : i + 1], slots32[i], acc)
+        acc = fma32(weights[:, i : i + 1], slots[i].to(torch.float32), acc)
+    return acc
+
+
+def _moe_combine(slots: torch.Tensor, weights: torch.Tensor, n_shared: int) -> torch.Tensor:
+    """c = bf16(fl32(routed + shared)) as fp32 [T, H] (see moe_add_rms; no validation).
+    The routed chain runs in the C kernel (kernels/fmachain.c, fmaf per step) when it is
+    built, else `_moe_routed_torch`: the same bits (NaN payloads not declared)."""
+    from .kernels import fmachain  # lazy: the kernel module is optional
+
+    s = slots.shape[0]
+    r = s - n_shared
+    if fmachain.available_backends():
+        acc = fmachain.moe_routed(slots, weights, nslots=r)  # [T, H]
+    else:
+        acc = _moe_routed_torch(slots, weights, r)
     if n_shared:
-        sh = slots32[r]  # [T, H]
+        sh = slots[r].to(torch.float32)  # [T, H]
         for i in range(r + 1, s):  # shared slots on their own, in order
-            sh = sh + slots32[i]
+            sh = sh + slots[i].to(torch.float32)
         acc = acc + sh
     return acc.to(torch.bfloat16).to(torch.float32)
 
@@ -197,7 +211,7 @@ def moe_add_rms(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gam
     _need(tuple(weights.shape) == (t, r), f"weights must be [T, S - n_shared] = [{t}, {r}]; got {tuple(weights.shape)}")
     g32 = _gamma32(gamma, h_)
     _check_eps_order(eps, order)
-    c = _moe_combine(slots.to(torch.float32), weights, n_shared)  # [T, H] bf16 values
+    c = _moe_combine(slots, weights, n_shared)  # [T, H] bf16 values
     h = (x.to(torch.float32) + c).to(torch.bfloat16)  # [T, H]
     h32 = h.to(torch.float32)
     y = _norm_rows(h32, g32, inv_rms(h32, eps=eps, order=order), "once")

@@ -136,9 +136,24 @@ def fma_sum(a: torch.Tensor, b: torch.Tensor, order: Order) -> torch.Tensor:
 
     a, b: [..., N] fp32 (b broadcastable to a). Each lane's chain is acc = fma(a_i, b_i, acc)
     rounded once per step (exact fp32 fma), then `lane_totals`. Row-independent by
-    construction: a row's result never depends on other rows. When every product is exact
-    in fp32 (squares of bf16 values) the fma is one fp32 add of the product: same bits.
+    construction: a row's result never depends on other rows. Runs the C kernel
+    (kernels/fmachain.c, correctly rounded fmaf) when it is built and the inputs are on the
+    CPU, else `_fma_sum_torch`, the reference: the same bits (NaN payloads not declared).
     """
+    a = a.to(torch.float32)
+    b = torch.broadcast_to(b.to(torch.float32), a.shape)
+    from .kernels import fmachain  # lazy: the kernel module is optional
+
+    if a.dim() >= 1 and a.device.type == "cpu" and fmachain.available_backends():
+        return fmachain.fma_sum_rows(a, b, lanes=order.lanes, vec=order.vec,
+                                     reverse=order.reverse_butterfly)
+    return _fma_sum_torch(a, b, order)
+
+
+def _fma_sum_torch(a: torch.Tensor, b: torch.Tensor, order: Order) -> torch.Tensor:
+    """fma_sum's torch reference: fma32 (an exact fp32 fma emulated in float64) per step,
+    vectorized over rows and lanes. When every product is exact in fp32 (squares of bf16
+    values) the fma is one fp32 add of the product: same bits."""
     a = a.to(torch.float32)
     b = torch.broadcast_to(b.to(torch.float32), a.shape)
     prod = a * b  # [..., N] fp32 products
