@@ -19,10 +19,9 @@ import numpy as np
 import torch
 
 from ..numerics import U, gamma
-from ..orders import strided
+from ..tail import SSQ_ORDER  # the declaration, imported so the range cannot drift from it
 
 BF16 = ml_dtypes.bfloat16
-SSQ_ORDER = strided(256)  # the tail's declared ssq order (mirrors lmtail.tail)
 _W64 = 4 * 2.0**-53  # widening for float64 arithmetic on interval ends
 
 
