@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-all demo demo-synthetic contract bench clean
+.PHONY: setup test test-all demo demo-synthetic contract bench bench-quick bench-peers clean
 
 $(STAMP): requirements.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -27,10 +27,16 @@ demo: setup
 demo-synthetic: setup
 	$(VENV)/bin/lmtail demo --synthetic
 
+# Every benchmarks/bench_<name>.py (arms checked, then timed A-B-B-A); `lmtail bench --only NAME`.
 bench: setup
-	$(PY) benchmarks/bench_tail.py
-	$(PY) benchmarks/bench_gemm.py
-	$(PY) benchmarks/bench_exchange.py --section exchange
+	$(VENV)/bin/lmtail bench
+
+bench-quick: setup
+	$(VENV)/bin/lmtail bench --quick
+
+# Peers (vLLM, HF transformers) in their own benchmark-only venvs, built on first use.
+bench-peers: setup
+	benchmarks/peers/run.sh
 
 contract: setup
 	$(VENV)/bin/lmtail contract

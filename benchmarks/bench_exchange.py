@@ -12,23 +12,23 @@ Both arms start from the same [gbs, V_s] fp32 shard logits on every rank:
 Bytes a rank RECEIVES from its peers, analytically (one hop):
   A = R * V_s * (VTP - 1) * 2 = gbs * V_s * (VTP - 1) * 2 / VTP,  B = gbs * V_s * (VTP - 1) * 4,
   so B / A = 2 * VTP; and counted, by wrapping the collectives and adding up the peer
-slabs of every output they fill. Wall time: arms alternate (A B B A ...) in one set of
-gloo ranks; each arm's time per round is the max over ranks (barrier before each arm),
-and the median of the per-round ratios B / A is reported with how many rounds A won.
-CPU gloo over localhost: the ratios, not the absolute times, are the result.
+slabs of every output they fill. Wall time: lmtail.bench.abba in one set of gloo ranks
+(every rank runs it in lockstep), base B; a call's time is the max over ranks (barrier
+before each call). Before timing, A's received rows are checked bitwise against the bf16
+rounding of the same rows of B's gathered logits. Reported: median paired ratio A / B and
+rounds A won. CPU gloo over localhost: the ratios, not the absolute times, are the result.
 
 Overlap section (VTP=2, one hop, 1 torch thread per rank): `decode_tail(..., group=WORLD,
-batch_groups=G)` at G = 1, 2, 4 with sampling_params set, arms alternating in one spawned
-job (palindromic order, flipped every round), barrier before each call, a call's time =
-max over ranks; per round an arm's time is the mean of its two calls; reported: median
-time, median paired ratio vs the baseline arm, rounds the arm beat the baseline. Every
-call's outputs are checked bitwise against the arm's first call, and the arms' outputs
-are all-gathered into global row order (owned_rows differs with G) and asserted bitwise
-equal across arms. To separate the overlap from the cost of splitting the GEMM, the same
-alternation times the parts: the GEMM alone over G row blocks (no collective), G blocking
-all-to-alls alone, exchange_rows(G) (the overlapped path decode_tail runs) and a serial
-emulation of it (each block's all-to-all waited before the next block's GEMM); the overlap
-is what exchange_rows(G) saves over serial(G). fence=True vs False is timed the same way.
+batch_groups=G)` at G = 1, 2, 4 with sampling_params set, timed with abba as above (base
+G=1). Before timing, each arm's outputs are all-gathered into global row order
+(owned_rows differs with G) and checked bitwise against G=1's, logits included. To
+separate the overlap from the cost of splitting the GEMM, the parts are timed the same
+way, each family against its G=1 arm and checked bitwise in global row order: the GEMM
+alone over G row blocks (no collective), G blocking all-to-alls alone, and
+exchange_rows(G) (the overlapped path decode_tail runs) with a serial emulation of it
+(each block's all-to-all waited before the next block's GEMM); the overlap is what
+exchange_rows(G) saves over serial(G). fence=True vs False is timed the same way.
+Shape legend: gbs rows, R = gbs / VTP owned rows, V_s vocab shard, V = VTP * V_s.
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from lmtail.bench import ABBAResult, abba, assert_bitwise, check_bitwise, format_table
 from lmtail.exchange import exchange_rows
 from lmtail.launch import launch
 from lmtail.layout import owned_rows
@@ -76,9 +77,18 @@ class Counter:
         dist.all_to_all_single, dist.all_gather_single = self.a2a, self.ag
 
 
+def max_over_ranks(fn) -> float:
+    """abba's timer for collectives: barrier, call, the slowest rank's wall time."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dt = torch.tensor([time.perf_counter() - t0])
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    return float(dt)
+
+
 def arm_a2a(logits, gbs):
-    recv, _ = exchange_rows(lambda rows: logits[rows], gbs=gbs)  # [R, V] bf16
-    return recv
+    return exchange_rows(lambda rows: logits[rows].to(torch.bfloat16), gbs=gbs)  # [R, V] bf16
 
 
 def arm_allgather(logits, gbs):
@@ -88,7 +98,7 @@ def arm_allgather(logits, gbs):
     return out.view(vtp, gbs, -1).permute(1, 0, 2).reshape(gbs, -1)  # [gbs, V] vocab order
 
 
-def _rank_job(rank, gbs, v, rounds):
+def _rank_job(rank, gbs, v, rounds) -> tuple[list[int], ABBAResult]:
     vtp = dist.get_world_size()
     g = torch.Generator().manual_seed(rank)
     logits = torch.randn(gbs, v // vtp, generator=g)  # [gbs, V_s] fp32
@@ -97,52 +107,20 @@ def _rank_job(rank, gbs, v, rounds):
         with Counter() as c:
             arm(logits, gbs)
         counted.append(c.bytes)
-    times = {arm_a2a: [], arm_allgather: []}
-    order = [arm_a2a, arm_allgather, arm_allgather, arm_a2a]
-    for i in range(rounds):
-        for arm in order if i % 2 == 0 else order[1:3] + [order[0], order[3]]:
-            dist.barrier()
-            t0 = time.perf_counter()
-            arm(logits, gbs)
-            dt = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-            times[arm].append(float(dt))
-    a = [statistics.mean(times[arm_a2a][2 * i:2 * i + 2]) for i in range(rounds)]
-    b = [statistics.mean(times[arm_allgather][2 * i:2 * i + 2]) for i in range(rounds)]
-    return counted, a, b
+    mine = owned_rows(rank, vtp, gbs)
+
+    def check(name, recv, gathered):
+        assert_bitwise(recv, gathered[mine].to(torch.bfloat16), what=f"rank {rank} {name} rows")
+
+    arms = {"vLLM all-gather fp32": lambda: arm_allgather(logits, gbs),
+            "lmtail a2a bf16": lambda: arm_a2a(logits, gbs)}
+    res = abba(arms, base="vLLM all-gather fp32", rounds=rounds, check=check, timer=max_over_ranks)
+    return counted, res
 
 
 # ---------------------------------------------------------------------------------------
 # overlap section: decode_tail with batch_groups G = 1 / 2 / 4 and fence, VTP = 2
 # ---------------------------------------------------------------------------------------
-def _timed(fn):
-    """Barrier, call, max wall time over ranks. Returns (seconds, result)."""
-    dist.barrier()
-    t0 = time.perf_counter()
-    res = fn()
-    dt = torch.tensor([time.perf_counter() - t0])
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-    return float(dt), res
-
-
-def _alternate(arms, rounds, same):
-    """Time each arm twice per round in palindromic order (flipped every round); the first
-    (untimed) call of an arm is its reference and every timed result must satisfy
-    same(reference, result). Returns ({name: reference}, {name: [per-round mean s]})."""
-    names = list(arms)
-    refs = {n: arms[n]() for n in names}  # warm-up + reference outputs
-    times = {n: [] for n in names}
-    for i in range(rounds):
-        per = {n: [] for n in names}
-        for n in (names + names[::-1]) if i % 2 == 0 else (names[::-1] + names):
-            dt, res = _timed(arms[n])
-            assert same(refs[n], res), f"arm {n}: a timed call's output differs bitwise from its first call"
-            per[n].append(dt)
-        for n in names:
-            times[n].append(statistics.mean(per[n]))
-    return refs, times
-
-
 def _bits(t):
     """A tensor as int64 bit patterns (bf16 -> int16, fp32 -> int32 views), flattened to [rows, -1]."""
     if t.dtype in (torch.bfloat16, torch.float16):
@@ -158,19 +136,34 @@ def _tail_bits(out):
                       _bits(out.logprobs), _bits(out.truncated)], dim=1)
 
 
-def _tail_same(a, b):
-    return torch.equal(_tail_bits(a), _tail_bits(b)) and torch.equal(_bits(a.logits), _bits(b.logits))
-
-
-def _global_rows(out, gbs, g_n):
-    """All-gather this arm's per-rank outputs into global row order: [gbs, 2k+3] int64."""
-    vtp, mine = dist.get_world_size(), _tail_bits(out)  # [R, 2k+3]
+def _global_rows(mine, gbs, g_n):
+    """All-gather every rank's owned rows [R, X] (owned_rows order for G = g_n) into
+    global row order: [gbs, X] int64 bit patterns."""
+    vtp, mine = dist.get_world_size(), _bits(mine)
     parts = [torch.empty_like(mine) for _ in range(vtp)]
     dist.all_gather(parts, mine)
-    glob = torch.empty((gbs, mine.shape[1]), dtype=torch.int64)  # [gbs, 2k+3]
+    glob = torch.empty((gbs, mine.shape[1]), dtype=torch.int64)  # [gbs, X]
     for r in range(vtp):
         glob[owned_rows(r, vtp, gbs, None, g_n)] = parts[r]
     return glob
+
+
+def _g_of(name: str) -> int:
+    """The batch-group count an arm name ends with ('... G=4' -> 4)."""
+    return int(name.rsplit("G=", 1)[1]) if "G=" in name else 1
+
+
+def _global_check(gbs, per_rank, extra=None):
+    """check(name, out, base_out): per_rank(out) [R, X] of every rank, in global row order,
+    bitwise equal to the base's (collective: every rank checks in the same order); then
+    extra(out, base_out) if given."""
+    def check(name, out, base_out):
+        got = _global_rows(per_rank(out), gbs, _g_of(name))
+        want = _global_rows(per_rank(base_out), gbs, 1)
+        assert_bitwise(got, want, what=f"{name} in global row order")
+        if extra is not None:
+            extra(out, base_out)
+    return check
 
 
 def _inputs(rank, gbs, h, vs):
@@ -185,54 +178,45 @@ def _inputs(rank, gbs, h, vs):
     return x, gamma, w, sp
 
 
-def _serial_rows(row_logits, gbs, g_n):
-    """exchange_rows(G) without the overlap: block g's all-to-all is waited before block
-    g+1's GEMM. Same bytes out: ([R, V] bf16, [gbs, V_s] fp32)."""
-    vtp, block = dist.get_world_size(), gbs // g_n
-    recv, parts = [], []
-    for g in range(g_n):
-        lg = row_logits(slice(g * block, (g + 1) * block))  # [gbs/G, V_s]
-        m = lg.to(torch.bfloat16).contiguous()
-        out = torch.empty_like(m)
-        dist.all_to_all_single(out, m)
-        c = out.shape[1]
-        recv.append(out.view(vtp, block // vtp, c).permute(1, 0, 2).reshape(block // vtp, vtp * c))
-        parts.append(lg)
-    return torch.cat(recv), torch.cat(parts)
+def _a2a_rows(blocks, g_n):
+    """The blocking all-to-all of each [gbs/G, V_s] block, re-laid out to owned rows
+    [R, V] (owned_rows order for G = g_n), as exchange_rows does."""
+    vtp, recv = dist.get_world_size(), []
+    for blk in blocks:
+        out = torch.empty_like(blk)
+        dist.all_to_all_single(out, blk.contiguous())
+        n, c = blk.shape[0] // vtp, blk.shape[1]
+        recv.append(out.view(vtp, n, c).permute(1, 0, 2).reshape(n, vtp * c))
+    return torch.cat(recv)
 
 
-def _parts_arms(x, gamma, w, gbs, groups):
-    """GEMM alone, all-to-all alone, exchange_rows (overlapped) and serial, per G."""
-    def row_logits(rows):
-        return shard_logits(x, gamma, w, rows=rows)
+def _parts_cases(x, gamma, w, gbs, groups, rounds):
+    """The GEMM alone, the all-to-all alone, exchange_rows (overlapped) and serial, per G."""
+    def mirror_rows(rows):
+        return shard_logits(x, gamma, w, rows=rows).to(torch.bfloat16)  # [n, V_s]
 
-    mirror = shard_logits(x, gamma, w).to(torch.bfloat16)  # [gbs, V_s]
+    mirror = mirror_rows(slice(None))  # [gbs, V_s]
 
     def gemm(g_n):
-        return lambda: torch.cat([row_logits(slice(i * gbs // g_n, (i + 1) * gbs // g_n)) for i in range(g_n)])
+        return lambda: torch.cat([shard_logits(x, gamma, w, rows=slice(i * gbs // g_n, (i + 1) * gbs // g_n))
+                                  for i in range(g_n)])
 
-    def a2a(g_n):
-        def f():
-            outs = []
-            for blk in mirror.chunk(g_n):
-                outs.append(torch.empty_like(blk))
-                dist.all_to_all_single(outs[-1], blk.contiguous())
-            return torch.cat(outs)
-        return f
+    def serial(g_n):
+        block = gbs // g_n
+        return lambda: _a2a_rows([mirror_rows(slice(i * block, (i + 1) * block)) for i in range(g_n)], g_n)
 
-    arms = {}
+    ex = {}
     for g_n in groups:
-        arms[f"gemm G={g_n}"], arms[f"a2a G={g_n}"] = gemm(g_n), a2a(g_n)
-        arms[f"overlap G={g_n}"] = lambda g_n=g_n: exchange_rows(row_logits, gbs=gbs, batch_groups=g_n)
+        ex[f"overlap G={g_n}"] = lambda g_n=g_n: exchange_rows(mirror_rows, gbs=gbs, batch_groups=g_n)
         if g_n > 1:
-            arms[f"serial G={g_n}"] = lambda g_n=g_n: _serial_rows(row_logits, gbs, g_n)
-    return arms
-
-
-def _pair_bits(a, b):
-    """Bitwise equality of two results that are a tensor or a tuple of tensors."""
-    a, b = (a,) if isinstance(a, torch.Tensor) else a, (b,) if isinstance(b, torch.Tensor) else b
-    return len(a) == len(b) and all(torch.equal(_bits(p), _bits(q)) for p, q in zip(a, b))
+            ex[f"serial G={g_n}"] = serial(g_n)
+    fam = {"gemm": ({f"gemm G={g}": gemm(g) for g in groups}, check_bitwise),
+           "a2a": ({f"a2a G={g}": (lambda g=g: _a2a_rows(mirror.chunk(g), g)) for g in groups},
+                   _global_check(gbs, lambda t: t)),
+           "exchange_rows": (ex, _global_check(gbs, lambda t: t))}
+    g1 = groups[0]
+    return {f"{name} (vs G={g1})": abba(arms, base=next(iter(arms)), rounds=rounds, check=chk,
+                                         timer=max_over_ranks) for name, (arms, chk) in fam.items()}
 
 
 def _overlap_job(rank, gbs, h, vs, k, rounds, groups):
@@ -244,82 +228,56 @@ def _overlap_job(rank, gbs, h, vs, k, rounds, groups):
         rows = sp[owned_rows(rank, vtp, gbs, None, g_n)]  # [R, 5] in receive order
         return lambda: decode_tail(x, gamma, w, sampling_params=rows, batch_groups=g_n, fence=fence, **kw)
 
-    refs, t_g = _alternate({f"G={g}": tail(g) for g in groups}, rounds, _tail_same)
-    glob = {n: _global_rows(o, gbs, int(n[2:])) for n, o in refs.items()}
-    base = f"G={groups[0]}"
-    assert all(torch.equal(glob[base], glob[n]) for n in glob), "arms differ bitwise across G"
-    assert all(torch.equal(_bits(refs[base].logits), _bits(o.logits)) for o in refs.values())
-    prefs, t_p = _alternate(_parts_arms(x, gamma, w, gbs, groups), max(2, rounds // 2), _pair_bits)
-    for g_n in groups[1:]:
-        assert _pair_bits(prefs[f"overlap G={g_n}"], prefs[f"serial G={g_n}"]), "serial emulation bytes"
-        assert _pair_bits(prefs[f"overlap G={g_n}"][1], prefs[f"overlap G={groups[0]}"][1]), "logits bytes"
-    frefs, t_f = _alternate({"fence=False": tail(groups[0]), "fence=True": tail(groups[0], True)},
-                            rounds, _tail_same)
-    assert _tail_same(frefs["fence=False"], frefs["fence=True"]), "fence changed an output"
-    return t_g, t_p, t_f
+    def same_logits(out, base_out):
+        assert_bitwise(out.logits, base_out.logits, what=f"rank {rank} shard logits")
 
-
-def _row(name, ts, base, note=""):
-    """One table line: median ms, median paired ratio ts/base, rounds ts was faster."""
-    ratios = [t / b for t, b in zip(ts, base)]
-    won = f"{sum(r < 1 for r in ratios)}/{len(ratios)}" if ts is not base else "-"
-    return f"  {name:<28} {1e3 * statistics.median(ts):>9.1f} {statistics.median(ratios):>7.3f} {won:>6}  {note}"
-
-
-def _print_overlap(gbs, vtp, vs, t_g, t_p, t_f, groups):
-    a2a_b = gbs * vs * (vtp - 1) * 2 // vtp
-    g1 = groups[0]
-    print(f"gbs={gbs}: R={gbs // vtp} rows/rank, a2a {a2a_b:,} B received per rank; "
-          f"outputs bitwise equal across all arms (asserted)")
-    print(f"  {'arm':<28} {'median ms':>9} {'ratio':>7} {'won':>6}  ratio vs")
-    for name, ts in t_g.items():
-        print(_row("decode_tail " + name, ts, t_g[f"G={g1}"], f"decode_tail G={g1}"))
-    for name, ts in t_f.items():
-        print(_row(f"decode_tail G={g1} " + name, ts, t_f["fence=False"], "fence=False"))
-    print(f"  parts ({len(next(iter(t_p.values())))} rounds):")
-    for name, ts in t_p.items():
-        ref = {"gemm": f"gemm G={g1}", "a2a": f"a2a G={g1}"}.get(name.split()[0], f"overlap G={g1}")
-        print(_row(name, ts, t_p[ref], ref))
-    for g_n in groups[1:]:
-        ov, se = t_p[f"overlap G={g_n}"], t_p[f"serial G={g_n}"]
-        saved = statistics.median([s - o for s, o in zip(se, ov)])
-        print(_row(f"overlap/serial G={g_n}", ov, se, f"serial G={g_n}; overlap saved "
-                   f"{1e3 * saved:.1f} ms (median)"))
+    tail_check = _global_check(gbs, _tail_bits, same_logits)
+    res = {"decode_tail (vs G=1)": abba({f"G={g}": tail(g) for g in groups}, base=f"G={groups[0]}",
+                                        rounds=rounds, check=tail_check, timer=max_over_ranks)}
+    res.update(_parts_cases(x, gamma, w, gbs, groups, max(2, rounds // 2)))
+    res["fence (vs off)"] = abba({"fence=False": tail(groups[0]), "fence=True": tail(groups[0], True)},
+                                 base="fence=False", rounds=rounds, check=tail_check, timer=max_over_ranks)
+    return res
 
 
 def overlap_section(gbs_list, h, vs, k, rounds, groups=(1, 2, 4)):
     vtp = 2
-    print(f"\ndecode_tail over VTP={vtp} gloo ranks (1 thread each), H={h} V_s={vs} V={vtp * vs} "
-          f"k={k}, sampling on; {rounds} rounds, arms alternated; time = max over ranks; ratio = "
-          f"median paired per-round ratio; won = rounds faster than the reference")
     for gbs in gbs_list:
-        t_g, t_p, t_f = launch(_overlap_job, vtp, args=(gbs, h, vs, k, rounds, tuple(groups)),
-                               timeout_s=300, threads=1)[0]
-        _print_overlap(gbs, vtp, vs, t_g, t_p, t_f, groups)
+        res = launch(_overlap_job, vtp, args=(gbs, h, vs, k, rounds, tuple(groups)),
+                     timeout_s=300, threads=1)[0]
+        print(format_table(res, title=f"decode_tail over VTP={vtp} gloo ranks (1 thread each), gbs={gbs} "
+                           f"(R={gbs // vtp}), H={h} V_s={vs} k={k}; outputs bitwise equal in global row "
+                           f"order (checked); time = max over ranks"))
+        ex = res[f"exchange_rows (vs G={groups[0]})"]
+        for g_n in groups[1:]:
+            ov, se = ex.times[f"overlap G={g_n}"], ex.times[f"serial G={g_n}"]
+            print(f"overlap vs serial G={g_n}: median paired ratio "
+                  f"{statistics.median(o / s for o, s in zip(ov, se)):.3f}, overlap faster in "
+                  f"{sum(o < s for o, s in zip(ov, se))}/{len(ov)} rounds, saved "
+                  f"{1e3 * statistics.median(s - o for o, s in zip(ov, se)):.1f} ms (median)")
 
 
 def exchange_section(a):
-    print(f"gbs={a.gbs} V={a.v}  bytes = received per rank from peers; time = median paired "
-          f"ratio over {a.rounds} rounds (gloo, localhost)")
-    print(f"{'VTP':>4} {'a2a bf16 B':>12} {'counted':>12} {'ag fp32 B':>12} {'counted':>12} "
-          f"{'bytes ag/a2a':>12} {'a2a ms':>8} {'ag ms':>8} {'time ag/a2a':>11} {'a2a won':>8}")
+    results = {}
+    print(f"gbs={a.gbs} V={a.v}: bytes received per rank from peers (analytic / counted)")
+    print(f"{'VTP':>4} {'a2a bf16 B':>12} {'counted':>12} {'ag fp32 B':>12} {'counted':>12} {'ag/a2a':>7}")
     for vtp in a.vtp:
-        (counted_a, counted_b), ta, tb = launch(_rank_job, vtp, args=(a.gbs, a.v, a.rounds),
-                                               timeout_s=300, threads=1)[0]
+        (counted_a, counted_b), res = launch(_rank_job, vtp, args=(a.gbs, a.v, a.rounds),
+                                             timeout_s=300, threads=1)[0]
         an_a, an_b = analytic(a.gbs, a.v, vtp)
-        ratios = [y / x for x, y in zip(ta, tb)]
-        print(f"{vtp:>4} {an_a:>12,} {counted_a:>12,} {an_b:>12,} {counted_b:>12,} {an_b / an_a:>12.2f} "
-              f"{1e3 * statistics.median(ta):>8.2f} {1e3 * statistics.median(tb):>8.2f} "
-              f"{statistics.median(ratios):>11.2f} {sum(r > 1 for r in ratios):>4}/{len(ratios)}")
+        print(f"{vtp:>4} {an_a:>12,} {counted_a:>12,} {an_b:>12,} {counted_b:>12,} {an_b / an_a:>7.2f}")
+        results[f"VTP={vtp}"] = res
     for gbs, vtp in ((128, 8), (64, 16)):
         an_a, an_b = analytic(gbs, a.v, vtp)
         print(f"analytic only, gbs={gbs} VTP={vtp}: a2a {an_a:,} B vs all-gather {an_b:,} B "
               f"per rank ({an_b / an_a:.0f}x)")
-
+    print()
+    print(format_table(results, title=f"exchange, gbs={a.gbs} V={a.v}, gloo on localhost; rows checked "
+                       f"bitwise; time = max over ranks; ratio = time / all-gather's"))
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gbs", type=int, default=32)
     ap.add_argument("--v", type=int, default=201088)  # GPT-OSS vocab (padded), divisible by 8
     ap.add_argument("--vtp", type=int, nargs="+", default=[2, 4])
@@ -330,12 +288,15 @@ def main():
     ap.add_argument("--ov-vs", type=int, default=25136)  # V_s per rank (V = 2 * V_s)
     ap.add_argument("--ov-k", type=int, default=256)
     ap.add_argument("--ov-rounds", type=int, default=8)
+    ap.add_argument("--quick", action="store_true",
+                    help="exchange section only, VTP 2, V = 16384, 3 rounds (a smoke run)")
     a = ap.parse_args()
+    if a.quick:
+        a.section, a.vtp, a.v, a.rounds = "exchange", [2], 16384, 3
     if a.section != "overlap":
         exchange_section(a)
     if a.section != "exchange":
         overlap_section(a.ov_gbs, a.ov_h, a.ov_vs, a.ov_k, a.ov_rounds)
-
 
 
 if __name__ == "__main__":

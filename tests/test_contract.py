@@ -60,12 +60,14 @@ def test_every_tail_kind_has_a_control_and_there_are_enough():
 # ---------------------------------------------------------------------------------------
 def _blind(kind):
     """The same kind with every float64 check and case expectation replaced by 'ok'."""
-    ok = lambda data, out, run: Verdict(True, None, "check disabled")  # noqa: E731
+    ok = lambda data, out, run, decl: Verdict(True, None, "check disabled")  # noqa: E731
     strip = lambda gen: lambda fast: [replace(c, expect=None) for c in gen(fast)]  # noqa: E731
     return replace(kind, check=ok, gens={g: strip(f) for g, f in kind.gens.items()})
 
 
-@pytest.mark.parametrize("ctl_name", ["tail.mean_over_H", "tail.ties_higher_id", "tail.topp_drops_crossing"])
+@pytest.mark.parametrize("ctl_name", ["tail.mean_over_H", "tail.ties_higher_id", "tail.topp_drops_crossing",
+                                      "tail.decl_half_depth", "tail.chain.decl_half_depth", "gemm.amx32.chain_range",
+                                      "gemm.amx32.decl_half_depth", "glue.moe_keep_f32", "glue.router_no_guard"])
 def test_disabled_check_lets_the_control_pass(ctl_name):
     ctl = next(c for c in CONTROLS if c.name == ctl_name)
     kinds = dict(KINDS, **{ctl.kind: _blind(KINDS[ctl.kind])})
@@ -126,6 +128,71 @@ def test_other_variants_without_defect_are_the_real_ops():
     assert not harness.diff_outputs(tk.topk_variant(d), tk.run_topk(d))
     d = tk.tail_random(True, k=64, v=4096)[0].data
     assert not harness.diff_outputs(tk.mirror_variant(d), tk.run_mirror(d))
+
+
+def test_gemm_variants_without_defect_are_the_real_op():
+    """The gemm kinds' emulation and the amx32 control body with no switch planted give the
+    op's bytes (so a red control is its one defect), in both orders."""
+    from lmtail.contract import gemm_kinds as gk
+
+    for order in ("amx32", "chain"):
+        for case in gk.gemm_random(True, order=order) + gk.gemm_special(True, order=order)[:3]:
+            d = case.data
+            assert not harness.diff_outputs(gk.emulate_gemm(d), gk.run_gemm(d), nan_equal=True), (order, case.label)
+            if order == "amx32":
+                assert not harness.diff_outputs(gk.amx32_variant(d), gk.run_gemm(d), nan_equal=True), case.label
+
+
+def test_near_bound_data_follows_the_gemm_order():
+    """The half-depth declaration is caught only by data built for the kind's own order: the
+    chain's round-up data run in amx32 stays inside amx32's halved range (planted: an
+    order-blind adversarial gate would let the amx32 control through), amx32's own data does not."""
+    kw = dict(dtype=torch.float32, deferred=True, k=None)
+    for built_for, caught in (("chain", False), ("amx32", True)):
+        d = dict(tk._gemm_at_bound(order=built_for, **kw), gemm_order="amx32")
+        out = tk.run_logits(d)
+        assert tk.check_logits(d, out, tk.run_logits, tk.tail_decl_of(d)).ok
+        assert tk.check_logits(d, out, tk.run_logits, tk.shallow_decl(d)).ok is not caught, built_for
+
+
+def test_wrong_declaration_control_keeps_the_real_op():
+    """The half-depth control changes only the declaration: the op and data are the kind's,
+    the full declaration passes the same gate, and the halved one is what goes red."""
+    ctl = next(c for c in CONTROLS if c.name == "tail.decl_half_depth")
+    kind = KINDS[ctl.kind]
+    assert ctl.run is None and ctl.ranks is None and ctl.decl is not None
+    d = kind.gens["random"](True)[0].data
+    full, half = kind.decl(d), ctl.decl(d)
+    assert [s.depth // 2 for s in full.sums] == [s.depth for s in half.sums]
+    assert run_gates(kind, FAST, only=["adversarial"])["adversarial"].ok
+    red = run_gates(kind, FAST, decl=ctl.decl, only=["adversarial"])["adversarial"]
+    assert red.ok is False and "outside" in red.detail
+
+
+def test_glue_kinds_take_their_declaration_from_the_data():
+    """No glue depth is pinned to one width: the declared ssq depth follows H and the order."""
+    kind = KINDS["glue.add_rms_y"]
+    d = kind.gens["shapes"](True)[0].data  # 16 x 2,688
+    assert kind.decl(d).sum("ssq").depth == 11 + 5 + 7
+    narrow = kind.gens["shapes"](True)[-1].data  # 2 x 100
+    assert narrow["x"].shape[1] == 100 and kind.decl(narrow).sum("ssq").depth == 1 + 5 + 7
+
+
+def test_references_never_import_the_ops_they_check():
+    """reference/*.py import only numerics and each other: a reference that imported an op
+    (or its order constant) would move with the code it is meant to pin."""
+    import ast
+    from pathlib import Path
+
+    import lmtail.reference
+
+    ops = ("tail", "sampler", "topk", "norms", "router", "kernels", "exchange", "orders", "layout", "contract")
+    for path in Path(lmtail.reference.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                mod = ("." * node.level) + (node.module or "")
+                top = mod.removeprefix("..").removeprefix("lmtail.").split(".")[0] if mod.startswith(("..", "lmtail")) else ""
+                assert top not in ops, f"{path.name} imports {mod}"
 
 
 def test_decode_ranks_gate_passes_on_two_ranks():
@@ -236,7 +303,8 @@ def test_special_case_expectations_are_live():
     cases = {c.label.split(" ->")[0]: c for c in kind.gens["special"](True)}
     zero = cases["zeros"]
     out = kind.run(zero.data)
-    assert zero.expect(zero.data, out, kind.run).ok
-    assert not zero.expect(zero.data, {"logits": out["logits"] + 1e-30}, kind.run).ok
+    decl = kind.decl(zero.data)
+    assert zero.expect(zero.data, out, kind.run, decl).ok
+    assert not zero.expect(zero.data, {"logits": out["logits"] + 1e-30}, kind.run, decl).ok
     err = Case("no error", cases["eps < 0"].data, raises="eps must be >= 0")
     assert not harness.run_case(kind, err, lambda d: {"logits": torch.zeros(1)}).ok

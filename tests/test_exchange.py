@@ -1,4 +1,4 @@
-"""The vocab-parallel tail (lmtail.exchange, SPEC 5) on gloo ranks spawned by lmtail.launch.
+"""The vocab-parallel tail (lmtail.tail over lmtail.exchange) on gloo ranks spawned by lmtail.launch.
 
 One 8-rank job runs every configuration: VTP=8 over the world and VTP=4, 2, 1 over
 subgroups of it (so the whole-world and the sub-parent paths are both exercised), every
@@ -134,16 +134,18 @@ def _errors_on_every_rank(rank):
 
 
 def _synthetic(rank, parents):
-    """exchange_rows on a matrix full of special values: bytes must move untouched."""
-    full = _special_matrix()
+    """exchange_rows on a matrix full of special values: bytes must move untouched (bf16
+    slabs, as the tail sends, and fp32 ones: the transport has no dtype of its own)."""
     out = {}
-    for vtp, hops, g in ((8, (2, 2, 2), 1), (8, (8,), 4), (4, (2, 2), 1), (2, (2,), 2)):
-        p = parents[vtp]
-        vs = V // vtp
-        pr = p.rank()
-        recv, logits = exchange_rows(lambda s: full[s, pr * vs:(pr + 1) * vs], gbs=GBS, group=p, hops=hops,
-                                     batch_groups=g, timeout=60)
-        out[(vtp, hops, g)] = (pr, recv)
+    for dt in (torch.bfloat16, torch.float32):
+        full = _special_matrix().to(dt)
+        for vtp, hops, g in ((8, (2, 2, 2), 1), (8, (8,), 4), (4, (2, 2), 1), (2, (2,), 2)):
+            p = parents[vtp]
+            vs = V // vtp
+            pr = p.rank()
+            recv = exchange_rows(lambda s: full[s, pr * vs:(pr + 1) * vs], gbs=GBS, group=p, hops=hops,
+                                 batch_groups=g, timeout=60)
+            out[(dt, vtp, hops, g)] = (pr, recv)
     return out
 
 
@@ -319,12 +321,13 @@ def test_planted_wrong_ownership_maps_are_caught(run):
 
 
 def test_synthetic_exchange_moves_bytes_untouched(run):
-    want = _special_matrix().to(torch.bfloat16)  # [gbs, V]
-    assert bool(torch.isnan(want).any() and torch.isinf(want).any())
     for gr in range(WORLD):
-        for (vtp, hops, g), (pr, recv) in run["res"][gr]["synthetic"].items():
+        for (dt, vtp, hops, g), (pr, recv) in run["res"][gr]["synthetic"].items():
+            want = _special_matrix().to(dt)  # [gbs, V]
+            assert bool(torch.isnan(want).any() and torch.isinf(want).any())
+            view = torch.int16 if dt == torch.bfloat16 else torch.int32
             rows = owned_rows(pr, vtp, GBS, hops, g)
-            assert torch.equal(recv.view(torch.int16), want[rows].view(torch.int16)), (vtp, hops, g, gr)
+            assert recv.dtype == dt and torch.equal(recv.view(view), want[rows].view(view)), (dt, vtp, hops, g, gr)
 
 
 def test_hop_groups_are_cached(run):

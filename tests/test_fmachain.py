@@ -1,8 +1,8 @@
-"""kernels/fmachain.c against the torch references, bit for bit (int32 views).
+"""kernels/fmachain: every C backend against the "torch" backend, bit for bit (int32 views).
 
-fma_sum_rows vs orders._fma_sum_torch (itself checked against the float64-free scalar
-emulation reference/glue.emu_fma_sum here and in test_orders.py), moe_routed vs
-norms._moe_routed_torch; every available C backend, several thread counts. NaN sign and
+fma_sum_rows (the "torch" backend itself checked against the float64-free scalar
+emulation reference/glue.emu_fma_sum here and in test_orders.py) and moe_routed; every
+available C backend, several thread counts. NaN sign and
 payload are not declared (test_orders.py: every NaN compares as one), so NaN lanes are
 mapped to one canonical pattern on both sides before the bitwise compare; a NaN on one
 side only is still a mismatch. Shape legend: R rows, N width, S slots, T tokens, H width.
@@ -14,15 +14,14 @@ import pytest
 import torch
 
 from lmtail.kernels import fmachain
-from lmtail.norms import _moe_routed_torch, add_rms, moe_add_rms
+from lmtail.norms import add_rms, inv_rms, moe_add_rms, rms_parts
 from lmtail.numerics import fma32
-from lmtail.orders import (Order, _fma_sum_torch, contiguous, fma_sum, lane_totals, placebo,
+from lmtail.orders import (Order, contiguous, fma_sum, lane_totals, placebo,
                            strided, sum_squares)
 from lmtail.reference.glue import bf16_array, emu_fma_sum
 
-pytestmark = pytest.mark.skipif(not fmachain.available_backends(),
-                                reason="fmachain C kernel unavailable (no C compiler)")
-BACKENDS = fmachain.available_backends() or ("generic",)
+BACKENDS = tuple(b for b in fmachain.available_backends() if b != "torch")  # the C ones
+pytestmark = pytest.mark.skipif(not BACKENDS, reason="fmachain C kernel unavailable (no C compiler)")
 ORDERS = [strided(32), contiguous(32), strided(256), contiguous(256), placebo(strided(64)),
           placebo(contiguous(96)), Order("contiguous", 64, 3)]
 
@@ -38,6 +37,17 @@ def kernel(backend: str, threads: int | None = None):
         return fmachain.fma_sum_rows(a, b, lanes=order.lanes, vec=order.vec,
                                      reverse=order.reverse_butterfly, threads=threads, backend=backend)
     return impl
+
+
+def _fma_sum_torch(a, b, order: Order) -> torch.Tensor:
+    """The "torch" backend of fma_sum_rows."""
+    return fmachain.fma_sum_rows(a, b, lanes=order.lanes, vec=order.vec,
+                                 reverse=order.reverse_butterfly, backend="torch")
+
+
+def _moe_routed_torch(slots, w, r):
+    """The "torch" backend of moe_routed."""
+    return fmachain.moe_routed(slots, w, nslots=r, backend="torch")
 
 
 def mismatches(impl, a: torch.Tensor, b: torch.Tensor, order: Order) -> int:
@@ -75,7 +85,7 @@ def _data(kind: str, rows: int, n: int, seed: int) -> tuple[torch.Tensor, torch.
 
 
 # ---------------------------------------------------------------------------------------
-# fma_sum_rows == orders._fma_sum_torch
+# fma_sum_rows: C backends == the torch backend
 # ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("order", ORDERS, ids=lambda o: o.name + f"v{o.vec}")
 @pytest.mark.parametrize("rows,n", [(1, 1), (1, 7), (3, 97), (300, 97), (2, 2688), (300, 2687)])
@@ -188,7 +198,7 @@ def test_planted_variants_are_caught():
 
 
 # ---------------------------------------------------------------------------------------
-# moe_routed == norms._moe_routed_torch
+# moe_routed: C backends == the torch backend
 # ---------------------------------------------------------------------------------------
 def _moe_data(s: int, t: int, h: int, seed: int, dtype):
     g = torch.Generator().manual_seed(seed)
@@ -224,23 +234,30 @@ def test_moe_planted_mul_add_is_caught():
     assert torch.equal(bits(fmachain.moe_routed(slots, w, nslots=8)), want)
 
 
-def test_norms_bits_with_and_without_the_kernel(monkeypatch):
-    """moe_add_rms / add_rms give the same bytes on the C path and the torch path."""
+def test_norms_bits_on_every_backend():
+    """moe_add_rms / add_rms / rms_parts / inv_rms give the same bytes on every backend (the
+    C kernels and the torch one); planted: the placebo order on the torch backend differs
+    (seen in inv_rms's fp32 bits; the bf16 outputs round most one-ulp slips away)."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(5, 2688, generator=g).to(torch.bfloat16)
     gamma = torch.randn(2688, generator=g).to(torch.bfloat16)
     w = torch.rand(5, 6, generator=g)
-    outs = []
-    for off in (False, True):
-        if off:
-            monkeypatch.setattr(fmachain, "available_backends", lambda: ())
+
+    def outs(backend, order=contiguous(256)):
         res = []
         for dt in (torch.float32, torch.bfloat16):
             sl = torch.randn(8, 5, 2688, generator=torch.Generator().manual_seed(6)).to(dt)
-            res += list(moe_add_rms(x, sl, w, gamma, order=contiguous(256)))
-        res += list(add_rms(x, x, gamma))
-        outs.append([r.view(torch.int16) for r in res])
-    assert all(torch.equal(p, q) for p, q in zip(*outs))
+            res += list(moe_add_rms(x, sl, w, gamma, order=order, backend=backend, threads=2))
+        res += list(add_rms(x, x, gamma, order=order, backend=backend))
+        res.append(rms_parts(x, gamma, part=128, order=order, backend=backend))
+        inv = inv_rms(torch.randn(64, 2688, generator=torch.Generator().manual_seed(7)), order=order,
+                      backend=backend)
+        return [r.view(torch.int16) for r in res] + [inv.view(torch.int32)]
+
+    want = outs("torch")
+    for backend in BACKENDS:
+        assert all(torch.equal(p, q) for p, q in zip(outs(backend), want)), backend
+    assert not all(torch.equal(p, q) for p, q in zip(outs("torch", placebo(contiguous(256))), want))
 
 
 # ---------------------------------------------------------------------------------------
@@ -250,14 +267,14 @@ A = torch.zeros(2, 5)
 
 
 @pytest.mark.parametrize("call,match", [
-    (lambda: fmachain.fma_sum_rows(A.double(), A, lanes=32, vec=1, reverse=False), "a must be an fp32 CPU tensor"),
-    (lambda: fmachain.fma_sum_rows(A, A.half(), lanes=32, vec=1, reverse=False), "b must be an fp32 CPU tensor"),
+    (lambda: fmachain.fma_sum_rows(A.double(), A, lanes=32, vec=1, reverse=False), "a must be an fp32 tensor"),
+    (lambda: fmachain.fma_sum_rows(A, A.half(), lanes=32, vec=1, reverse=False), "b must be an fp32 tensor"),
     (lambda: fmachain.fma_sum_rows(torch.tensor(1.0), A, lanes=32, vec=1, reverse=False), "at least 1 dim"),
     (lambda: fmachain.fma_sum_rows(A, A, lanes=48, vec=1, reverse=False), "lanes must be a positive multiple of 32"),
     (lambda: fmachain.fma_sum_rows(A, A, lanes=32, vec=0, reverse=False), "vec must be an int >= 1"),
     (lambda: fmachain.fma_sum_rows(A, A, lanes=32, vec=1, reverse=False, threads=0), "threads must be a positive int"),
     (lambda: fmachain.fma_sum_rows(A, A, lanes=32, vec=1, reverse=False, backend="cuda"), "backend must be one of"),
-    (lambda: fmachain.moe_routed(A, A, nslots=1), r"slots must be an fp32 or bf16 CPU tensor \[S, T, H\]"),
+    (lambda: fmachain.moe_routed(A, A, nslots=1), r"slots must be an fp32 or bf16 tensor \[S, T, H\]"),
     (lambda: fmachain.moe_routed(torch.zeros(3, 2, 5), torch.zeros(3, 3), nslots=1), r"weights must be .*\[T=2"),
     (lambda: fmachain.moe_routed(torch.zeros(3, 2, 5), torch.zeros(2, 2), nslots=3), r"nslots must be an int in \[0, min\(S=3, W=2\)\]"),
 ])

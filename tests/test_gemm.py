@@ -438,6 +438,8 @@ def test_planted_bf16_output_breaks_the_bound():
 def test_declaration():
     d = G.gemm_decl(2880)
     assert d.sums[0].dtype == "fp32" and d.sums[0].depth == 2880
+    assert G.gemm_decl(2880, "amx32").sum("gemm").depth == 16 + 1 + 90
+    assert G.gemm_decl(61, "amx32").sum("gemm").depth == 16 + 1 + 2
 
 
 BAD = [
@@ -447,7 +449,6 @@ BAD = [
     (lambda a, w: (a, w[None]), r"w must be 2-D \[H, V\]; got shape \(1, 8, 5\)"),
     (lambda a, w: (a[:, :7], w), r"H mismatch: a is \[M, H\] = \(3, 7\) but w is"),
     (lambda a, w: (a, w.t().contiguous().t()), r"w must be C-contiguous \[H, V\]; got"),
-    (lambda a, w: (a.float().numpy(), w), "a must be a torch.Tensor"),
 ]
 
 
@@ -458,6 +459,13 @@ def test_bad_inputs(fn, case):
     a, w = rand_data(3, 8, 5, 0)
     with pytest.raises(ValueError, match=msg):
         fn(*make(a, w))
+
+
+@pytest.mark.parametrize("fn", [gemm_bf16_chain, gemm_bf16_chain_reference])
+def test_non_tensor_is_a_type_error(fn):
+    a, w = rand_data(3, 8, 5, 0)
+    with pytest.raises(TypeError, match="a must be a torch.Tensor"):
+        fn(a.float().numpy(), w)
 
 
 @pytest.mark.parametrize("out, msg", [
@@ -476,3 +484,391 @@ def test_bad_out_writes_nothing(out, msg):
     with pytest.raises(ValueError, match="a must be torch.bfloat16"):
         gemm_bf16_chain(a.float(), w, out=sentinel)
     assert bool((sentinel == 7).all())
+
+
+# =======================================================================================
+# order "amx32": per 32-lane block, even and odd fma chains from +0, acc = acc + (e + o);
+# DAZ inputs, FTZ results. Every backend == the reference emulation == AMX, byte for byte.
+# =======================================================================================
+from fractions import Fraction  # noqa: E402
+
+from lmtail.kernels.gemm import gemm_bf16, pack_weight  # noqa: E402
+from lmtail.reference import gemm as R  # noqa: E402
+
+AMX32 = G.available_backends("amx32")
+EMULATIONS = tuple(b for b in AMX32 if b != "amx")
+NO_AMX = "this CPU lacks AMX-BF16 (cpuid AMX-BF16/AMX-TILE, or the OS refused XTILEDATA)"
+
+
+def amx32_impl(backend, packed=False, threads=None):
+    def impl(a, w):
+        return gemm_bf16(a, pack_weight(w) if packed else w, order="amx32", backend=backend,
+                         threads=threads)
+    return impl
+
+
+def amx32_ref(a, w):
+    return R.gemm_amx32_emulation(a, w)
+
+
+def underflow_data_ftz(M, H, V, seed):
+    """Products and partial sums around fp32's smallest normal, where FTZ decides."""
+    a, w = rand_data(M, H, V, seed)
+    return _bf16(a.float() * 2.0**-62), _bf16(w.float() * 2.0**-60)
+
+
+# M in {1, 7, 16, 300} x H in {32, 2880, 3072, 61, 576}; V never a multiple of 16 (wider
+# for few rows: several 256-column tiles; narrow for 300 rows to keep the reference fast)
+AMX32_SHAPES = [(m, h, {1: 531, 7: 133, 16: 75, 300: 21}[m])
+                for m in (1, 7, 16, 300) for h in (32, 2880, 3072, 61, 576)]
+_AMX32_REFS: dict = {}
+
+
+def amx32_case(maker, M, H, V, seed):
+    key = (maker.__name__, M, H, V, seed)
+    if key not in _AMX32_REFS:
+        a, w = maker(M, H, V, seed)
+        _AMX32_REFS[key] = (a, w, amx32_ref(a, w))
+    return _AMX32_REFS[key]
+
+
+@pytest.mark.parametrize("shape", AMX32_SHAPES)
+def test_amx32_backends_match_reference(shape):
+    """avx512 == avx2 == c == reference (plain and packed weight), one seed per shape."""
+    a, w, ref = amx32_case(rand_data, *shape, sum(shape) % 7)
+    pw = pack_weight(w)
+    for b in EMULATIONS:
+        if b == "c" and shape[0] * shape[1] * shape[2] > 3e6:
+            continue  # the plain C path is checked on the smaller shapes (it is slow)
+        assert same_bytes(gemm_bf16(a, w, order="amx32", backend=b), ref), (b, shape)
+        assert same_bytes(gemm_bf16(a, pw, order="amx32", backend=b), ref), (b, shape, "packed")
+
+
+@pytest.mark.parametrize("maker", [special_data, underflow_data_ftz])
+@pytest.mark.parametrize("shape", [(9, 61, 101), (4, 260, 333), (16, 576, 50)])
+def test_amx32_special_values(maker, shape):
+    """NaN, +-inf, +-0, subnormal inputs and results, overflow: every path, both layouts."""
+    for seed in (0, 1):
+        a, w, ref = amx32_case(maker, *shape, seed)
+        for b in EMULATIONS:
+            for ww in (w, pack_weight(w)):
+                assert same_bytes(gemm_bf16(a, ww, order="amx32", backend=b), ref), (b, seed)
+        bits = ref.view(torch.int32)
+        if maker is special_data:
+            nan = torch.isnan(ref)
+            assert 0 < nan.sum() < nan.numel() and bool((bits[nan] == 0x7FC00000).all())
+            assert bool(torch.isinf(ref).any())
+        else:  # flushed results of both signs, and results at the smallest normal
+            assert bool((bits == 0).any() and (bits == -2**31).any())
+            assert bool(((bits & 0x7FFFFFFF) == 0x00800000).any() or
+                        ((bits & 0x7FFFFFFF) < 0x00900000).any())
+            assert not bool((((bits & 0x7F800000) == 0) & ((bits & 0x7FFFFF) != 0)).any())
+
+
+def test_amx_matches_emulation():
+    """The AMX tile kernel == the emulation, byte for byte (random and special data)."""
+    if "amx" not in AMX32:
+        pytest.skip(NO_AMX)
+    for maker, shape in ((rand_data, (300, 2880, 75)), (rand_data, (7, 61, 531)),
+                         (rand_data, (16, 3072, 33)), (special_data, (9, 61, 101)),
+                         (underflow_data_ftz, (16, 576, 50))):
+        a, w = maker(*shape, 0)
+        want = gemm_bf16(a, w, order="amx32", backend=EMULATIONS[0])
+        assert same_bytes(gemm_bf16(a, w, order="amx32", backend="amx"), want), shape
+        assert same_bytes(gemm_bf16(a, pack_weight(w), order="amx32", backend="amx"), want)
+
+
+# ---------------------------------------------------------------------------------------
+# hand-computed cases: (H, {lane: (a, w)}, expected bits, what a wrong model gives)
+# ---------------------------------------------------------------------------------------
+T = 2.0**-126
+AMX32_HAND = [
+    # x = 2^-126 - 1.5*2^-151 is tiny after rounding -> +0 (flushing only subnormal IEEE
+    # results would keep 2^-126)
+    ("ftz after rounding, flushed", 3, {0: (2.0**-63, 2.0**-63), 2: (-1.5 * 2.0**-75, 2.0**-76)},
+     0x00000000),
+    # x = 2^-126 - 2^-152 rounds to 2^-126 with an unbounded exponent: not tiny (tininess
+    # before rounding would flush it)
+    ("ftz after rounding, kept", 3, {0: (2.0**-63, 2.0**-63), 2: (-(2.0**-76), 2.0**-76)},
+     0x00800000),
+    # a subnormal input is read as zero (the chain would give 4e-39)
+    ("daz", 1, {0: (1.0e-39, 4.0)}, 0x00000000),
+    # block 1: s = -2^-126 - 2^-133, acc = 2^-126 + s = -2^-133 is flushed to -0
+    ("ftz of the block add, signed", 36,
+     {0: (2.0**-63, 2.0**-63), 32: (-(2.0**-62), 2.0**-62), 33: (1.5 * 2.0**-62, 2.0**-63),
+      35: (-(2.0**-66), 2.0**-67)}, 0x80000000),
+    # ... then block 2: e = o = -0 (flushed tiny products); the +0 * +0 pad lanes make them
+    # +0, and acc = -0 + +0 = +0 (skipping the pad lanes would give -0)
+    ("pad lanes are +0 products", 66,
+     {0: (2.0**-63, 2.0**-63), 32: (-(2.0**-62), 2.0**-62), 33: (1.5 * 2.0**-62, 2.0**-63),
+      35: (-(2.0**-66), 2.0**-67), 64: (-(2.0**-70), 2.0**-70), 65: (-(2.0**-70), 2.0**-70)},
+     0x00000000),
+    # the even and odd sums meet once per block: acc = 1 + (2^-24 + 2^-24) = 1 + 2^-23
+    # ((acc + e) + o would round twice to 1)
+    ("acc + (e + o)", 34, {0: (1.0, 1.0), 32: (2.0**-12, 2.0**-12), 33: (2.0**-12, 2.0**-12)},
+     0x3F800001),
+    # in one lane chain the fma keeps -2^126 finite; split over even and odd it overflows
+    ("fma within a lane chain", 3, {0: (2.0**64, 1.5 * 2.0**63), 2: (2.0**64, -(2.0**64))},
+     0xFE800000),
+    ("even and odd chains overflow apart", 2, {0: (2.0**64, 1.5 * 2.0**63), 1: (2.0**64, -(2.0**64))},
+     0xFF800000),
+    ("inf * 0 -> canonical NaN", 2, {0: (math.inf, 0.0), 1: (1.0, 1.0)}, 0x7FC00000),
+    ("NaN payload -> canonical NaN", 1, {0: (float("nan"), 1.0)}, 0x7FC00000),
+]
+
+
+def _lanes_case(H, lanes):
+    a = torch.zeros(1, H)
+    w = torch.zeros(H, 1)
+    for k, (x, y) in lanes.items():
+        a[0, k], w[k, 0] = x, y
+    a, w = a.bfloat16(), w.bfloat16()
+    if any(x != x for x, _ in lanes.values()):  # a NaN with a payload: bf16 0x7FC1
+        a.view(torch.int16)[torch.isnan(a)] = 0x7FC1
+    return a, w
+
+
+@pytest.mark.parametrize("case", AMX32_HAND, ids=[c[0] for c in AMX32_HAND])
+def test_amx32_hand_cases(case):
+    _, H, lanes, want = case
+    a, w = _lanes_case(H, lanes)
+    assert all(float(a[0, k]) * float(w[k, 0]) == x * y for k, (x, y) in lanes.items()
+               if min(abs(x), abs(y)) >= T and max(abs(x), abs(y)) < math.inf)  # exact in bf16
+    assert _u32(amx32_ref(a, w)) == want
+    for b in AMX32:
+        for ww in (w, pack_weight(w)):
+            assert _u32(gemm_bf16(a, ww, order="amx32", backend=b)) == want, b
+
+
+def test_amx32_hand_cases_tell_the_wrong_models_apart():
+    """Each planted variant of the reference gets at least one hand case wrong."""
+    variants = {"chain": lambda a, w: R.gemm_chain_emulation(a, w),
+                "no FTZ/DAZ": lambda a, w: R.gemm_amx32_emulation(a, w, ftz=False),
+                "(acc + e) + o": lambda a, w: R.gemm_amx32_emulation(a, w, lane_pair_last=True),
+                "no pad lanes": lambda a, w: R.gemm_amx32_emulation(a, w, pad_lanes=False)}
+    for name, fn in variants.items():
+        wrong = [c[0] for c in AMX32_HAND if _u32(fn(*_lanes_case(c[1], c[2]))) != c[3]]
+        assert wrong, name
+
+
+# ---------------------------------------------------------------------------------------
+# the reference against exact rational arithmetic
+# ---------------------------------------------------------------------------------------
+def _round_ftz(x: Fraction, zero_sign: float) -> float:
+    """x rounded to fp32 (24 bits, exponent unbounded, ties to even); below 2^-126 the zero
+    of x's sign (zero_sign when x == 0). No overflow in the data used here."""
+    if x == 0:
+        return math.copysign(0.0, zero_sign)
+    y = abs(x)
+    e = y.numerator.bit_length() - y.denominator.bit_length()
+    while Fraction(2)**e > y:
+        e -= 1
+    while Fraction(2)**(e + 1) <= y:
+        e += 1
+    q = y / Fraction(2)**(e - 23)  # in [2^23, 2^24)
+    n = math.floor(q)
+    if q - n > Fraction(1, 2) or (q - n == Fraction(1, 2) and n % 2):
+        n += 1
+    r = float(n * Fraction(2)**(e - 23))
+    return math.copysign(0.0 if r < T else r, float(x.numerator))
+
+
+def _amx32_rational(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """amx32 on Python Fractions: scalar loops, exact sums, one rounding per step."""
+    def rd(v):
+        return 0.0 * math.copysign(1.0, v) if abs(v) < T else v
+    A, W = a.float().tolist(), w.float().tolist()
+    M, H, V = a.shape[0], a.shape[1], w.shape[1]
+    out = torch.zeros(M, V)
+    for m in range(M):
+        for v in range(V):
+            acc = 0.0
+            for b in range(0, H, 32):
+                chains = []
+                for lane0 in (0, 1):
+                    s = 0.0
+                    for k in range(b + lane0, b + 32, 2):
+                        x, y = (rd(A[m][k]), rd(W[k][v])) if k < H else (0.0, 0.0)
+                        p = Fraction(x) * Fraction(y)
+                        zs = -1.0 if math.copysign(1, x) * math.copysign(1, y) < 0 and \
+                            math.copysign(1, s) < 0 else 1.0
+                        s = _round_ftz(p + Fraction(s), zs)
+                    chains.append(s)
+                e, o = chains
+                zs = -1.0 if math.copysign(1, e) < 0 and math.copysign(1, o) < 0 else 1.0
+                t = _round_ftz(Fraction(e) + Fraction(o), zs)
+                zs = -1.0 if math.copysign(1, acc) < 0 and math.copysign(1, t) < 0 else 1.0
+                acc = _round_ftz(Fraction(acc) + Fraction(t), zs)
+            out[m, v] = acc
+    return out
+
+
+def test_amx32_reference_is_exact_rational_arithmetic():
+    for maker in (rand_data, underflow_data_ftz):
+        a, w = maker(2, 45, 3, 7)
+        a.view(torch.int16)[0, 3] = 0x0041  # a subnormal input
+        assert same_bytes(amx32_ref(a, w), _amx32_rational(a, w)), maker.__name__
+
+
+# ---------------------------------------------------------------------------------------
+# invariance: batch, threads, layout, repeats, column slices, row blocks, MXCSR
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", EMULATIONS)
+def test_amx32_batch_thread_layout_invariant(backend):
+    a, w = special_data(128, 300, 300, 3, p=0.002)
+    assert check_batch_invariant(amx32_impl(backend), a, w)
+    assert check_thread_invariant(amx32_impl(backend), a, w)
+    assert check_slice_invariant(amx32_impl(backend), a[:9], w)
+    one = amx32_impl(backend, threads=1)(a, w)
+    assert same_bytes(amx32_impl(backend, packed=True, threads=2)(a, w), one)
+    assert all(same_bytes(amx32_impl(backend, threads=2)(a, w), one) for _ in range(2))
+
+
+def test_amx32_many_rows_few_columns_split_rows_over_threads():
+    """V = 192 is one column tile: the rows are split across threads; same bytes."""
+    a, w = rand_data(300, 576, 192, 4)
+    for b in EMULATIONS:
+        one = amx32_impl(b, threads=1)(a, w)
+        assert same_bytes(amx32_impl(b, threads=2)(a, w), one), b
+    assert same_bytes(one, amx32_ref(a, w))
+
+
+def test_amx32_wide_tiles_for_few_rows():
+    """M <= 6 reads w in tiles of up to 4096 columns (fewer when that leaves < 4 per thread):
+    tile edges, thread counts and both layouts give the reference's bytes. The work
+    (M * Kp * V >= 2^22) is large enough that threads=2 really runs two threads."""
+    for M, V in ((1, 40001), (5, 17000)):
+        a, w = rand_data(M, 128, V, M)
+        ref = amx32_ref(a, w)
+        for b in EMULATIONS:
+            for threads in (1, 2):
+                for ww in (w, pack_weight(w)):
+                    got = gemm_bf16(a, ww, order="amx32", backend=b, threads=threads)
+                    assert same_bytes(got, ref), (M, V, b, threads)
+
+
+@pytest.mark.parametrize("M", range(1, 7))
+def test_amx32_streamed_strips_every_row_count(M):
+    """M <= 4 on a plain w streams strips of 128 (M = 1) or 64 columns (AVX-512; AVX2: 32 or
+    16 per 2-row group) over the whole blocks, then a masked pass over the partial block and
+    the last columns; M = 5, 6 take the masked path throughout. V = 359 has strips of each
+    width plus 7 columns, H = 77 a partial block, H = 96 none; random and
+    special values (NaN, inf, +-0, subnormals, flushed results); threads=2 is capped to one
+    thread at this size (M * Kp * V < 2^21), so it must give the same bytes too."""
+    for maker, H in ((rand_data, 96), (special_data, 77), (underflow_data_ftz, 96)):
+        a, w, ref = amx32_case(maker, M, H, 359, M)
+        for b in EMULATIONS:
+            for threads in (1, 2):
+                got = gemm_bf16(a, w, order="amx32", backend=b, threads=threads)
+                assert same_bytes(got, ref), (maker.__name__, M, H, b, threads)
+
+
+def test_amx32_row_blocks_and_strides():
+    a, w = rand_data(20, 140, 300, 3)
+    full = gemm_bf16(a, w, order="amx32")
+    wide = torch.full((20, 310), 7.0)
+    for r0, r1 in ((0, 3), (3, 11), (11, 20)):
+        gemm_bf16(a[r0:r1], w, order="amx32", out=wide[r0:r1, 4:304])
+    assert same_bytes(wide[:, 4:304].contiguous(), full)
+    assert bool((wide[:, :4] == 7).all() and (wide[:, 304:] == 7).all())
+    assert same_bytes(gemm_bf16(a.t().contiguous().t(), w, order="amx32"), full)
+
+
+def test_amx32_caller_flush_denormal_cannot_change_bits():
+    a, w = underflow_data_ftz(9, 100, 300, 5)
+    want = {b: gemm_bf16(a, w, order="amx32", backend=b) for b in EMULATIONS}
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        got = {b: gemm_bf16(a, w, order="amx32", backend=b) for b in EMULATIONS}
+    finally:
+        torch.set_flush_denormal(False)
+    assert all(same_bytes(got[b], want[b]) for b in EMULATIONS)
+
+
+def test_amx32_empty_and_zero_depth():
+    out = gemm_bf16(*rand_data(3, 0, 5, 0), order="amx32")
+    assert out.shape == (3, 5) and bool((out.view(torch.int32) == 0).all())
+    assert gemm_bf16(*rand_data(0, 4, 5, 0), order="amx32").shape == (0, 5)
+    assert gemm_bf16(*rand_data(2, 4, 0, 0), order="amx32").shape == (2, 0)
+
+
+def test_pack_weight_layout():
+    w = rand_data(1, 61, 45, 0)[1]
+    pw = pack_weight(w)
+    assert pw.shape == (61, 45) and tuple(pw.data.shape) == (32, 128)
+    d = pw.data.view(torch.int16)
+    assert torch.equal(d[:, 0:90:2][:30], w.view(torch.int16)[0:60:2])  # even lanes
+    assert torch.equal(d[:, 1:90:2][:30], w.view(torch.int16)[1:60:2])  # odd lanes
+    assert bool((d[:, 90:] == 0).all() and (d[31, 1::2] == 0).all())  # padding is +0
+
+
+# ---------------------------------------------------------------------------------------
+# planted wrong variants and the float64 range
+# ---------------------------------------------------------------------------------------
+def test_amx32_planted_variants_are_caught():
+    a, w, ref = amx32_case(rand_data, 7, 2880, 133, 2880 % 7 + 7 + 133 - 140)
+    assert same_bytes(gemm_bf16(a, w, order="amx32"), ref)
+    assert not same_bytes(gemm_bf16(a, w, order="chain"), ref)  # the sequential chain
+    assert not same_bytes(R.gemm_amx32_emulation(a, w, lane_pair_last=True), ref)
+    a, w, ref = amx32_case(underflow_data_ftz, 9, 61, 101, 0)
+    assert not same_bytes(R.gemm_amx32_emulation(a, w, ftz=False), ref)  # no FTZ / DAZ
+
+
+def _adversarial_chain_data():
+    """1 + 2879 * 2^-24: every chain step is a tie that rounds back to 1 (the chain loses
+    1.7e-4), while amx32's block sums keep the small terms (exact here)."""
+    a = torch.full((1, 2880), 2.0**-12).bfloat16()
+    w = torch.full((2880, 3), 2.0**-12).bfloat16()
+    a[0, 0], w[0] = 1.0, 1.0
+    return a, w
+
+
+def test_amx32_range_from_the_declared_depth():
+    amx, chain = G.gemm_decl(2880, "amx32"), G.gemm_decl(2880, "chain")
+    for seed in SEEDS:
+        a, w = rand_data(17, 2880, 130, seed)
+        lo, hi = R.gemm_range(a, w, amx)
+        assert R.in_range(gemm_bf16(a, w, order="amx32"), lo, hi).all()
+        assert not R.in_range(gemm_bf16(a, w, order="amx32").bfloat16().float(), lo, hi).all()
+    a, w = special_data(9, 61, 101, 0)
+    assert R.in_range(gemm_bf16(a, w, order="amx32"), *R.gemm_range(a, w, G.gemm_decl(61, "amx32"))).all()
+    a, w = _adversarial_chain_data()
+    out_c, out_a = gemm_bf16(a, w, order="chain"), gemm_bf16(a, w, order="amx32")
+    assert R.in_range(out_c, *R.gemm_range(a, w, chain)).all()  # inside its own range
+    assert not R.in_range(out_c, *R.gemm_range(a, w, amx)).any()  # outside amx32's
+    assert R.in_range(out_a, *R.gemm_range(a, w, amx)).all()
+    exact = R.gemm_f64(a, w)[0, 0]
+    assert abs(float(out_a[0, 0]) - exact) * 100 < abs(float(out_c[0, 0]) - exact)
+
+
+# ---------------------------------------------------------------------------------------
+# validation of the options
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw, msg", [
+    (dict(order="pairwise"), r"order must be one of \('chain', 'amx32'\); got 'pairwise'"),
+    (dict(order="amx32", backend="cuda"), r"backend must be one of .* got 'cuda'"),
+    (dict(order="chain", backend="avx2"), r"backend must be one of .* order='chain'"),
+    (dict(order="amx32", threads=0), "threads must be an int >= 1 or None; got 0"),
+    (dict(order="amx32", threads=1.5), "threads must be an int >= 1 or None; got 1.5"),
+])
+def test_amx32_bad_options_write_nothing(kw, msg):
+    a, w = rand_data(3, 8, 5, 0)
+    out = torch.full((3, 5), 7.0)
+    with pytest.raises(ValueError, match=msg):
+        gemm_bf16(a, w, out=out, **kw)
+    assert bool((out == 7).all())
+
+
+def test_packed_weight_needs_amx32_and_matching_h():
+    a, w = rand_data(3, 8, 5, 0)
+    with pytest.raises(ValueError, match="a PackedWeight needs order='amx32'; got order='chain'"):
+        gemm_bf16(a, pack_weight(w))
+    with pytest.raises(ValueError, match=r"H mismatch: a is \[M, H\] = \(3, 7\)"):
+        gemm_bf16(a[:, :7], pack_weight(w), order="amx32")
+    with pytest.raises(ValueError, match="w must be torch.bfloat16; got torch.float32"):
+        pack_weight(w.float())
+    with pytest.raises(TypeError, match="w must be a torch.Tensor"):
+        pack_weight([1, 2])
+    with pytest.raises(ValueError, match=r"PackedWeight.data must be .* \(16, 64\) for H=8, V=5"):
+        G.PackedWeight(data=torch.zeros(4, 64, dtype=torch.bfloat16), H=8, V=5)

@@ -1,4 +1,4 @@
-"""Rank layout maps (lmtail.layout, SPEC 4): coverage, mesh partitions and agreement with
+"""Rank layout maps (lmtail.layout): coverage, mesh partitions and agreement with
 an independent symbolic model of the exchange; planted wrong maps must be caught.
 
 The symbolic model moves (row id, vocab shard id) labels through the hops exactly as

@@ -1,5 +1,6 @@
-"""norms.py: every norm kind through gates 1-4 and the byte gate, every control red at its
-gate, the defined special values, errors, and the invariances.
+"""norms.py: the float64 checks of the norm kinds seeing one ulp, their declarations, the
+defined special values, errors, and the invariances (the norm kinds' gates and controls
+run once, in tests/test_contract.py).
 
 Shape legend: T rows, H width, S slots, P part width.
 """
@@ -11,14 +12,18 @@ import numpy as np
 import pytest
 import torch
 
-from lmtail import glue_kinds as gk
+from lmtail.contract import glue_kinds as gk
 from lmtail.norms import add_rms, embed_rows, inv_rms, moe_add_rms, rms_parts, sqrt_rn32
 from lmtail.orders import contiguous, placebo, strided, sum_squares
 from lmtail.reference import glue as ref
 
-NORM_KINDS = [k for k in gk.KINDS.values() if k.op.startswith("norms.")]
-NORM_CONTROLS = [c for c in gk.CONTROLS if gk.KINDS[c.kind].op.startswith("norms.")]
-GATES = ["gate1", "gate2", "gate3", "gate4", "bytes"]
+KINDS = {k.name.removeprefix("glue."): k for k in gk.glue_kinds()}
+CONTROLS = {c.name.removeprefix("glue."): c for c in gk.glue_controls()}
+
+
+def _check(kind, d, out):
+    """The kind's float64 check against its own declaration."""
+    return kind.check(d, out, kind.run, kind.decl(d))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -35,62 +40,42 @@ def _seed():
 
 
 # ---------------------------------------------------------------------------------------
-# the contract: kinds pass, controls are red
+# the float64 checks can fail
 # ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("gate", GATES)
-@pytest.mark.parametrize("kind", NORM_KINDS, ids=lambda k: k.name)
-def test_kind_passes_gate(kind, gate):
-    res = gk.run_gate(kind, gate)
-    assert res, "a gate with no data proves nothing"
-    bad = [f"{r.label}: {r.detail}" for r in res if not r.ok]
-    assert not bad, bad
-    assert all(r.margin >= 0 for r in res)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", NORM_KINDS, ids=lambda k: k.name)
-def test_kind_passes_slow_shapes(kind):
-    res = gk.run_gate(kind, "gate1", include_slow=True)
-    assert all(r.ok for r in res), [r.detail for r in res if not r.ok]
-
-
-@pytest.mark.parametrize("ctl", NORM_CONTROLS, ids=lambda c: c.name)
-def test_control_is_red(ctl):
-    res = gk.run_gate(gk.KINDS[ctl.kind], ctl.gate, run=ctl.run, until_red=True)
-    assert any(not r.ok for r in res), f"control {ctl.name} passed {ctl.gate}: the harness is broken"
-
-
 def test_keep_f32_red_at_shapes_on_random_data():
     """The fp32-combine control goes red on plain random rows too, not only on the probes."""
-    ctl = next(c for c in gk.CONTROLS if c.name == "moe_keep_f32")
-    kind = gk.KINDS[ctl.kind]
-    d = kind.data(1)[0]
+    ctl = CONTROLS["moe_keep_f32"]
+    kind = KINDS["moe_bf16_h"]
+    d = kind.gens["shapes"](True)[0].data
     assert "planted" not in d["label"]
-    ok, margin, detail = kind.check(d, ctl.run(d))
-    assert not ok and margin < 0 and "outside float64's" in detail
+    v = _check(kind, d, ctl.run(d))
+    assert not v.ok and v.margin < 0 and "outside float64's" in v.detail
 
 
 @pytest.mark.parametrize("name,out", [("add_rms_y", "y"), ("moe_f32_h", "h"), ("rms_parts_mlx_y", "y")])
 def test_check_sees_one_ulp(name, out):
     """Planted: one output element moved by one bf16 step must fail the float64 check."""
-    kind = gk.KINDS[name]
-    d = kind.data(2)[0]
+    kind = KINDS[name]
+    d = kind.gens["random"](True)[0].data
     res = kind.run(d)
-    assert kind.check(d, res)[0]
+    assert _check(kind, d, res).ok
     bad = dict(res)
     bits = bad[out].view(torch.int16).clone()
     bits.view(-1)[5] += 1
     bad[out] = bits.view(torch.bfloat16)
-    ok, margin, _ = kind.check(d, bad)
-    assert not ok and margin < 0
+    v = _check(kind, d, bad)
+    assert not v.ok and v.margin < 0
 
 
-def test_declarations():
-    assert gk.KINDS["add_rms_h"].decl.sums == ()
-    moe_y = gk.KINDS["moe_bf16_y"].decl
-    assert [s.depth for s in moe_y.sums] == [7, strided(256).depth(2688)]
-    assert all(s.dtype == "fp32" for k in NORM_KINDS for s in k.decl.sums)
-    assert gk.KINDS["rms_parts_mlx_y"].decl.sums[0].depth == strided(256).depth(512)
+def test_declarations_follow_the_data():
+    """Each kind's declaration is computed from its data: width, slots and order."""
+    d = KINDS["moe_bf16_y"].gens["random"](True)[0].data  # 16 x 2,688, 8 slots (2 shared), strided(256)
+    assert [(s.name, s.dtype, s.depth) for s in KINDS["moe_bf16_y"].decl(d).sums] == [
+        ("combine", "fp32", 7), ("ssq", "fp32", 11 + 5 + 7)]
+    d = KINDS["rms_parts_mlx_y"].gens["random"](True)[0].data  # parts of 512
+    assert KINDS["rms_parts_mlx_y"].decl(d).sum("ssq").depth == 2 + 5 + 7
+    d = KINDS["add_rms_y"].gens["random"](True)[1].data  # contiguous(256): 2 passes of 8
+    assert KINDS["add_rms_y"].decl(d).sum("ssq").depth == 16 + 5 + 7
 
 
 # ---------------------------------------------------------------------------------------
@@ -236,13 +221,13 @@ def test_sqrt_rn32_is_correctly_rounded():
 def test_orders_change_bytes_not_correctness():
     """Another declared order (or the placebo) gives other inv bytes on some rows, and the
     op still passes the float64 check: same precision, another order."""
-    kind = gk.KINDS["add_rms_y"]
-    d = kind.data(2)[0]
+    kind = KINDS["add_rms_y"]
+    d = kind.gens["random"](True)[0].data
     h32 = kind.run(d)["h"].float()
     base = inv_rms(h32)
     for order in (contiguous(256), placebo(strided(256))):
         dd = dict(d, order=order)
-        assert kind.check(dd, kind.run(dd))[0]
+        assert _check(kind, dd, kind.run(dd)).ok
         assert not _same(inv_rms(h32, order=order), base)
 
 
@@ -295,7 +280,10 @@ X = torch.zeros(2, 8, dtype=B)
     (lambda: embed_rows(torch.tensor([0]), torch.zeros(10, 4)), "table must be bf16"),
     (lambda: add_rms(X.float(), X, torch.ones(8)), "x must be bf16"),
     (lambda: add_rms(X, X[:1], torch.ones(8)), r"residual must be \(2, 8\) like x; got \(1, 8\)"),
-    (lambda: add_rms(X, X, torch.ones(7)), r"gamma must be \[H\] = \[8\]; got \(7,\)"),
+    (lambda: add_rms(X, X, torch.ones(7)), r"gamma must be \[H=8\] or \[1, H\]; got \(7,\)"),
+    (lambda: add_rms(X, X, torch.ones(8), eps=math.inf), "eps must be a finite number >= 0; got inf"),
+    (lambda: add_rms(X, X, torch.ones(8), backend="cuda"), "backend must be one of"),
+    (lambda: rms_parts(X, torch.ones(8), part=4, threads=0), "threads must be a positive int or None; got 0"),
     (lambda: add_rms(X, X, torch.ones(8, dtype=torch.float64)), "gamma must be bf16 or fp32"),
     (lambda: add_rms(X, X, torch.ones(8), eps=-1.0), "eps must be a finite number >= 0"),
     (lambda: add_rms(X, X, torch.ones(8), eps=math.nan), "eps must be a finite number >= 0"),

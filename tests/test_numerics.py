@@ -77,23 +77,28 @@ def test_gamma_and_bf16_round():
     assert bf16_round(torch.tensor([1 + 3 * 2**-8])).item() == 1 + 2**-6
 
 
-def test_sqrt_rn32_is_correctly_rounded_where_torch_sqrt_is_not():
+def _rounded_to_nearest(r: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """[N] bool: fp32 r is the fp32 nearest to sqrt(d): the midpoints to r's neighbours
+    bracket sqrt(d) (squares of 25-bit midpoints are exact in float64)."""
+    inf = torch.full_like(r, math.inf)
+    r64, d64 = r.double(), d.double()
+    up = torch.nextafter(r, inf).double()
+    down = torch.nextafter(r, -inf).double()
+    return (((r64 + down) / 2) ** 2 <= d64) & (d64 <= ((r64 + up) / 2) ** 2)
+
+
+def test_sqrt_rn32_is_correctly_rounded():
     from lmtail.numerics import sqrt_rn32
     g = torch.Generator().manual_seed(0)
     d = torch.rand(200000, generator=g) * 100
-    r = sqrt_rn32(d).double()
-    d64 = d.double()
-    inf = torch.full_like(d, math.inf)
-    up = torch.nextafter(r.float(), inf).double()
-    down = torch.nextafter(r.float(), -inf).double()
-    # r is the nearest fp32: both midpoints bracket sqrt(d) (squares of 25-bit midpoints are exact)
-    assert ((((r + down) / 2) ** 2 <= d64) & (d64 <= ((r + up) / 2) ** 2)).all()
-    # the planted variant: torch's own fp32 sqrt misses on some inputs of this build (or
-    # agrees everywhere on builds with a correctly rounded path: then there is nothing to catch)
-    t = torch.sqrt(d).double()
-    miss = ~((((t + torch.nextafter(t.float(), -inf).double()) / 2) ** 2 <= d64)
-             & (d64 <= ((t + torch.nextafter(t.float(), inf).double()) / 2) ** 2))
-    assert miss.sum() == (t != r).sum()
+    r = sqrt_rn32(d)
+    assert _rounded_to_nearest(r, d).all()
+    # planted: d * rsqrt(d) (two fp32 roundings) misses on some inputs; one ulp up on one
+    # element is caught on its own
+    assert not _rounded_to_nearest(d * torch.rsqrt(d), d).all()
+    nudged = r.clone()
+    nudged[123] = torch.nextafter(nudged[123], torch.tensor(math.inf))
+    assert int((~_rounded_to_nearest(nudged, d)).sum()) == 1
     s = sqrt_rn32(torch.tensor([0.0, -0.0, math.inf, -1.0, math.nan, 1e-45]))
     assert s[0].item() == 0 and math.copysign(1, s[1].item()) == -1 and s[2].item() == math.inf
     assert math.isnan(s[3].item()) and math.isnan(s[4].item()) and s[5].item() == float(np.float32(math.sqrt(float(np.float32(1e-45)))))
@@ -101,3 +106,20 @@ def test_sqrt_rn32_is_correctly_rounded_where_torch_sqrt_is_not():
 
 def test_exp64_empty():
     assert exp64(torch.zeros(0, dtype=torch.float64)).numel() == 0
+
+
+def test_sum_decl_underflow_slack_follows_flush_and_roundings():
+    """SumDecl.underflow(): 2 * roundings * (smallest normal under flush, else half the
+    subnormal spacing); roundings default to the depth. Planted: the flush flag is read
+    (the same sum without it is 2^24 times smaller)."""
+    from lmtail.numerics import SumDecl
+
+    amx = SumDecl("gemm", "fp32", 107, "amx32", flush=True, roundings=34 * 90)
+    assert amx.underflow() == 2 * 3060 * 2.0**-126
+    assert SumDecl("gemm", "fp32", 2880, "chain").underflow() == 2 * 2880 * 2.0**-150
+    ieee = SumDecl("gemm", "fp32", 107, "amx32", roundings=34 * 90)
+    assert amx.underflow() == ieee.underflow() * 2.0**24
+    assert SumDecl("s", "fp16", 4, "x", flush=True).underflow() == 2 * 4 * 2.0**-14
+    for bad in (-1, 2.5):
+        with pytest.raises(ValueError, match=rf"roundings must be an int >= 0 or None; got {bad}"):
+            SumDecl("s", "fp32", 1, "x", roundings=bad)

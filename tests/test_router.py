@@ -1,5 +1,5 @@
-"""router.py: the router kind through gates 1-4 and the byte gate, its controls red, the
-all-underflow guard, tie order, and errors.
+"""router.py: the all-underflow guard, tie order, the float64 check seeing a misselection,
+and errors (the router kind's gates and controls run in tests/test_contract.py).
 
 Shape legend: K slices, T rows, E experts, k chosen.
 """
@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from lmtail import glue_kinds as gk
+from lmtail.contract import glue_kinds as gk
 from lmtail.reference import glue as ref
-from lmtail.router import router_topk, selection_keys
+from lmtail.router import router_topk, router_topk_decl, selection_keys
 
-KIND = gk.KINDS["router_topk"]
-CONTROLS = [c for c in gk.CONTROLS if c.kind == "router_topk"]
-
+CONTROLS = [c for c in gk.glue_controls() if c.kind == "glue.router_topk"]
+DECL6 = router_topk_decl(6, n_slices=2)  # the declaration of router_topk(k=6) on two slices
 
 
 @pytest.fixture(autouse=True)
@@ -23,26 +22,17 @@ def _seed():
     torch.manual_seed(0)  # the properties hold for any data; a seed keeps failures reproducible
 
 
-@pytest.mark.parametrize("gate", ["gate1", "gate2", "gate3", "gate4", "bytes"])
-def test_router_passes_gate(gate):
-    res = gk.run_gate(KIND, gate)
-    assert res and all(r.ok for r in res), [f"{r.label}: {r.detail}" for r in res if not r.ok]
-
-
-@pytest.mark.parametrize("ctl", CONTROLS, ids=lambda c: c.name)
-def test_control_is_red(ctl):
-    res = gk.run_gate(KIND, ctl.gate, run=ctl.run, until_red=True)
-    assert any(not r.ok for r in res), f"control {ctl.name} passed {ctl.gate}: the harness is broken"
+# The router kind's gates and its controls run once, in tests/test_contract.py (glue.router_topk).
 
 
 def test_all_underflow_rows_give_zero_weights():
     """Three rows whose logits are two slices of -50: ids 0..5, weights +0.0, never NaN;
     the unguarded control gives NaN on exactly these rows."""
     d = gk.underflow_case()
-    ids, w = router_topk(d["slices"], 6)
+    ids, w = router_topk(d["slices"], k=6)
     assert ids.tolist() == [[0, 1, 2, 3, 4, 5]] * 3
     assert torch.equal(w.view(torch.int32), torch.zeros(3, 6, dtype=torch.int32))
-    bad = next(c for c in CONTROLS if c.name == "router_no_guard").run(d)
+    bad = next(c for c in CONTROLS if c.name == "glue.router_no_guard").run(d)
     assert torch.isnan(bad["weights"]).all()
 
 
@@ -51,7 +41,7 @@ def test_ties_go_to_the_lower_id():
     sl[0, 0] = torch.tensor([1.0, 2, 2, 1, 2, 0, 0, 2, 0, 0])  # four tied at the top
     sl[0, 1, ::3] = float("nan")  # NaN experts rank below every number
     sl[0, 2] = torch.tensor([0.0, -0.0] * 5)  # +-0 logits: one tie
-    ids, w = router_topk(sl, 4)
+    ids, w = router_topk(sl, k=4)
     assert ids[0].tolist() == [1, 2, 4, 7]
     assert ids[1].tolist() == [1, 2, 4, 5]
     assert ids[2].tolist() == [0, 1, 2, 3]
@@ -66,7 +56,7 @@ def test_selection_keys_order():
 
 def test_bias_selects_but_does_not_weigh():
     sl = torch.tensor([[[2.0, 1.0, 0.0, -1.0]]])
-    ids, w = router_topk(sl, 2, bias=torch.tensor([0.0, 0.0, 0.0, 5.0]))
+    ids, w = router_topk(sl, k=2, bias=torch.tensor([0.0, 0.0, 0.0, 5.0]))
     assert ids.tolist() == [[3, 0]]
     s = 1 / (1 + np.exp(-np.array([-1.0, 2.0])))
     assert np.allclose(w.numpy(), s / s.sum() * 2.5, rtol=1e-6)  # from s, not s + bias
@@ -74,33 +64,34 @@ def test_bias_selects_but_does_not_weigh():
 
 def test_weights_sum_to_scale_within_the_declared_range():
     d = gk._router_random(np.random.default_rng(5), 200)
-    ids, w = router_topk(d["slices"], 6)
+    ids, w = router_topk(d["slices"], k=6)
     tot = w.double().sum(1).numpy()
     assert np.abs(tot - 2.5).max() < 2.5 * 16 * 2.0**-24  # six roundings each + the sum's
 
 
 def test_batch_invariance_and_k_edges():
     d = gk._router_random(np.random.default_rng(6), 50)
-    ids, w = router_topk(d["slices"], 6)
+    ids, w = router_topk(d["slices"], k=6)
     for i in (0, 17, 49):
-        si, sw = router_topk(d["slices"][:, i : i + 1], 6)
+        si, sw = router_topk(d["slices"][:, i : i + 1], k=6)
         assert torch.equal(si, ids[i : i + 1]) and torch.equal(sw.view(torch.int32), w[i : i + 1].view(torch.int32))
     for k in (1, 128):
-        ik, wk = router_topk(d["slices"], k)
+        ik, wk = router_topk(d["slices"], k=k)
         assert ik.shape == (50, k) and ik.dtype == torch.int64 and wk.dtype == torch.float32
-        ok, _, det = ref.router_check(d["slices"].numpy(), None, k, 2.5, ik.numpy(), wk.numpy().astype(np.float64))
+        ok, _, det = ref.router_check(d["slices"].numpy(), None, k, 2.5, ik.numpy(), wk.numpy().astype(np.float64),
+                                      decl=router_topk_decl(k, n_slices=2))
         assert ok, det
 
 
 def test_empty_rows_and_thread_count():
-    ids, w = router_topk(torch.zeros(2, 0, 8), 3)
+    ids, w = router_topk(torch.zeros(2, 0, 8), k=3)
     assert ids.shape == (0, 3) and w.shape == (0, 3)
     d = gk._router_random(np.random.default_rng(8), 300)
     n0 = torch.get_num_threads()
     outs = []
     for n in (1, 2):
         torch.set_num_threads(n)
-        outs.append(router_topk(d["slices"], 6))
+        outs.append(router_topk(d["slices"], k=6))
     torch.set_num_threads(n0)
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1].view(torch.int32), outs[1][1].view(torch.int32))
 
@@ -108,10 +99,11 @@ def test_empty_rows_and_thread_count():
 def test_check_sees_a_misselection():
     """Planted: swapping a chosen expert for the best unchosen one is caught."""
     d = gk._router_random(np.random.default_rng(7), 20)
-    ids, w = router_topk(d["slices"], 6)
+    ids, w = router_topk(d["slices"], k=6)
     bad = ids.clone()
     bad[3, 5] = int(torch.topk(selection_keys(torch.sigmoid(d["slices"].sum(0))), 7).indices[3, 6])
-    ok, _, det = ref.router_check(d["slices"].numpy(), None, 6, 2.5, bad.numpy(), w.numpy().astype(np.float64))
+    ok, _, det = ref.router_check(d["slices"].numpy(), None, 6, 2.5, bad.numpy(), w.numpy().astype(np.float64),
+                                  decl=DECL6)
     assert not ok and "1 rows with a certain misselection" in det
 
 
@@ -119,13 +111,13 @@ S = torch.zeros(2, 3, 8)
 
 
 @pytest.mark.parametrize("call,match", [
-    (lambda: router_topk(S.double(), 2), "logit_slices must be fp32"),
-    (lambda: router_topk(S[0], 2), r"logit_slices must be \[K, T, E\]"),
-    (lambda: router_topk(S, 0), r"k must be an int in \[1, E=8\]; got 0"),
-    (lambda: router_topk(S, 9), r"k must be an int in \[1, E=8\]; got 9"),
-    (lambda: router_topk(S, 2, scale=float("inf")), "scale must be a finite number > 0"),
-    (lambda: router_topk(S, 2, bias=torch.zeros(7)), r"bias must be fp32 \[E=8\]"),
-    (lambda: router_topk(S, 2, bias=torch.full((8,), float("nan"))), "bias must be finite"),
+    (lambda: router_topk(S.double(), k=2), "logit_slices must be fp32"),
+    (lambda: router_topk(S[0], k=2), r"logit_slices must be \[K, T, E\]"),
+    (lambda: router_topk(S, k=0), r"k must be an int in \[1, E=8\]; got 0"),
+    (lambda: router_topk(S, k=9), r"k must be an int in \[1, E=8\]; got 9"),
+    (lambda: router_topk(S, k=2, scale=float("inf")), "scale must be a finite number > 0"),
+    (lambda: router_topk(S, k=2, bias=torch.zeros(7)), r"bias must be fp32 \[E=8\]"),
+    (lambda: router_topk(S, k=2, bias=torch.full((8,), float("nan"))), "bias must be finite"),
 ])
 def test_errors(call, match):
     with pytest.raises(ValueError, match=match):

@@ -1,4 +1,5 @@
-"""row_mass_fast (C kernel): the same (m, S, nz) bits as the reference sampler.row_mass.
+"""row_mass: every C backend gives the same (m, S, nz) bits as its "torch" backend (the
+declared float64 ops as torch tensor ops).
 
 Shape legend: row [R, V] float64, scale [R] float64, m and S [R] float64, nz [R] int64.
 Each property is a `check_*` function run on the kernel's backends (must hold) and on
@@ -18,11 +19,15 @@ import torch
 
 from lmtail import numerics
 from lmtail.kernels import rowmass as RM
-from lmtail.kernels.rowmass import row_mass_fast
+from lmtail.kernels.rowmass import row_mass, shifted_exp, shifted_exp_terms, sum64
 from lmtail.numerics import exp64
-from lmtail.sampler import row_mass, shifted_exp, sum64
 
 C_BACKENDS = tuple(b for b in RM.available_backends() if b != "torch")
+
+
+def torch_ref(row, scale):
+    """The "torch" backend: the declared float64 ops as torch tensor ops."""
+    return row_mass(row, scale, backend="torch")
 SEEDS = (0, 1, 2)
 INF = math.inf
 
@@ -39,7 +44,7 @@ def same_bits(a, b) -> bool:
 
 
 def backend_impl(backend, threads=None):
-    return lambda row, scale: row_mass_fast(row, scale, backend=backend, threads=threads)
+    return lambda row, scale: row_mass(row, scale, backend=backend, threads=threads)
 
 
 def all_impls():
@@ -207,7 +212,7 @@ def half_away_exp(monkeypatch):
     def impl(row, scale):
         with monkeypatch.context() as mp:
             mp.setattr(numerics, "torch", _TorchHalfAway())
-            return row_mass(row, scale)
+            return torch_ref(row, scale)
     return impl
 
 
@@ -215,19 +220,19 @@ def half_away_exp(monkeypatch):
 # property checks (each returns True when the property holds)
 # ---------------------------------------------------------------------------------------
 def check_matches_reference(impl, row, scale, ref=None) -> bool:
-    return same_bits(impl(row, scale), row_mass(row, scale) if ref is None else ref)
+    return same_bits(impl(row, scale), torch_ref(row, scale) if ref is None else ref)
 
 
 @functools.lru_cache(maxsize=None)
 def cached_case(R, V, seed, spread):
     """(row, scale, reference) for one random case, the reference computed once."""
     row, scale = rand_rows(R, V, seed, spread)
-    return row, scale, row_mass(row, scale)
+    return row, scale, torch_ref(row, scale)
 
 
 def check_thread_invariant(backend, row, scale) -> bool:
-    one = row_mass_fast(row, scale, backend=backend, threads=1)
-    return all(same_bits(row_mass_fast(row, scale, backend=backend, threads=t), one)
+    one = row_mass(row, scale, backend=backend, threads=1)
+    return all(same_bits(row_mass(row, scale, backend=backend, threads=t), one)
                for t in (2, 3))
 
 
@@ -246,12 +251,12 @@ def check_row_invariant(impl, row, scale) -> bool:
 # ---------------------------------------------------------------------------------------
 def test_variant_builder_is_the_reference():
     row, scale = rand_rows(5, 1001, 0, 10.0)
-    assert same_bits(declared_pieces(row, scale), row_mass(row, scale))
+    assert same_bits(declared_pieces(row, scale), torch_ref(row, scale))
 
 
 def test_has_c_backends():
     assert C_BACKENDS, "the C kernel did not build"
-    assert RM._constants().tolist()[3:] == numerics._EXP_C
+    assert RM.exp64_constants().tolist()[3:] == numerics._EXP_C
 
 
 @pytest.mark.parametrize("backend", C_BACKENDS)
@@ -283,14 +288,14 @@ def test_special_rows_take_both_2n_paths_of_the_reference():
     assert n_min(d) < -1022 and n_min(d[2:3]) >= -1022
     impl = backend_impl(C_BACKENDS[0])
     assert same_bits(impl(d[2:3], torch.ones(1, dtype=torch.float64)),
-                     row_mass(d[2:3], torch.ones(1, dtype=torch.float64)))
+                     torch_ref(d[2:3], torch.ones(1, dtype=torch.float64)))
 
 
 @pytest.mark.parametrize("backend", C_BACKENDS)
 def test_rows_left_to_reference_match(backend):
     row, scale = reference_left_rows()
     assert check_matches_reference(backend_impl(backend), row, scale)
-    m, S, _ = row_mass_fast(row, scale, backend=backend)
+    m, S, _ = row_mass(row, scale, backend=backend)
     assert torch.isnan(S[[0, 1, 2, 5]]).all() and bits(m[4:5]).item() == bits(
         torch.tensor([-0.0], dtype=torch.float64)).item()
 
@@ -335,7 +340,7 @@ def reference_terms(z, m):
 @pytest.mark.parametrize("backend", C_BACKENDS)
 def test_terms_match_exp64_bit_for_bit(backend):
     for i, (z, m) in enumerate(term_cases()):
-        assert same_bits((RM._terms(z, m, backend=backend),), (reference_terms(z, m),)), i
+        assert same_bits((shifted_exp_terms(z, m, backend=backend),), (reference_terms(z, m),)), i
 
 
 def test_planted_term_variants_are_caught(monkeypatch):
@@ -369,9 +374,9 @@ def test_rows_are_independent(backend):
 
 def test_backends_agree_and_default_is_fastest():
     row, scale = rand_rows(7, 2000, 3, 100.0)
-    outs = [row_mass_fast(row, scale, backend=b) for b in RM.available_backends()]
+    outs = [row_mass(row, scale, backend=b) for b in RM.available_backends()]
     assert all(same_bits(o, outs[0]) for o in outs)
-    assert same_bits(row_mass_fast(row, scale), outs[0])
+    assert same_bits(row_mass(row, scale), outs[0])
 
 
 def test_caller_flush_to_zero_cannot_reach_the_bits():
@@ -379,12 +384,12 @@ def test_caller_flush_to_zero_cannot_reach_the_bits():
     bits. Planted: the reference under FTZ/DAZ differs (the data has subnormal z)."""
     row = torch.tensor([[3e-310, -1.0, 1e-309], [-5e-324, -2.0, -1e-320]], dtype=torch.float64)
     scale = torch.tensor([1.0, 0.5], dtype=torch.float64)
-    want = row_mass(row, scale)
+    want = torch_ref(row, scale)
     if not torch.set_flush_denormal(True):
         pytest.skip("this CPU has no flush-denormal mode")
     try:
-        flushed = row_mass(row, scale)
-        got = [row_mass_fast(row, scale, backend=b) for b in C_BACKENDS]
+        flushed = torch_ref(row, scale)
+        got = [row_mass(row, scale, backend=b) for b in C_BACKENDS]
     finally:
         torch.set_flush_denormal(False)
     assert not same_bits(flushed, want)
@@ -400,7 +405,7 @@ def test_noncontiguous_row_and_fp32_scale():
 
 
 def test_empty_batch():
-    out = row_mass_fast(torch.zeros(0, 5, dtype=torch.float64),
+    out = row_mass(torch.zeros(0, 5, dtype=torch.float64),
                         torch.zeros(0, dtype=torch.float64))
     assert [t.shape for t in out] == [(0,)] * 3
 
@@ -425,12 +430,12 @@ def test_planted_thread_and_row_variants_are_caught():
     row, scale = rand_rows(19, 1001, 1, 10.0)
 
     def batch_variant(r, s):  # the kernel for one row, a wrong sum for batches
-        return row_mass_fast(r, s) if r.shape[0] == 1 else sequential_sum(r, s)
+        return row_mass(r, s) if r.shape[0] == 1 else sequential_sum(r, s)
 
     assert not check_row_invariant(batch_variant, row, scale)
 
     def thread_variant(r, s, threads):
-        return row_mass_fast(r, s) if threads == 1 else torch_sum(r, s)
+        return row_mass(r, s) if threads == 1 else torch_sum(r, s)
 
     one = thread_variant(row, scale, 1)
     assert not all(same_bits(thread_variant(row, scale, t), one) for t in (2, 3))
@@ -454,4 +459,4 @@ def test_planted_thread_and_row_variants_are_caught():
 ])
 def test_bad_inputs_raise(row, scale, kw, match):
     with pytest.raises(ValueError, match=match):
-        row_mass_fast(row, scale, **kw)
+        row_mass(row, scale, **kw)

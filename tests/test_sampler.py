@@ -7,8 +7,9 @@ import torch
 
 from lmtail.numerics import draw_u
 from lmtail.reference.tail import sampler_ref
+from lmtail.kernels.rowmass import sum64
 from lmtail.sampler import (SamplingParams, draw, running_sum64, sample_rows, sampling_plan,
-                            sampling_tensor, sum64, validate_params)
+                            sampling_tensor, validate_params)
 from lmtail.topk import exact_topk
 
 
@@ -16,7 +17,7 @@ def run(rows, params, k=None, nan_fold=False):
     """rows [R, V] bf16, params [R, P] -> (tokens, logprobs, truncated, plan, ids)."""
     rows = rows.to(torch.bfloat16)
     k = k or rows.shape[1]
-    vals, ids, _ = exact_topk(rows, k, nan_fold=nan_fold)
+    vals, ids, _ = exact_topk(rows, k=k, nan_fold=nan_fold)
     sp = torch.tensor(params, dtype=torch.float32)
     tok, lp, tr = sample_rows(vals, ids, rows, sp, nan_fold=nan_fold)
     plan = sampling_plan(vals, rows, sp, nan_fold=nan_fold)
@@ -75,14 +76,21 @@ def test_threshold_ties_survive_top_k():
     assert ids[0][plan["keep"][0]].tolist() == [0, 1, 2, 3]
 
 
+def _crossing_kept(plan, ids) -> bool:
+    """The check: probs 0.5, 0.25, 0.25, top_p = 0.6, u = 0.9 keeps [0, 1] (the crossing
+    token 1 is kept) and draws token 1 (cdf over the kept: 2/3, 1)."""
+    return ids[0][plan["keep"][0]].tolist() == [0, 1] and ids[0][draw(plan)].tolist() == [1]
+
+
 def test_crossing_token_is_kept_and_planted_drop_is_caught():
     # probs 0.5, 0.25, 0.25 (exact): top_p = 0.6 -> mass before slot 1 is 0.5 < 0.6: kept
     x = torch.tensor([[math.log(2.0), 0.0, 0.0]])
-    _, _, _, plan, ids = run(x, [(0, 0.6, 1.0)])
-    kept = ids[0][plan["keep"][0]].tolist()
-    assert kept == [0, 1]
-    wrong = (plan["running"][0] < 0.6).nonzero()[:, 0].tolist()  # planted: drops the crossing token
-    assert wrong != kept
+    _, _, _, plan, ids = run(x, [(0, 0.6, 1.0, 0.9)])
+    assert _crossing_kept(plan, ids)
+    # planted: keep iff the mass INCLUDING the candidate is < top_p (drops the crossing token)
+    keep = plan["running"] < 0.6
+    keep[:, 0] = True
+    assert not _crossing_kept(dict(plan, keep=keep), ids)
 
 
 def test_top_p_one_keeps_all_and_first_always_kept():
@@ -230,9 +238,10 @@ def test_special_rows_are_defined():
     tok, _, _, plan, _ = run(torch.full((1, 4), -inf), [(0, 1.0, 1.0, 0.6)])
     assert tok.item() == 2  # uniform over an all -inf row
     nan = float("nan")
-    tok, _, _, _, _ = run(torch.tensor([[nan, 1.0, 2.0]]), [(0, 0.9, 1.0)], nan_fold=True)
-    assert tok.item() in (1, 2)
-    run(torch.tensor([[nan, 1.0, 2.0]]), [(0, 0.9, 1.0)], nan_fold=False)  # must not crash
+    # folded NaN has no mass: p = (0.731, 0.269) on ids (2, 1); u = 0.5 draws id 2, u = 0.8 id 1
+    tok, _, _, plan, _ = run(torch.tensor([[nan, 1.0, 2.0]] * 2), [(0, 0.9, 1.0, 0.5), (0, 0.9, 1.0, 0.8)],
+                             nan_fold=True)
+    assert tok.tolist() == [2, 1] and plan["p"][0, 2].item() == 0.0
 
 
 def test_draw_counts_cdf_at_or_below_u():

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from lmtail.reference.tail import logits_range, logits_ref, mirror_range
-from lmtail.tail import TailOutput, decode_tail, pad_mask, shard_logits
+from lmtail.config import TailConfig
+from lmtail.tail import TailOutput, decode_tail, pad_mask, shard_logits, tail_decl
 
 H, H_U, V = 96, 88, 1000
 
@@ -53,11 +54,11 @@ def test_solo_equals_together_bitwise(seed):
 def test_planted_batch_mixing_is_caught():
     """A 'tail' that lets rows share a statistic (the batch mean of ssq) goes red."""
     x, gamma, w = problem(8, 3)
-    ok = shard_logits(x, gamma, w, hidden_actual=H_U)
+    ok = shard_logits(x, gamma, w, config=TailConfig(hidden_actual=H_U))
     x2 = x.clone()
     x2[1:] *= 1.5  # other rows change; row 0's result must not
-    assert torch.equal(bits(shard_logits(x2, gamma, w, hidden_actual=H_U)[0]), bits(ok[0]))
-    mixed = lambda xx: shard_logits(xx * (xx.pow(2).mean() / xx[0].pow(2).mean()).rsqrt(), gamma, w, hidden_actual=H_U)
+    assert torch.equal(bits(shard_logits(x2, gamma, w, config=TailConfig(hidden_actual=H_U))[0]), bits(ok[0]))
+    mixed = lambda xx: shard_logits(xx * (xx.pow(2).mean() / xx[0].pow(2).mean()).rsqrt(), gamma, w, config=TailConfig(hidden_actual=H_U))
     assert not torch.equal(bits(mixed(x2)[0]), bits(mixed(x)[0]))
 
 
@@ -70,15 +71,16 @@ def test_16bit_input_equals_prewidened(dtype):
     same(a, b)
 
 
-@pytest.mark.parametrize("deferred", [True, False])
+@pytest.mark.parametrize("deferred,gemm_order", [(True, "chain"), (False, "chain"), (True, "amx32"), (False, "amx32")])
 @pytest.mark.parametrize("seed,gbs,h,h_u,interleaved,scale", [
     (0, 1, 96, 88, True, 1.0), (1, 5, 96, 96, True, 1.0), (2, 3, 61, 50, False, 1e-3),
     (3, 4, 128, 120, True, 30.0), (4, 2, 40, 33, False, 1.0)])
-def test_logits_within_declared_float64_range(deferred, seed, gbs, h, h_u, interleaved, scale):
+def test_logits_within_declared_float64_range(deferred, gemm_order, seed, gbs, h, h_u, interleaved, scale):
     x, gamma, w = problem(gbs, seed, h=h, v=301, scale=scale)
     kw = dict(hidden_actual=h_u, zero_interleaved_pad=interleaved)
-    out = decode_tail(x, gamma, w, k=8, deferred_rms=deferred, **kw)
-    lo, hi = logits_range(x, gamma, w, eps=1e-5, hidden_actual=h_u, interleaved=interleaved, deferred_rms=deferred)
+    out = decode_tail(x, gamma, w, k=8, deferred_rms=deferred, gemm_order=gemm_order, **kw)
+    lo, hi = logits_range(x, gamma, w, eps=1e-5, decl=tail_decl(h, deferred, gemm_order), hidden_actual=h_u,
+                          interleaved=interleaved, deferred_rms=deferred)
     got = out.logits.double().numpy()
     assert ((lo <= got) & (got <= hi)).all()
     mlo, mhi = mirror_range(lo, hi)
@@ -96,16 +98,16 @@ def test_planted_norm_mistakes_leave_the_range(planted):
     if planted == "eps_dropped":
         x = x * 3e-4  # ssq/H_u ~ 1e-7: eps dominates
     x[:, ~pad_mask(h, h_u, True)] = 5.0
-    lo, hi = logits_range(x, gamma, w, eps=1e-5, hidden_actual=h_u, interleaved=True)
+    lo, hi = logits_range(x, gamma, w, eps=1e-5, decl=tail_decl(h), hidden_actual=h_u, interleaved=True)
     kw = {"divide_by_H": dict(hidden_actual=h, zero_interleaved_pad=True),
           "eps_dropped": dict(hidden_actual=h_u, zero_interleaved_pad=True, eps=0.0),
           "pad_not_zeroed": dict(hidden_actual=h, zero_interleaved_pad=True)}[planted]
     xin = x.clone()
     if planted == "divide_by_H":
         xin[:, ~pad_mask(h, h_u, True)] = 0.0  # zero pad but divide by H
-    wrong = shard_logits(xin, gamma, w, **({"eps": 1e-5} | kw)).double().numpy()
+    wrong = shard_logits(xin, gamma, w, config=TailConfig(**({"eps": 1e-5} | kw))).double().numpy()
     assert not ((lo <= wrong) & (wrong <= hi)).all()
-    right = shard_logits(x, gamma, w, hidden_actual=h_u).double().numpy()
+    right = shard_logits(x, gamma, w, config=TailConfig(hidden_actual=h_u)).double().numpy()
     assert ((lo <= right) & (right <= hi)).all()
 
 
@@ -162,7 +164,8 @@ def test_argmax_agrees_with_float64_when_margin_exceeds_bound():
     x, gamma, w = problem(64, 9, v=2000)
     out = decode_tail(x, gamma, w, k=2, hidden_actual=H_U)
     ideal = logits_ref(x, gamma, w, eps=1e-5, hidden_actual=H_U, interleaved=True)
-    lo, hi = mirror_range(*logits_range(x, gamma, w, eps=1e-5, hidden_actual=H_U, interleaved=True))
+    lo, hi = mirror_range(*logits_range(x, gamma, w, eps=1e-5, decl=tail_decl(H), hidden_actual=H_U,
+                                         interleaved=True))
     top2 = np.sort(ideal, axis=1)[:, -2:]
     certified = (top2[:, 1] - top2[:, 0]) > 2 * (hi - lo).max(axis=1)
     assert certified.sum() >= 32
@@ -173,13 +176,20 @@ def test_argmax_agrees_with_float64_when_margin_exceeds_bound():
     (dict(hidden_states=torch.zeros(3)), r"hidden_states must be \[gbs, H\]; got \(3,\)"),
     (dict(hidden_states=torch.zeros(2, H, dtype=torch.float64)), r"float32, float16 or bfloat16; got torch.float64"),
     (dict(gamma=torch.ones(H + 1)), r"gamma must be \[H=96\] or \[1, H\]; got \(97,\)"),
-    (dict(gamma=torch.ones(H, dtype=torch.float16)), r"gamma must be float32; got torch.float16"),
+    (dict(gamma=torch.ones(H, dtype=torch.float16)), r"gamma must be bf16 or fp32; got torch.float16"),
     (dict(lm_head_weight_t=torch.zeros(H, 10)), r"lm_head_weight_t must be bfloat16; got torch.float32"),
     (dict(lm_head_weight_t=torch.zeros(H + 2, 10, dtype=torch.bfloat16)), r"\[H=96, V_s\]; got \(98, 10\)"),
     (dict(lm_head_weight_t=torch.zeros(10, H, dtype=torch.bfloat16).t()), r"C-contiguous"),
-    (dict(k=V + 1), r"k must be in \[1, V=1000\]; got 1001"),
-    (dict(k=0), r"k must be in \[1, V=1000\]; got 0"),
-    (dict(hidden_actual=H + 1), r"hidden_actual must be in \[1, H=96\]; got 97"),
+    (dict(k=V + 1), r"k must be an int in \[1, V=1000\]; got 1001"),
+    (dict(k=0), r"k must be an int in \[1, V=1000\]; got 0"),
+    (dict(k=2.0), r"k must be an int in \[1, V=1000\]; got 2.0"),
+    (dict(hidden_actual=H + 1), r"hidden_actual must be an int in \[1, H=96\]; got 97"),
+    (dict(hidden_actual=87.5), r"hidden_actual must be an int in \[1, H=96\]; got 87.5"),
+    (dict(eps=float("inf")), r"eps must be a finite number >= 0; got inf"),
+    (dict(eps=-1e-6), r"eps must be a finite number >= 0; got -1e-06"),
+    (dict(gemm_order="amx"), r"gemm_order must be one of \('chain', 'amx32'\); got 'amx'"),
+    (dict(tail_path="fast"), r"tail_path must be one of \('fused', 'reference'\); got 'fast'"),
+    (dict(config=TailConfig(k=8)), r"either as config= or as keywords, not both"),
     (dict(hidden_actual=90), r"interleaved padding needs H and H - H_u divisible by 4"),
     (dict(sampling_params=torch.zeros(3, 3)), r"sampling_params must be \[R=2, 3\|4\|5\]; got \(3, 3\)"),
     (dict(sampling_params=torch.tensor([[1, 0.5, 1.0]] * 2 + [[1, 0.5, -1.0]])[1:]), r"row 1: temperature"),
@@ -191,3 +201,115 @@ def test_bad_inputs_are_value_errors(change, match):
     kw.update(change)
     with pytest.raises(ValueError, match=match):
         decode_tail(kw.pop("hidden_states"), kw.pop("gamma"), kw.pop("lm_head_weight_t"), **kw)
+
+
+def test_non_tensors_are_type_errors():
+    x, gamma, w = problem(2, 0)
+    for args, name in (((x.tolist(), gamma, w), "hidden_states"), ((x, None, w), "gamma"),
+                       ((x, gamma, w.tolist()), "lm_head_weight_t")):
+        with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor"):
+            decode_tail(*args, k=8, hidden_actual=H_U)
+
+
+def test_config_equals_keywords_and_bf16_gamma_is_widened_exactly():
+    """config=TailConfig(...) gives the keywords' bytes; a bf16 gamma gives the bytes of its
+    exact fp32 widening. Planted: a gamma one bf16 ulp off changes the logits."""
+    x, gamma, w = problem(6, 4)
+    g16 = gamma.to(torch.bfloat16)
+    sp = params(6)
+    a = decode_tail(x, g16.float(), w, sampling_params=sp, **KW)
+    b = decode_tail(x, g16, w, sampling_params=sp, config=TailConfig(**KW))
+    same(a, b)
+    off = (g16.view(torch.int16) + 1).view(torch.bfloat16)
+    c = decode_tail(x, off, w, sampling_params=sp, **KW)
+    assert not torch.equal(bits(c.logits), bits(a.logits))
+
+
+@pytest.mark.parametrize("h,ssq_depth", [(1, 13), (96, 13), (256, 13), (257, 14), (2880, 24), (3072, 24)])
+def test_declaration_is_pinned(h, ssq_depth):
+    """The tail's declared sums, written out here by hand (not from the op's constants):
+    ssq a strided(256) fp32 chain, depth ceil(H/256) + 5 + 7; gemm by default amx32 (fp32,
+    depth 16 + 1 + ceil(H/32), FTZ/DAZ, 34 roundings per block), with gemm_order="chain"
+    a sequential fp32 chain, depth H, gradual underflow. A change to the op's order
+    constant must change this test too."""
+    for deferred in (True, False):
+        d = tail_decl(h, deferred)
+        assert (d.sum("ssq").dtype, d.sum("ssq").depth) == ("fp32", ssq_depth)
+        g = d.sum("gemm")
+        assert (g.dtype, g.depth, g.flush, g.roundings) == ("fp32", 16 + 1 + -(-h // 32), True, 34 * -(-h // 32))
+        c = tail_decl(h, deferred, "chain").sum("gemm")
+        assert (c.dtype, c.depth, c.flush, c.roundings) == ("fp32", h, False, None)
+    assert "strided(256)" in tail_decl(h).sum("ssq").order
+
+
+def test_tail_path_fused_is_the_default_and_gives_the_reference_bytes(monkeypatch):
+    """tail_path "fused" (the default) runs the rows_tail kernel, "reference" never does;
+    both give the same bytes (with the kernel's undecided NaN rows finished by the
+    reference sampler). Planted: a kernel whose tokens are off by one is seen by the
+    default path and not by "reference"."""
+    from lmtail.kernels import rows_tail as rows_kernel
+
+    if not rows_kernel.available_backends():
+        pytest.skip("no C compiler: tail_path 'fused' runs the reference path")
+    x, gamma, w = problem(9, 11)
+    sp = params(9, 11)
+    w[:, 7] = float("nan")  # NaN logits on every row: undecided by the kernel without nan_fold
+    real = rows_kernel.rows_tail_fused
+    calls = []
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(rows_kernel, "rows_tail_fused", spy)
+    ref = decode_tail(x, gamma, w, sampling_params=sp, tail_path="reference", **KW)
+    assert calls == []
+    for cfg in (dict(KW), dict(KW, nan_fold=True)):
+        got = decode_tail(x, gamma, w, sampling_params=sp, **cfg)
+        same(got, decode_tail(x, gamma, w, sampling_params=sp, tail_path="reference", **cfg))
+    assert len(calls) == 2
+    same(decode_tail(x[:, :], gamma, w, sampling_params=sp, config=TailConfig(**KW)), ref)
+
+    def off_by_one(*a, **kw):
+        out = real(*a, **kw)
+        out.tokens.add_(1)
+        return out
+
+    monkeypatch.setattr(rows_kernel, "rows_tail_fused", off_by_one)
+    w2 = w.clone()
+    w2[:, 7] = 0.0  # NaN-free: every row decided by the kernel
+    bad = decode_tail(x, gamma, w2, sampling_params=sp, **KW).tokens
+    good = decode_tail(x, gamma, w2, sampling_params=sp, tail_path="reference", **KW).tokens
+    assert torch.equal(bad, good + 1)
+
+
+def test_gemm_order_changes_only_what_its_declaration_allows():
+    """gemm_order="amx32" is another declared sum: its logits differ from "chain" in some
+    fp32 bits (planted: were they equal, the option would not reach the GEMM), and its
+    declared GEMM depth is 16 + 1 + ceil(H/32) (written out here)."""
+    x, gamma, w = problem(16, 9, h=512, v=400)
+    a = decode_tail(x, gamma, w, k=4, gemm_order="chain").logits
+    b = decode_tail(x, gamma, w, k=4, gemm_order="amx32").logits
+    assert not torch.equal(bits(a), bits(b))
+    assert tail_decl(512, True, "amx32").sum("gemm").depth == 16 + 1 + 16
+
+
+@pytest.mark.parametrize("deferred", [True, False])
+def test_amx32_range_declares_daz_and_ftz(deferred):
+    """The default (amx32) GEMM reads subnormal inputs as 0 (DAZ) and flushes tiny results
+    (FTZ); the tail's range takes both from the declared sum's flush. Planted: the same
+    declaration without flush leaves amx32's logits outside on such data."""
+    from dataclasses import replace
+
+    x, gamma, w = problem(4, 3, h=256, v=64)
+    cases = {"daz": (x * 2.0**-128, w), "ftz": (x * 2.0**-64, (w.float() * 2.0**-62).to(torch.bfloat16))}
+    for name, (xx, ww) in cases.items():
+        kw = dict(eps=1e-5, hidden_actual=256, interleaved=False, deferred_rms=deferred)
+        got = decode_tail(xx, gamma, ww, k=1, hidden_actual=256, zero_interleaved_pad=False,
+                          deferred_rms=deferred).logits.double().numpy()
+        decl = tail_decl(256, deferred)
+        lo, hi = logits_range(xx, gamma, ww, decl=decl, **kw)
+        assert ((lo <= got) & (got <= hi)).all(), name
+        ieee = replace(decl, sums=tuple(replace(s, flush=False) for s in decl.sums))
+        lo, hi = logits_range(xx, gamma, ww, decl=ieee, **kw)
+        assert not ((lo <= got) & (got <= hi)).all(), name

@@ -1,2 +1,26 @@
-"""lmtail: the LLM decode sampling tail and its glue ops, with declared numerics."""
+"""lmtail: the LLM decode sampling tail and its glue ops, with declared numerics.
+
+The public API (conventions in README.md "API"; held by tests/test_api.py):
+    decode_tail, TailOutput, TailConfig          the decode sampling tail (lmtail.tail)
+    SamplingParams, sampling_tensor              per-request sampling (lmtail.sampler)
+    embed_rows, add_rms, moe_add_rms, rms_parts, NormResult   glue ops (lmtail.norms)
+    router_topk, Routing                         MoE router (lmtail.router)
+    compose_hops, owned_row_block, owned_rows    rank layout maps (lmtail.layout)
+    launch                                       N local ranks (lmtail.launch.launch)
+"""
+from __future__ import annotations
+
+from .config import TailConfig
+from .launch import launch  # binds the function over the submodule's name
+from .layout import compose_hops, owned_row_block, owned_rows
+from .norms import NormResult, add_rms, embed_rows, moe_add_rms, rms_parts
+from .router import Routing, router_topk
+from .sampler import SamplingParams, sampling_tensor
+from .tail import TailOutput, decode_tail
+
 __version__ = "0.1.0"
+
+__all__ = ["decode_tail", "TailOutput", "TailConfig", "SamplingParams", "sampling_tensor",
+           "embed_rows", "add_rms", "moe_add_rms", "rms_parts", "NormResult", "router_topk",
+           "Routing", "compose_hops", "owned_row_block", "owned_rows", "launch"]
+

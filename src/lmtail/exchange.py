@@ -1,57 +1,47 @@
-"""The vocab-parallel decode tail: one bf16 all-to-all per hop (SPEC 1 and 5).
+"""The vocab-parallel transport: bf16 [gbs, V_s] slabs in, [R, V] owned rows out.
 
-    every rank r (of VTP)                                    rank r after the last hop
-    hidden [gbs, H] (the same on all ranks)
-      | shard_logits (norm + GEMM, this rank's W [H, V_s])
-      v
-    logits [gbs, V_s] fp32 --(emit_logits)--> returned as is
-      | bf16 mirror
-      v
-    mirror [gbs, V_s] bf16 ==hop 0 all-to-all==> [gbs/h0, h0*V_s] ==hop 1==> ... ==> [R, V]
+    every rank r (of VTP) holds a [gbs, V_s] slab (its vocab shard of every row)
+    slab [gbs, V_s] ==hop 0 all-to-all==> [gbs/h0, h0*V_s] ==hop 1==> ... ==> [R, V]
          split rows into h chunks, chunk i -> member i;   received slabs [h, rows/h, C]
          de-interleaved to [rows/h, h*C] (slab i = columns of member i, in member order)
-                                                              | rows_tail (top-k, sampler)
-                                                              v
-                                               topk/tokens/logprobs for owned_rows(r)
 
-    batch_groups = G (single hop): the GEMM runs row block by row block
-    [g*gbs/G, (g+1)*gbs/G); block g's all-to-all is issued async as soon as its logits
-    exist, so it overlaps the GEMM of blocks g+1..G-1; the G received [R/G, V] blocks are
-    stacked in g order (the row order of layout.owned_rows(..., batch_groups=G)).
+    batch_groups = G (single hop): the slab is asked for row block by row block
+    [g*gbs/G, (g+1)*gbs/G); block g's all-to-all is issued async as soon as the block
+    exists, so it overlaps the making of blocks g+1..G-1; the G received [R/G, V] blocks
+    are stacked in g order (the row order of layout.owned_rows(..., batch_groups=G)).
     On a 2-core CPU box with gloo this measured slower than G=1 (each block re-streams
     the weight shard; docs/exchange.md "Overlap"); it pays only where the exchange is a
     real share of the step.
 
-Vocab shard id: rank r's `lm_head_weight_t` must be the shard of vocab ids
-r*V_s .. (r+1)*V_s - 1 (r = rank in `group`) for EVERY hop layout: hop t's groups are the
-ranks differing only in mixed-radix digit d_t (layout.compose_hops), so after the last
-hop the column slabs arrive in rank order (see layout's docstring). The exchange only
-moves bf16 bytes (no arithmetic), so every output is bitwise the single-rank
-decode_tail's on the same global inputs, for any VTP, hops and G.
+Column order: hop t's groups are the ranks differing only in mixed-radix digit d_t
+(layout.compose_hops), so after the last hop the column slabs arrive in rank order: rank
+r's slab must hold the columns r*V_s .. (r+1)*V_s - 1 for EVERY hop layout. The exchange
+does no arithmetic: the bytes of each slab arrive untouched (NaN payloads included).
 
-Before any byte moves: the layout is validated locally (ValueError before any
-collective); the inputs are validated locally and a small int64 signature (shapes,
-dtypes, eps, flags, hops, checksums of hidden_states and gamma) is all-gathered, so a
-rank with bad or disagreeing inputs makes EVERY rank raise ValueError rather than hang.
-Every collective is async and waited with `timeout` seconds: a rank that dies, raises
-or hangs makes the others raise ExchangeError (naming the phase and the ranks) within
-`timeout`; the process group is unusable afterwards (tear it down).
+`agree` is the generic pre-flight: every rank all-gathers a list of named int64 fields
+(or None when its own inputs were rejected), so a rank with bad or disagreeing inputs
+makes EVERY rank raise ValueError rather than hang. Every collective is async and waited
+with `timeout` seconds: a rank that dies, raises or hangs makes the others raise
+ExchangeError (naming the phase and the ranks) within `timeout`; the process group is
+unusable afterwards (tear it down). What the fields mean is the caller's business
+(lmtail.tail builds the tail's signature).
 
-Shape legend: gbs global batch rows, H hidden, V_s vocab shard, V = VTP*V_s full vocab,
-R = gbs/VTP rows a rank owns, G batch groups, h hop size, C columns held before a hop.
+Shape legend: gbs global batch rows, V_s vocab shard (columns a rank contributes),
+V = VTP*V_s, R = gbs/VTP rows a rank owns, G batch groups, h hop size, C columns held
+before a hop, F signature fields.
 """
 from __future__ import annotations
 
-import struct
 import weakref
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .layout import compose_hops, owned_rows, validate_layout
+from .layout import compose_hops
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -83,9 +73,11 @@ class HopGroups:
 _REGISTRY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _parent_group(group):
+def parent_group(group):
+    """The vocab-parallel group `group` names (None: the world); ValueError when there is
+    no initialized process group or this rank is not a member."""
     if not dist.is_available() or not dist.is_initialized():
-        raise ValueError("the vocab-parallel tail needs an initialized torch.distributed "
+        raise ValueError("the vocab-parallel path needs an initialized torch.distributed "
                          "process group (dist.init_process_group or lmtail.launch.launch)")
     parent = dist.group.WORLD if group is None else group
     if dist.get_rank(parent) < 0:  # also catches GroupMember.NON_GROUP_MEMBER
@@ -102,7 +94,7 @@ def hop_groups(group=None, hops=None, *, timeout: float = DEFAULT_TIMEOUT_S) -> 
     with use_local_synchronization=True (all members of a parent must then share the
     same group-creation history). Hops of size VTP reuse the parent; size 1 needs none.
     """
-    parent = _parent_group(group)
+    parent = parent_group(group)
     vtp = parent.size()
     meshes = compose_hops(vtp, hops)
     hops = tuple(len(m[0]) for m in meshes)
@@ -162,14 +154,16 @@ def _hop(x, h, pg, members, timeout, what):
     return out.view(h, rows // h, c).permute(1, 0, 2).reshape(rows // h, h * c)
 
 
-def exchange_rows(row_logits, *, gbs, group=None, hops=None, batch_groups=1, fence=False,
-                  timeout: float = DEFAULT_TIMEOUT_S):
-    """Move each rank's bf16 mirror so that it ends with its owned rows' full vocab.
+def exchange_rows(make_block: Callable[[slice], torch.Tensor], *, gbs: int, group=None, hops=None,
+                  batch_groups: int = 1, fence: bool = False,
+                  timeout: float = DEFAULT_TIMEOUT_S) -> torch.Tensor:
+    """Move every rank's [gbs, V_s] slab so that it ends with its owned rows' full width.
 
-    row_logits(rows: slice) -> [n, V_s] fp32: this rank's shard logits of a row block
-    (row-independent). Returns (received [R, V] bf16 in owned_rows order, vocab order;
-    logits [gbs, V_s] fp32 as computed). The only arithmetic is the bf16 rounding of the
-    mirror; the rest is byte movement. Layout is assumed validated; collective over group.
+    make_block(rows: slice) -> [n, V_s] (any dtype; the tail passes its bf16 mirror):
+    this rank's slab for a row block; called once per batch group, in row order.
+    Returns received [R, V] (R = gbs/VTP, V = VTP*V_s) in layout.owned_rows order, column
+    slab i from rank i. Bytes only: every received element is a sent element, bit for bit.
+    Layout is assumed validated (layout.validate_layout); collective over `group`.
     """
     hg = group if isinstance(group, HopGroups) else hop_groups(group, hops, timeout=timeout)
     if fence:
@@ -180,148 +174,68 @@ def exchange_rows(row_logits, *, gbs, group=None, hops=None, batch_groups=1, fen
                 assert int(z) == 0, "fence all-reduce of zeros is zero"
     g_n, block = batch_groups, gbs // batch_groups
     if g_n == 1:
-        logits = row_logits(slice(0, gbs))  # [gbs, V_s] fp32
-        x = logits.to(torch.bfloat16)  # [gbs, V_s] mirror
+        x = make_block(slice(0, gbs))  # [gbs, V_s]
         for t, (h, pg) in enumerate(zip(hg.hops, hg.groups)):
             x = _hop(x, h, pg, hg.members[t], timeout, f"hop {t} all-to-all")
-        return x, logits  # [R, V], [gbs, V_s]
+        return x  # [R, V]
     (h,), (pg,), (members,) = hg.hops, hg.groups, hg.members
-    parts, pending = [], []
-    for g in range(g_n):  # issue block g's exchange before computing block g+1
-        lg = row_logits(slice(g * block, (g + 1) * block))  # [gbs/G, V_s]
-        mirror = lg.to(torch.bfloat16).contiguous()  # [gbs/G, V_s]
-        out = torch.empty_like(mirror) if h > 1 else mirror
-        work = dist.all_to_all_single(out, mirror, group=pg, async_op=True) if h > 1 else None
-        parts.append(lg)
-        pending.append((work, out, mirror))  # keep mirror alive until its send completes
+    pending = []
+    for g in range(g_n):  # issue block g's exchange before making block g+1
+        slab = make_block(slice(g * block, (g + 1) * block)).contiguous()  # [gbs/G, V_s]
+        out = torch.empty_like(slab) if h > 1 else slab
+        work = dist.all_to_all_single(out, slab, group=pg, async_op=True) if h > 1 else None
+        pending.append((work, out, slab))  # keep slab alive until its send completes
     recv = []
     for g, (work, out, _) in enumerate(pending):
         if work is not None:
             _wait(work, timeout, f"batch group {g} all-to-all", members)
         c = out.shape[1]
         recv.append(out.view(h, block // h, c).permute(1, 0, 2).reshape(block // h, h * c))
-    return torch.cat(recv, dim=0), torch.cat(parts, dim=0)  # [R, V], [gbs, V_s]
+    return torch.cat(recv, dim=0)  # [R, V]
 
 
 # ---------------------------------------------------------------------------------------
-# cross-rank input agreement
+# cross-rank agreement on named int64 fields
 # ---------------------------------------------------------------------------------------
-_SIG_FIELDS = ("ok", "gbs", "H", "V_s", "k", "hidden dtype", "gamma dtype", "weight dtype",
-               "hidden_actual", "zero_interleaved_pad", "eps", "deferred_rms", "nan_fold",
-               "sampling_params columns", "batch_groups", "fence", "hops",
-               "hidden_states checksum", "gamma checksum")
-_DTYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
-
-
-def _checksum(t: torch.Tensor) -> int:
-    """Position-weighted int64 sum of the fp32 bit patterns (wraps; deterministic)."""
+def tensor_digest(t: torch.Tensor) -> int:
+    """Position-weighted int64 sum of the fp32 bit patterns of t (wraps; deterministic)."""
     bits = t.detach().reshape(-1).to(torch.float32).view(torch.int32).to(torch.int64)
     return int((bits * torch.arange(1, bits.numel() + 1, dtype=torch.int64)).sum())
 
 
-def _signature(ok, hidden, gamma, weight, *, k, hidden_actual, zero_interleaved_pad, eps,
-               deferred_rms, nan_fold, sampling_params, batch_groups, fence, hops):
-    if not ok:
-        return [0] + [-1] * (len(_SIG_FIELDS) - 1)
-    gbs, h = hidden.shape
-    return [1, gbs, h, weight.shape[1], int(k), _DTYPES.get(hidden.dtype, 0),
-            _DTYPES.get(gamma.dtype, 0), 4 if weight.dtype == torch.bfloat16 else 0,
-            h if hidden_actual is None else int(hidden_actual), int(bool(zero_interleaved_pad)),
-            struct.unpack("<q", struct.pack("<d", float(eps)))[0], int(bool(deferred_rms)),
-            int(bool(nan_fold)), 0 if sampling_params is None else sampling_params.shape[1],
-            int(batch_groups), int(bool(fence)), zlib.crc32(repr(tuple(hops)).encode()),
-            _checksum(hidden), _checksum(gamma)]
+def bytes_digest(b: bytes) -> int:
+    """crc32 of b as an int (for fields that are not numbers)."""
+    return zlib.crc32(b)
 
 
-def _agree(parent, sig, local_error, hops, timeout):
-    """All-gather the signatures; ValueError on every rank if any rank rejected its inputs
-    or any field differs. A second (object) gather runs only on that error path."""
-    mine = torch.tensor(sig, dtype=torch.int64)  # [F]
+def agree(parent, names: Sequence[str], values: Sequence[tuple[int, object]] | None,
+          local_error: BaseException | None, *, what: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """All-gather this rank's signature: values[i] = (int64, shown value) of field names[i],
+    or None when its inputs were rejected (local_error). Returns when every rank gave the
+    same int64s; else raises on every rank: local_error on the rejecting rank(s), otherwise
+    a ValueError naming the rejecting ranks, or each differing field with its shown value
+    per rank. `names` must be the same on every rank. Collective over `parent`; a second
+    (object) gather runs only on the error path."""
+    assert values is None or len(values) == len(names), "one value per field"
+    ints = [0] + [-1] * len(names) if values is None else [1] + [int(v) for v, _ in values]
+    mine = torch.tensor(ints, dtype=torch.int64)  # [1 + F]
     sigs = [torch.empty_like(mine) for _ in range(parent.size())]
     _wait(dist.all_gather(sigs, mine, group=parent, async_op=True), timeout,
           "input signature all-gather", range(parent.size()))
-    table = torch.stack(sigs)  # [VTP, F]
+    table = torch.stack(sigs)  # [VTP, 1 + F]
     rejected = [r for r in range(parent.size()) if int(table[r, 0]) == 0]
-    differ = [] if rejected else [f for j, f in enumerate(_SIG_FIELDS)
-                                  if not bool((table[:, j] == table[0, j]).all())]
+    differ = [] if rejected else [j for j in range(len(names))
+                                  if not bool((table[:, j + 1] == table[0, j + 1]).all())]
     if not rejected and not differ:
         return
+    shown = None if values is None else [s for _, s in values]
     notes = [None] * parent.size()
-    dist.all_gather_object(notes, (str(local_error) if local_error else "", tuple(hops)), group=parent)
+    dist.all_gather_object(notes, (str(local_error) if local_error else "", shown), group=parent)
     if local_error is not None:
         raise local_error
     if rejected:
-        raise ValueError("decode_tail_parallel: rank(s) " + "; ".join(
+        raise ValueError(f"{what}: rank(s) " + "; ".join(
             f"{r} rejected its inputs: {notes[r][0]}" for r in rejected) + " (no collective ran)")
-    per_rank = {f: [notes[r][1] if f == "hops" else int(table[r, _SIG_FIELDS.index(f)])
-                    for r in range(parent.size())] for f in differ}
-    raise ValueError("decode_tail_parallel: inputs disagree across the ranks of the "
-                     "vocab-parallel group (value per rank): " +
-                     "; ".join(f"{f}: {v}" for f, v in per_rank.items()))
-
-
-# ---------------------------------------------------------------------------------------
-# the public entry point
-# ---------------------------------------------------------------------------------------
-def decode_tail_parallel(hidden_states, gamma, lm_head_weight_t, *, eps=1e-5, hidden_actual=None,
-                         zero_interleaved_pad=True, k=256, sampling_params=None, group=None,
-                         hops=None, batch_groups=1, fence=False, emit_logits=True,
-                         debug_taps=False, deferred_rms=True, nan_fold=False,
-                         timeout: float = DEFAULT_TIMEOUT_S):
-    """decode_tail over a vocab-parallel group (SPEC 1, 4, 5). Collective over `group`.
-
-    hidden_states [gbs, H] and gamma: the same on every rank. lm_head_weight_t [H, V_s]
-    bf16: rank r's shard (vocab ids r*V_s ..). sampling_params [R, 3|4|5] fp32: this
-    rank's rows, in layout.owned_rows(r, VTP, gbs, hops, batch_groups) order.
-    group: a ProcessGroup (default: the world) or a HopGroups; hops: sizes multiplying to
-    VTP (default one hop). batch_groups G: G overlapped single-hop collectives. fence: a
-    zero all-reduce per hop mesh first (outputs unchanged). timeout: seconds any one
-    collective may take before ExchangeError.
-    Returns TailOutput: logits [gbs, V_s] fp32 (this rank's shard, if emit_logits);
-    topk_values [R, k] bf16, topk_indices [R, k] int64 global ids, tokens/logprobs/
-    truncated [R] (with sampling_params), taps (debug_taps) for the owned rows; all
-    bitwise equal to the owned rows of the single-rank decode_tail on the same inputs.
-    """
-    from .tail import TailOutput, rows_tail, shard_logits, validate_tail_inputs
-
-    hg = group if isinstance(group, HopGroups) else None
-    parent = _parent_group(hg.parent if hg else group)
-    vtp = parent.size()
-    if hg is not None and hops is not None and tuple(hops) != hg.hops:
-        raise ValueError(f"hops must match the HopGroups given as group ({hg.hops}); got {tuple(hops)}")
-    hops = hg.hops if hg else hops
-    layout_hops = validate_layout(vtp, vtp * batch_groups, hops, batch_groups)  # gbs-free checks
-    shapes_ok = all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in (hidden_states, lm_head_weight_t))
-    gbs = hidden_states.shape[0] if shapes_ok else None
-    if gbs:
-        validate_layout(vtp, gbs, layout_hops, batch_groups)  # raises before any collective
-    local_error = None
-    try:  # a rank's bad inputs become a ValueError on every rank (via the signature)
-        validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, eps=eps, hidden_actual=hidden_actual,
-                             zero_interleaved_pad=zero_interleaved_pad, k=k, sampling_params=sampling_params,
-                             vocab_size=lm_head_weight_t.shape[1] * vtp if shapes_ok else 1,
-                             rows=gbs // vtp if gbs else None)
-    except ValueError as e:
-        local_error = e
-    sig = _signature(local_error is None, hidden_states, gamma, lm_head_weight_t, k=k,
-                     hidden_actual=hidden_actual, zero_interleaved_pad=zero_interleaved_pad,
-                     eps=eps, deferred_rms=deferred_rms, nan_fold=nan_fold,
-                     sampling_params=sampling_params, batch_groups=batch_groups, fence=fence,
-                     hops=layout_hops)
-    _agree(parent, sig, local_error, layout_hops, timeout)
-
-    def row_logits(rows):
-        return shard_logits(hidden_states, gamma, lm_head_weight_t, eps=eps, hidden_actual=hidden_actual,
-                            zero_interleaved_pad=zero_interleaved_pad, deferred_rms=deferred_rms, rows=rows)
-
-    recv, logits = exchange_rows(row_logits, gbs=gbs, group=hg or parent, hops=layout_hops,
-                                 batch_groups=batch_groups, fence=fence, timeout=timeout)
-    assert recv.shape == (gbs // vtp, lm_head_weight_t.shape[1] * vtp), "received [R, V]"
-    out = rows_tail(recv, k=k, sampling_params=sampling_params, nan_fold=nan_fold, debug_taps=debug_taps)
-    return TailOutput(logits=logits if emit_logits else None, **out)
-
-
-def owned_rows_of(group=None, *, gbs, hops=None, batch_groups=1) -> list[int]:
-    """layout.owned_rows for this rank of `group` (default: the world)."""
-    parent = _parent_group(group)
-    return owned_rows(parent.rank(), parent.size(), gbs, hops, batch_groups)
+    raise ValueError(f"{what}: inputs disagree across the ranks of the vocab-parallel group "
+                     "(value per rank): " + "; ".join(
+                         f"{names[j]}: {[notes[r][1][j] for r in range(parent.size())]}" for j in differ))

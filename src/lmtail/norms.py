@@ -22,43 +22,40 @@ R = S - n_shared routed slots, P part width, G = H / P parts a row.
 """
 from __future__ import annotations
 
-import math
+from typing import NamedTuple
 
 import torch
 
-from .numerics import fma32, sqrt_rn32  # noqa: F401 (sqrt_rn32 re-exported)
+from .checks import check_eps, check_threads, gamma32, is_int, need, need_tensor
+from .kernels import fmachain
+from .numerics import Decl, SumDecl, sqrt_rn32
 from .orders import Order, strided, sum_squares
 
 DEFAULT_ORDER = strided(256)
 _EPS = 1e-5
 
 
-# ---------------------------------------------------------------------------------------
-# validation helpers (ValueError at the public boundary, expected vs got)
-# ---------------------------------------------------------------------------------------
-def _need(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
+class NormResult(NamedTuple):
+    """add_rms / moe_add_rms result (unpacks as `h, y = ...`)."""
+
+    h: torch.Tensor  # [..., H] bf16, the new residual stream
+    y: torch.Tensor  # [..., H] bf16, the normalized row
 
 
-def _check_eps_order(eps, order) -> None:
-    _need(isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0,
-          f"eps must be a finite number >= 0; got {eps!r}")
-    _need(isinstance(order, Order), f"order must be an orders.Order; got {type(order).__name__}")
+# ---------------------------------------------------------------------------------------
+# validation helpers (ValueError at the public boundary, expected vs got; lmtail.checks)
+# ---------------------------------------------------------------------------------------
+def _check_eps_order(eps, order, backend=None, threads=None) -> None:
+    check_eps(eps)
+    need(isinstance(order, Order), f"order must be an orders.Order; got {type(order).__name__}")
+    check_threads(threads)
+    have = fmachain.available_backends()
+    need(backend is None or backend in have, f"backend must be one of {have}; got {backend!r}")
 
 
 def _check_bf16(name: str, t, shape_txt: str) -> None:
-    _need(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor {shape_txt}; got {type(t).__name__}")
-    _need(t.dtype == torch.bfloat16, f"{name} must be bf16 {shape_txt}; got {t.dtype}")
-
-
-def _gamma32(gamma, h: int) -> torch.Tensor:
-    """gamma [H] bf16 or fp32 -> fp32 [H] (exact widening)."""
-    _need(isinstance(gamma, torch.Tensor), f"gamma must be a torch.Tensor [H={h}]; got {type(gamma).__name__}")
-    _need(gamma.dtype in (torch.bfloat16, torch.float32),
-          f"gamma must be bf16 or fp32; got {gamma.dtype}")
-    _need(tuple(gamma.shape) == (h,), f"gamma must be [H] = [{h}]; got {tuple(gamma.shape)}")
-    return gamma.to(torch.float32)
+    need_tensor(name, t, shape_txt)
+    need(t.dtype == torch.bfloat16, f"{name} must be bf16 {shape_txt}; got {t.dtype}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -72,10 +69,10 @@ def embed_rows(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """
     is_int = (isinstance(ids, torch.Tensor) and not ids.is_floating_point() and not ids.is_complex()
               and ids.dtype != torch.bool)
-    _need(is_int, f"ids must be an integer tensor [T]; got {getattr(ids, 'dtype', type(ids).__name__)}")
-    _need(ids.dim() == 1, f"ids must be [T]; got {tuple(ids.shape)}")
+    need(is_int, f"ids must be an integer tensor [T]; got {getattr(ids, 'dtype', type(ids).__name__)}")
+    need(ids.dim() == 1, f"ids must be [T]; got {tuple(ids.shape)}")
     _check_bf16("table", table, "[V, H]")
-    _need(table.dim() == 2, f"table must be [V, H]; got {tuple(table.shape)}")
+    need(table.dim() == 2, f"table must be [V, H]; got {tuple(table.shape)}")
     v = table.shape[0]
     ids64 = ids.to(torch.int64)  # [T]
     bad = (ids64 < 0) | (ids64 >= v)
@@ -89,20 +86,20 @@ def embed_rows(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 # inv_rms: the shared reciprocal RMS
 # ---------------------------------------------------------------------------------------
 def inv_rms(h32: torch.Tensor, *, eps: float = _EPS, order: Order = DEFAULT_ORDER,
-            n: int | None = None) -> torch.Tensor:
+            n: int | None = None, backend: str | None = None, threads: int | None = None) -> torch.Tensor:
     """inv = fl32(1 / fl32(sqrt(fl32(fl32(ssq / n) + eps32)))), ssq = sum h*h in `order`.
 
     h32 [..., N] fp32 -> inv [...] fp32. n (default N) is the divisor (a padded row may
     divide by its real width). Sum: fp32, order `order`, depth order.depth(N).
     NaN in a row -> NaN; inf or fp32-overflowing squares -> 0; zero row -> 1/sqrt(eps32).
     """
-    _need(isinstance(h32, torch.Tensor) and h32.dtype == torch.float32,
+    need(isinstance(h32, torch.Tensor) and h32.dtype == torch.float32,
           f"h32 must be an fp32 tensor [..., N]; got {getattr(h32, 'dtype', type(h32).__name__)}")
-    _need(h32.dim() >= 1 and h32.shape[-1] >= 1, f"h32 must be [..., N] with N >= 1; got {tuple(h32.shape)}")
-    _check_eps_order(eps, order)
+    need(h32.dim() >= 1 and h32.shape[-1] >= 1, f"h32 must be [..., N] with N >= 1; got {tuple(h32.shape)}")
+    _check_eps_order(eps, order, backend, threads)
     n = h32.shape[-1] if n is None else n
-    _need(isinstance(n, int) and 1 <= n < 2**24, f"n must be an int in [1, 2**24); got {n!r}")
-    ssq = sum_squares(h32, order)  # [...] fp32
+    need(is_int(n) and 1 <= n < 2**24, f"n must be an int in [1, 2**24); got {n!r}")
+    ssq = sum_squares(h32, order, backend=backend, threads=threads)  # [...] fp32
     m = ssq / torch.full_like(ssq, float(n))  # tensor / tensor: a true IEEE division
     d = m + torch.full_like(m, eps)  # eps rounded to fp32 by full_like
     r = sqrt_rn32(d)
@@ -123,53 +120,41 @@ def _norm_rows(h32: torch.Tensor, g32: torch.Tensor, inv: torch.Tensor, rounding
 # add_rms
 # ---------------------------------------------------------------------------------------
 def add_rms(x: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor, *, eps: float = _EPS,
-            order: Order = DEFAULT_ORDER) -> tuple[torch.Tensor, torch.Tensor]:
-    """Residual add + RMSNorm: returns (h, y), both bf16 [..., H].
+            order: Order = DEFAULT_ORDER, backend: str | None = None,
+            threads: int | None = None) -> NormResult:
+    """Residual add + RMSNorm: returns NormResult(h, y), both bf16 [..., H].
 
     h = bf16(fl32(x + residual))            one fp32 add of the widened bf16s, one bf16 rounding
     y = bf16(fl32(fl32(h * inv) * gamma))   inv = inv_rms(h) (module docstring), fp32 products
                                             in that order, then one bf16 rounding
     Sums: ssq over H, fp32, `order`, depth order.depth(H) (strided(256), H=2688: 23).
-    x, residual: [..., H] bf16 (same shape); gamma [H] bf16 or fp32.
+    x, residual: [..., H] bf16 (same shape); gamma [H] or [1, H] bf16 or fp32.
+    backend / threads: the sum's kernel (kernels.fmachain; every backend the same bytes).
     Special values: h follows IEEE (inf + -inf = NaN); y as in the module docstring.
     Row-independent and deterministic: a row's bytes never depend on the other rows.
     """
     _check_bf16("x", x, "[..., H]")
-    _need(x.dim() >= 1 and x.shape[-1] >= 1, f"x must be [..., H] with H >= 1; got {tuple(x.shape)}")
+    need(x.dim() >= 1 and x.shape[-1] >= 1, f"x must be [..., H] with H >= 1; got {tuple(x.shape)}")
     _check_bf16("residual", residual, f"{tuple(x.shape)}")
-    _need(residual.shape == x.shape, f"residual must be {tuple(x.shape)} like x; got {tuple(residual.shape)}")
-    g32 = _gamma32(gamma, x.shape[-1])
-    _check_eps_order(eps, order)
+    need(residual.shape == x.shape, f"residual must be {tuple(x.shape)} like x; got {tuple(residual.shape)}")
+    g32 = gamma32(gamma, x.shape[-1])
+    _check_eps_order(eps, order, backend, threads)
     h = (x.to(torch.float32) + residual.to(torch.float32)).to(torch.bfloat16)  # [..., H]
     h32 = h.to(torch.float32)
-    y = _norm_rows(h32, g32, inv_rms(h32, eps=eps, order=order), "once")
-    return h, y
+    y = _norm_rows(h32, g32, inv_rms(h32, eps=eps, order=order, backend=backend, threads=threads), "once")
+    return NormResult(h, y)
 
 
 # ---------------------------------------------------------------------------------------
 # moe_add_rms
 # ---------------------------------------------------------------------------------------
-def _moe_routed_torch(slots: torch.Tensor, weights: torch.Tensor, r: int) -> torch.Tensor:
-    """The routed chain's torch reference: acc = fma32(w[:, i], s_i, acc), i = 0..r-1 from
-    +0.0. slots [S, T, H] bf16/fp32, weights [T, R] fp32 -> [T, H] fp32."""
-    acc = torch.zeros(slots.shape[1:], dtype=torch.float32)  # [T, H], starts at +0.0
-    for i in range(r):  # routed chain, slot order from 0
-        acc = fma32(weights[:, i : i + 1], slots[i].to(torch.float32), acc)
-    return acc
-
-
-def _moe_combine(slots: torch.Tensor, weights: torch.Tensor, n_shared: int) -> torch.Tensor:
+def _moe_combine(slots: torch.Tensor, weights: torch.Tensor, n_shared: int, backend, threads) -> torch.Tensor:
     """c = bf16(fl32(routed + shared)) as fp32 [T, H] (see moe_add_rms; no validation).
-    The routed chain runs in the C kernel (kernels/fmachain.c, fmaf per step) when it is
-    built, else `_moe_routed_torch`: the same bits (NaN payloads not declared)."""
-    from .kernels import fmachain  # lazy: the kernel module is optional
-
+    The routed chain is kernels.fmachain.moe_routed (every backend the same bits; NaN
+    payloads not declared)."""
     s = slots.shape[0]
     r = s - n_shared
-    if fmachain.available_backends():
-        acc = fmachain.moe_routed(slots, weights, nslots=r)  # [T, H]
-    else:
-        acc = _moe_routed_torch(slots, weights, r)
+    acc = fmachain.moe_routed(slots, weights, nslots=r, backend=backend, threads=threads)  # [T, H]
     if n_shared:
         sh = slots[r].to(torch.float32)  # [T, H]
         for i in range(r + 1, s):  # shared slots on their own, in order
@@ -180,8 +165,8 @@ def _moe_combine(slots: torch.Tensor, weights: torch.Tensor, n_shared: int) -> t
 
 def moe_add_rms(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gamma: torch.Tensor, *,
                 eps: float = _EPS, n_shared: int = 2, order: Order = DEFAULT_ORDER,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """MoE combine + residual add + RMSNorm in one pass: returns (h, y), bf16 [T, H].
+                backend: str | None = None, threads: int | None = None) -> NormResult:
+    """MoE combine + residual add + RMSNorm in one pass: returns NormResult(h, y), bf16 [T, H].
 
     routed = fma(w[:, R-1], s_{R-1}, ... fma(w[:, 0], s_0, +0.0))   fp32, exact fma, slot order
     shared = ((s_R + s_{R+1}) + ...)                                 fp32 adds, slot order
@@ -189,43 +174,46 @@ def moe_add_rms(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gam
     h      = bf16(fl32(x + c))
     y      = as in add_rms, from h
     x [T, H] bf16; slots [S, T, H] bf16 (prefill) or fp32 (decode), the first R = S - n_shared
-    routed, the last n_shared shared (weight 1); weights [T, R] fp32; gamma [H] bf16/fp32.
+    routed, the last n_shared shared (weight 1); weights [T, R] fp32; gamma [H] or [1, H]
+    bf16/fp32. backend / threads: the routed chain's and the sum's kernel (kernels.fmachain).
     Sums: combine fp32 depth max(R, n_shared - 1) + 1 (Nemotron 6 + 2: 7); ssq over H, fp32,
     `order`, depth order.depth(H). No fp32 combine row is kept: c is rounded before the add.
     Special values: IEEE through the chain (inf * 0 weight = NaN, inf - inf = NaN), then
     as add_rms. Row-independent and deterministic.
     """
     _check_bf16("x", x, "[T, H]")
-    _need(x.dim() == 2 and x.shape[1] >= 1, f"x must be [T, H] with H >= 1; got {tuple(x.shape)}")
+    need(x.dim() == 2 and x.shape[1] >= 1, f"x must be [T, H] with H >= 1; got {tuple(x.shape)}")
     t, h_ = x.shape
-    _need(isinstance(slots, torch.Tensor) and slots.dtype in (torch.bfloat16, torch.float32),
+    need(isinstance(slots, torch.Tensor) and slots.dtype in (torch.bfloat16, torch.float32),
           f"slots must be bf16 or fp32 [S, T={t}, H={h_}]; got {getattr(slots, 'dtype', type(slots).__name__)}")
-    _need(slots.dim() == 3 and slots.shape[0] >= 1 and tuple(slots.shape[1:]) == (t, h_),
+    need(slots.dim() == 3 and slots.shape[0] >= 1 and tuple(slots.shape[1:]) == (t, h_),
           f"slots must be [S, T={t}, H={h_}] with S >= 1; got {tuple(slots.shape)}")
     s = slots.shape[0]
-    _need(isinstance(n_shared, int) and 0 <= n_shared <= s,
+    need(is_int(n_shared) and 0 <= n_shared <= s,
           f"n_shared must be an int in [0, S={s}]; got {n_shared!r}")
     r = s - n_shared
-    _need(isinstance(weights, torch.Tensor) and weights.dtype == torch.float32,
+    need(isinstance(weights, torch.Tensor) and weights.dtype == torch.float32,
           f"weights must be fp32 [T={t}, R={r}]; got {getattr(weights, 'dtype', type(weights).__name__)}")
-    _need(tuple(weights.shape) == (t, r), f"weights must be [T, S - n_shared] = [{t}, {r}]; got {tuple(weights.shape)}")
-    g32 = _gamma32(gamma, h_)
-    _check_eps_order(eps, order)
-    c = _moe_combine(slots, weights, n_shared)  # [T, H] bf16 values
+    need(tuple(weights.shape) == (t, r), f"weights must be [T, S - n_shared] = [{t}, {r}]; got {tuple(weights.shape)}")
+    g32 = gamma32(gamma, h_)
+    _check_eps_order(eps, order, backend, threads)
+    c = _moe_combine(slots, weights, n_shared, backend, threads)  # [T, H] bf16 values
     h = (x.to(torch.float32) + c).to(torch.bfloat16)  # [T, H]
     h32 = h.to(torch.float32)
-    y = _norm_rows(h32, g32, inv_rms(h32, eps=eps, order=order), "once")
-    return h, y
+    y = _norm_rows(h32, g32, inv_rms(h32, eps=eps, order=order, backend=backend, threads=threads), "once")
+    return NormResult(h, y)
 
 
 # ---------------------------------------------------------------------------------------
 # rms_parts
 # ---------------------------------------------------------------------------------------
 def rms_parts(x: torch.Tensor, gamma: torch.Tensor, *, part: int, rounding: str = "once",
-              eps: float = _EPS, order: Order = DEFAULT_ORDER) -> torch.Tensor:
+              eps: float = _EPS, order: Order = DEFAULT_ORDER, backend: str | None = None,
+              threads: int | None = None) -> torch.Tensor:
     """Independent RMSNorm of each part-wide slice of a row (Mamba group norm, MTP halves).
 
-    x [..., H] bf16, H = G * part; gamma [H] bf16/fp32 -> y [..., H] bf16.
+    x [..., H] bf16, H = G * part; gamma [H] or [1, H] bf16/fp32 -> y [..., H] bf16.
+    backend / threads: the sum's kernel (kernels.fmachain; every backend the same bytes).
     inv_g = inv_rms(x[..., g*P:(g+1)*P]) with n = P; the order's lanes apply per part.
     rounding="once": y = bf16(fl32(fl32(x * inv_g) * gamma))
     rounding="mlx":  y = bf16(fl32(gamma * bf16(fl32(x * inv_g))))   (MLX rounds twice)
@@ -233,14 +221,55 @@ def rms_parts(x: torch.Tensor, gamma: torch.Tensor, *, part: int, rounding: str 
     Special values: as the module docstring, per part (a NaN poisons only its part).
     """
     _check_bf16("x", x, "[..., H]")
-    _need(x.dim() >= 1 and x.shape[-1] >= 1, f"x must be [..., H] with H >= 1; got {tuple(x.shape)}")
+    need(x.dim() >= 1 and x.shape[-1] >= 1, f"x must be [..., H] with H >= 1; got {tuple(x.shape)}")
     h_ = x.shape[-1]
-    _need(isinstance(part, int) and part >= 1 and h_ % part == 0,
+    need(is_int(part) and part >= 1 and h_ % part == 0,
           f"part must be a positive int dividing H={h_}; got {part!r}")
-    _need(rounding in ("once", "mlx"), f"rounding must be 'once' or 'mlx'; got {rounding!r}")
-    g32 = _gamma32(gamma, h_)
-    _check_eps_order(eps, order)
+    need(rounding in ("once", "mlx"), f"rounding must be 'once' or 'mlx'; got {rounding!r}")
+    g32 = gamma32(gamma, h_)
+    _check_eps_order(eps, order, backend, threads)
     xg = x.to(torch.float32).reshape(*x.shape[:-1], h_ // part, part)  # [..., G, P]
-    inv = inv_rms(xg, eps=eps, order=order)  # [..., G]
+    inv = inv_rms(xg, eps=eps, order=order, backend=backend, threads=threads)  # [..., G]
     y = _norm_rows(xg, g32.reshape(h_ // part, part), inv, rounding)  # [..., G, P]
     return y.reshape(x.shape)
+
+
+# ---------------------------------------------------------------------------------------
+# declarations: the rounding points and sums each op above runs (the contract's ranges
+# are computed from these)
+# ---------------------------------------------------------------------------------------
+_NORM_POINTS = ("ssq: fp32 sum of squares in the declared order", "m = fl32(ssq / n)",
+                "d = fl32(m + fp32(eps))", "r = fl32(sqrt(d))", "inv = fl32(1 / r)")
+
+
+def ssq_decl(n: int, order: Order = DEFAULT_ORDER) -> SumDecl:
+    """The sum of squares of an n-wide row in `order`: fp32, depth order.depth(n)."""
+    return SumDecl("ssq", "fp32", order.depth(n), order.describe(n))
+
+
+def add_rms_decl(h: int, *, order: Order = DEFAULT_ORDER) -> Decl:
+    """add_rms on rows of width h."""
+    return Decl("add_rms", ("h = bf16(fl32(x + residual))",) + _NORM_POINTS
+                + ("t = fl32(h * inv)", "y = bf16(fl32(t * gamma32))"), (ssq_decl(h, order),))
+
+
+def moe_add_rms_decl(h: int, *, n_slots: int, n_shared: int, order: Order = DEFAULT_ORDER) -> Decl:
+    """moe_add_rms on rows of width h with n_slots slots, the last n_shared shared."""
+    r = n_slots - n_shared
+    comb = SumDecl("combine", "fp32", max(r, n_shared - 1) + 1,
+                   f"routed: acc = fma(w_s, slot_s, acc) for s = 0..{r - 1} from +0.0; shared: slot-order "
+                   f"adds of {n_shared}; routed + shared")
+    return Decl("moe_add_rms", ("c = bf16(fl32(routed + shared))", "h = bf16(fl32(x + c))") + _NORM_POINTS
+                + ("t = fl32(h * inv)", "y = bf16(fl32(t * gamma32))"), (comb, ssq_decl(h, order)))
+
+
+def rms_parts_decl(part: int, *, rounding: str, order: Order = DEFAULT_ORDER) -> Decl:
+    """rms_parts with parts `part` wide (the sum runs per part)."""
+    last = ("y = bf16(fl32(fl32(x * inv) * gamma32))" if rounding == "once"
+            else "y = bf16(fl32(gamma32 * bf16(fl32(x * inv))))")
+    return Decl(f"rms_parts[{rounding}]", _NORM_POINTS + (last,), (ssq_decl(part, order),))
+
+
+def embed_rows_decl() -> Decl:
+    """embed_rows: a copy, no rounding."""
+    return Decl("embed_rows", ("none: an exact copy",), ())

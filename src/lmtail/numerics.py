@@ -18,6 +18,9 @@ import torch
 
 # Unit roundoffs (half an ulp of 1.0) of the formats lmtail sums in.
 U = {"fp64": 2.0**-53, "fp32": 2.0**-24, "bf16": 2.0**-8, "fp16": 2.0**-11}
+# (smallest normal, subnormal spacing) of each format
+TINY = {"fp64": (2.0**-1022, 2.0**-1074), "fp32": (2.0**-126, 2.0**-149), "bf16": (2.0**-126, 2.0**-133),
+        "fp16": (2.0**-14, 2.0**-24)}
 
 
 def gamma(n: int, u: float) -> float:
@@ -33,12 +36,48 @@ def gamma(n: int, u: float) -> float:
 @dataclass(frozen=True)
 class SumDecl:
     """One declared sum: its accumulation dtype, its depth (max rounded adds any one
-    result goes through) and its order in words."""
+    result goes through) and its order in words.
+
+    The float64 range of the sum is computed from this declaration alone: every result
+    lies within `bound()` = gamma(depth, U[dtype]) times the sum of |terms| of the exact
+    sum (Higham), so a declaration shallower or wider than the code makes that range too
+    narrow for the op's output."""
 
     name: str
-    dtype: str  # "fp32" | "fp64" | ...
+    dtype: str  # a key of U: "fp32" | "fp64" | "bf16" | "fp16"
     depth: int
     order: str
+    # flush: inputs of the terms read with DAZ (a subnormal is the zero of its sign) and
+    # every rounding followed by FTZ (a result tiny after rounding becomes a signed zero);
+    # False: IEEE gradual underflow
+    flush: bool = False
+    roundings: int | None = None  # rounding steps per result in all (None: depth)
+
+    def __post_init__(self):
+        if self.dtype not in U:
+            raise ValueError(f"sum {self.name!r}: dtype must be one of {sorted(U)}; got {self.dtype!r}")
+        if not isinstance(self.depth, int) or self.depth < 0:
+            raise ValueError(f"sum {self.name!r}: depth must be an int >= 0; got {self.depth!r}")
+        if self.roundings is not None and (not isinstance(self.roundings, int) or self.roundings < 0):
+            raise ValueError(f"sum {self.name!r}: roundings must be an int >= 0 or None; got {self.roundings!r}")
+
+    @property
+    def u(self) -> float:
+        """The unit roundoff of the accumulation dtype."""
+        return U[self.dtype]
+
+    def bound(self) -> float:
+        """gamma(depth, u): the relative bound of the declared sum (vs sum of |terms|)."""
+        return gamma(self.depth, self.u)
+
+    def underflow(self) -> float:
+        """The absolute error underflow can add to one result, on top of bound():
+        2 * roundings * eta. One rounding drops at most eta: the smallest normal of dtype
+        under flush (a flushed result is below it), else half the subnormal spacing
+        (gradual underflow); the later roundings scale that by at most 1 + bound() < 2."""
+        normal, spacing = TINY[self.dtype]
+        n = self.depth if self.roundings is None else self.roundings
+        return 2 * n * (normal if self.flush else spacing / 2)
 
 
 @dataclass(frozen=True)
@@ -49,6 +88,13 @@ class Decl:
     rounding_points: tuple[str, ...]
     sums: tuple[SumDecl, ...]
 
+    def sum(self, name: str) -> SumDecl:
+        """The declared sum called `name` (KeyError naming the declared ones if absent)."""
+        for s in self.sums:
+            if s.name == name:
+                return s
+        raise KeyError(f"{self.op} declares no sum {name!r}; it declares {[s.name for s in self.sums]}")
+
 
 # ---------------------------------------------------------------------------------------
 # bf16
@@ -56,12 +102,6 @@ class Decl:
 def bf16_round(x: torch.Tensor) -> torch.Tensor:
     """Round fp32 to the nearest bf16 (ties to even), returned widened to fp32 (exact)."""
     return x.to(torch.bfloat16).to(torch.float32)
-
-
-def bf16_bits(x: torch.Tensor) -> torch.Tensor:
-    """The raw 16-bit patterns of a bf16 tensor, as int16 (for byte comparisons)."""
-    assert x.dtype == torch.bfloat16
-    return x.view(torch.int16)
 
 
 # ---------------------------------------------------------------------------------------
@@ -180,9 +220,6 @@ def log64(x: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------
 # counter-based draws: u from (seed, position), the same bits on any machine
 # ---------------------------------------------------------------------------------------
-_M64 = (1 << 64) - 1
-
-
 def _splitmix64(z: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         z = z + np.uint64(0x9E3779B97F4A7C15)

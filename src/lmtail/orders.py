@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .numerics import fma32
+from .kernels import fmachain
 
 _BUTTERFLY = (16, 8, 4, 2, 1)
 
@@ -82,95 +82,33 @@ def placebo(order: Order) -> Order:
 def lane_totals(lanes: torch.Tensor, order: Order) -> torch.Tensor:
     """Steps 2-3: butterfly within each 32-lane group, then groups added in order.
     lanes [..., T] fp32 -> [...] fp32."""
-    t = lanes.shape[-1]
-    assert t == order.lanes
-    g = lanes.reshape(*lanes.shape[:-1], t // 32, 32)  # [..., T/32, 32]
-    # After xor step `off` every lane i holds g_i + g_(i^off) (fp32 + commutes bitwise), so
-    # lane 0's butterfly is a fold: offsets 16..1 add the two halves, 1..16 adjacent pairs.
-    for _ in _BUTTERFLY:
-        if order.reverse_butterfly:
-            g = g[..., 0::2] + g[..., 1::2]
-        else:
-            half = g.shape[-1] // 2
-            g = g[..., :half] + g[..., half:]
-    total = g[..., 0, 0]
-    for k in range(1, t // 32):
-        total = total + g[..., k, 0]
-    return total
+    assert lanes.shape[-1] == order.lanes
+    return fmachain.lane_fold(lanes, reverse=order.reverse_butterfly)
 
 
-def _products_exact(a: torch.Tensor, b: torch.Tensor, prod: torch.Tensor) -> bool:
-    """True when fma(a_i, b_i, acc) == prod_i + acc for every element (prod = fp32 a*b).
-
-    Cheap sufficient test: a and b are bf16 values (8-bit significands: low 16 bits zero),
-    every product is finite and either a normal fp32 (then its 16 significant bits are
-    exact) or an exact zero with a zero factor. Otherwise: compare against float64.
-    """
-    if not prod.numel():
-        return True
-    square = a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
-    m = prod if square else prod.abs()  # a square is >= 0 or NaN
-    lo, hi = torch.aminmax(m)
-    bits = a.view(torch.int32) if square else a.view(torch.int32) | b.view(torch.int32)
-    if bool(hi <= 3.4028234663852886e38) and int((bits & 0xFFFF).amax()) == 0:
-        if bool(lo >= 2.0**-126):
-            return True
-        factor_zeros = m.numel() - int(torch.count_nonzero(a if square else torch.minimum(a.abs(), b.abs())))
-        if int(torch.count_nonzero(m < 2.0**-126)) == factor_zeros:  # the small ones are exact zeros
-            return True
-    return bool(((prod.double() == a.double() * b.double()) | torch.isnan(prod)).all())
+def available_backends() -> tuple[str, ...]:
+    """Backends of fma_sum / sum_squares (kernels.fmachain's), fastest first; same bytes."""
+    return fmachain.available_backends()
 
 
-def _passes(z: torch.Tensor, t: int, v: int):
-    """[..., N] -> the P passes [..., T, vec] of the order (views; only the last is padded)."""
-    n, tv = z.shape[-1], t * v
-    for i in range(0, n, tv):
-        c = z[..., i : i + tv]
-        if c.shape[-1] < tv:
-            c = torch.nn.functional.pad(c, (0, tv - c.shape[-1]))
-        yield c.reshape(*c.shape[:-1], t, v)
-
-
-def fma_sum(a: torch.Tensor, b: torch.Tensor, order: Order) -> torch.Tensor:
+def fma_sum(a: torch.Tensor, b: torch.Tensor, order: Order, *, backend: str | None = None,
+            threads: int | None = None) -> torch.Tensor:
     """sum_i a[..., i] * b[..., i] in the declared order, fp32 in, fp32 out.
 
-    a, b: [..., N] fp32 (b broadcastable to a). Each lane's chain is acc = fma(a_i, b_i, acc)
-    rounded once per step (exact fp32 fma), then `lane_totals`. Row-independent by
-    construction: a row's result never depends on other rows. Runs the C kernel
-    (kernels/fmachain.c, correctly rounded fmaf) when it is built and the inputs are on the
-    CPU, else `_fma_sum_torch`, the reference: the same bits (NaN payloads not declared).
+    a, b: [..., N] (widened to fp32; b broadcastable to a). Each lane's chain is
+    acc = fma(a_i, b_i, acc) rounded once per step (exact fp32 fma), then `lane_totals`.
+    Row-independent by construction: a row's result never depends on other rows.
+    backend / threads: as kernels.fmachain.fma_sum_rows (all backends give the same bits;
+    NaN payloads not declared).
     """
     a = a.to(torch.float32)
     b = torch.broadcast_to(b.to(torch.float32), a.shape)
-    from .kernels import fmachain  # lazy: the kernel module is optional
-
-    if a.dim() >= 1 and a.device.type == "cpu" and fmachain.available_backends():
-        return fmachain.fma_sum_rows(a, b, lanes=order.lanes, vec=order.vec,
-                                     reverse=order.reverse_butterfly)
-    return _fma_sum_torch(a, b, order)
+    return fmachain.fma_sum_rows(a, b, lanes=order.lanes, vec=order.vec,
+                                 reverse=order.reverse_butterfly, backend=backend, threads=threads)
 
 
-def _fma_sum_torch(a: torch.Tensor, b: torch.Tensor, order: Order) -> torch.Tensor:
-    """fma_sum's torch reference: fma32 (an exact fp32 fma emulated in float64) per step,
-    vectorized over rows and lanes. When every product is exact in fp32 (squares of bf16
-    values) the fma is one fp32 add of the product: same bits."""
-    a = a.to(torch.float32)
-    b = torch.broadcast_to(b.to(torch.float32), a.shape)
-    prod = a * b  # [..., N] fp32 products
-    t, v = order.lanes, order.vec
-    acc = torch.zeros(a.shape[:-1] + (t,), dtype=torch.float32)  # [..., T]
-    if _products_exact(a, b, prod):  # zero padding: 0*0 = +0 adds like fma(0, 0, acc)
-        for pp in _passes(prod, t, v):
-            for j in range(v):
-                acc = acc + pp[..., j]
-    else:
-        for pa, pb in zip(_passes(a, t, v), _passes(b, t, v)):
-            for j in range(v):
-                acc = fma32(pa[..., j], pb[..., j], acc)
-    return lane_totals(acc, order)
-
-
-def sum_squares(x: torch.Tensor, order: Order) -> torch.Tensor:
+def sum_squares(x: torch.Tensor, order: Order, *, backend: str | None = None,
+                threads: int | None = None) -> torch.Tensor:
     """ssq = sum x_i * x_i over the last dim, in the declared order. [..., N] -> [...]."""
     x = x.to(torch.float32)
-    return fma_sum(x, x, order)
+    return fma_sum(x, x, order, backend=backend, threads=threads)

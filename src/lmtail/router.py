@@ -5,17 +5,21 @@ Shape legend: K logit slices (partial GEMM outputs), T rows (tokens), E experts,
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
-from .numerics import exp64
+from .checks import is_int, need, need_tensor
+from .numerics import Decl, SumDecl, exp64
 
 GUARD = 1e-20  # the load-bearing zero guard of the weight normalizer (rounded to fp32)
 
 
-def _need(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
+class Routing(NamedTuple):
+    """router_topk's result (unpacks as `ids, weights = ...`)."""
+
+    ids: torch.Tensor  # [T, k] int64
+    weights: torch.Tensor  # [T, k] fp32
 
 
 def selection_keys(key32: torch.Tensor) -> torch.Tensor:
@@ -33,9 +37,9 @@ def selection_keys(key32: torch.Tensor) -> torch.Tensor:
     return mono * e + (e - 1 - ids)
 
 
-def router_topk(logit_slices: torch.Tensor, k: int, *, bias: torch.Tensor | None = None,
-                scale: float = 2.5) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sigmoid top-k routing: returns (ids [T, k] int64, weights [T, k] fp32).
+def router_topk(logit_slices: torch.Tensor, *, k: int, bias: torch.Tensor | None = None,
+                scale: float = 2.5) -> Routing:
+    """Sigmoid top-k routing: returns Routing(ids [T, k] int64, weights [T, k] fp32).
 
     logit = ((l_0 + l_1) + ...) + l_{K-1}       fp32 adds in slice order (K=1: l_0 as is)
     e     = fl32(exp64(-logit))                  numerics.exp64 (float64, basic ops only)
@@ -50,21 +54,22 @@ def router_topk(logit_slices: torch.Tensor, k: int, *, bias: torch.Tensor | None
     NaN key (fewer than k non-NaN experts) gets NaN weights. Row-independent, deterministic.
     logit_slices [K, T, E] fp32; k in [1, E]; bias [E] fp32 finite or None; scale > 0 finite.
     """
-    _need(isinstance(logit_slices, torch.Tensor) and logit_slices.dtype == torch.float32,
-          f"logit_slices must be fp32 [K, T, E]; got {getattr(logit_slices, 'dtype', type(logit_slices).__name__)}")
-    _need(logit_slices.dim() == 3 and logit_slices.shape[0] >= 1 and logit_slices.shape[2] >= 1,
+    need_tensor("logit_slices", logit_slices, "[K, T, E] fp32")
+    need(logit_slices.dtype == torch.float32, f"logit_slices must be fp32 [K, T, E]; got {logit_slices.dtype}")
+    need(logit_slices.dim() == 3 and logit_slices.shape[0] >= 1 and logit_slices.shape[2] >= 1,
           f"logit_slices must be [K, T, E] with K, E >= 1; got {tuple(logit_slices.shape)}")
     n_slices, _, e = logit_slices.shape
-    _need(isinstance(k, int) and 1 <= k <= e, f"k must be an int in [1, E={e}]; got {k!r}")
-    _need(isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0,
+    need(is_int(k) and 1 <= k <= e, f"k must be an int in [1, E={e}]; got {k!r}")
+    need(isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0,
           f"scale must be a finite number > 0; got {scale!r}")
     if bias is not None:
-        _need(isinstance(bias, torch.Tensor) and bias.dtype == torch.float32 and tuple(bias.shape) == (e,),
+        need_tensor("bias", bias, f"[E={e}] fp32")
+        need(bias.dtype == torch.float32 and tuple(bias.shape) == (e,),
               f"bias must be fp32 [E={e}]; got {getattr(bias, 'dtype', type(bias).__name__)} "
               f"{tuple(getattr(bias, 'shape', ()))}")
-        _need(bool(torch.isfinite(bias).all()), "bias must be finite; got a NaN or inf entry")
+        need(bool(torch.isfinite(bias).all()), "bias must be finite; got a NaN or inf entry")
     if logit_slices.shape[1] == 0:
-        return torch.zeros(0, k, dtype=torch.int64), torch.zeros(0, k, dtype=torch.float32)
+        return Routing(torch.zeros(0, k, dtype=torch.int64), torch.zeros(0, k, dtype=torch.float32))
     logit = logit_slices[0]  # [T, E]
     for i in range(1, n_slices):
         logit = logit + logit_slices[i]
@@ -78,4 +83,14 @@ def router_topk(logit_slices: torch.Tensor, k: int, *, bias: torch.Tensor | None
         tot = tot + s_sel[:, j]
     den = tot + torch.full_like(tot, GUARD)  # [T]
     w = (s_sel / den.unsqueeze(1)) * torch.full_like(s_sel, scale)  # [T, k]
-    return ids, w
+    return Routing(ids, w)
+
+
+def router_topk_decl(k: int, *, n_slices: int) -> Decl:
+    """router_topk's rounding points and sums (k chosen of n_slices logit slices)."""
+    return Decl("router_topk",
+                ("logit = fp32 slice sum", "e = fl32(exp64(-logit))", "s = fl32(1 / fl32(1 + e))",
+                 "key = fl32(s + bias)", "top-k by key, ties to the lower id, NaN last",
+                 "den = fl32(sum + fp32(1e-20))", "w = fl32(fl32(s / den) * scale)"),
+                (SumDecl("logit", "fp32", max(n_slices - 1, 0), "slice order: ((l0 + l1) + ...) + l_{K-1}"),
+                 SumDecl("s_sum", "fp32", max(k - 1, 0), "the returned order (key desc, id asc), from s_sel[0]")))

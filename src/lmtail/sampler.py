@@ -1,4 +1,4 @@
-"""The per-row sampler over exact top-k candidates (SPEC 3), and its friendly params.
+"""The per-row sampler over exact top-k candidates, and its friendly params.
 
 Per row, given candidates v[0..k-1] (bf16, descending, ties by lower id), their ids, the
 FULL bf16 row (for normalizers over the whole vocabulary) and (top_k, top_p, temperature,
@@ -25,10 +25,9 @@ Numerics (declared; all float64 from the exactly widened bf16 values):
   the max of the normalizing set (exp64: basic ops only; z == m gives exactly 1, so +-inf
   rows are defined: the +inf lanes split the mass equally; an all -inf row is uniform);
   p = e / S with S = sum64(e over the set) (one correctly rounded division).
-  The full-row pass runs in kernels/rowmass.c (the same float64 ops per lane, the same
-  order; bit-equal to `row_mass`, which stays as the declared reference).
-  Sums over the full row: `sum64` (256 float64 lane chains in pass order, then a halving
-  tree of 8 levels; depth ceil(V/256) + 8). Running sums over candidates: a sequential
+  The full-row pass is kernels.rowmass.row_mass (the same float64 ops per lane on every
+  backend). Sums over the full row: kernels.rowmass.sum64 (256 float64 lane chains in
+  pass order, then a halving tree of 8 levels; depth ceil(V/256) + 8). Running sums over candidates: a sequential
   float64 chain in candidate order (depth k). log via numerics.log64.
   logprobs = fp32(v_tok - (max + log64(sum64(exp64(v - max))))) at T = 1 over the full row.
 With nan_fold=True NaN lanes count as -inf (zero mass) in the full-row sums.
@@ -41,12 +40,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels.rowmass import row_mass_fast
-from .numerics import draw_u, exp64, log64
+from .kernels.rowmass import row_mass, shifted_exp, sum64
+from .numerics import draw_u, log64
 
-GREEDY_TEMPERATURE = 1e-5
+GREEDY_TEMPERATURE = 1e-5  # temperature < this (after the fp32 -> float64 widening) is greedy
 DEFAULT_U = 0.5
-LANES = 256
 
 
 # ---------------------------------------------------------------------------------------
@@ -106,24 +104,8 @@ def validate_params(sp: torch.Tensor, rows: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# declared float64 sums
+# the declared float64 running sum over candidates
 # ---------------------------------------------------------------------------------------
-def sum64(x: torch.Tensor) -> torch.Tensor:
-    """Declared float64 row sum [R, N] -> [R]: 256 lane chains (lane t holds t, t+256, ...,
-    added in pass order from +0.0), then a halving tree (lane t += lane t+128, +64, ...)."""
-    r, n = x.shape
-    p = -(-n // LANES)
-    x = torch.nn.functional.pad(x.double(), (0, p * LANES - n)).view(r, p, LANES)
-    acc = torch.zeros(r, LANES, dtype=torch.float64)
-    for i in range(p):
-        acc = acc + x[:, i]
-    w = LANES
-    while w > 1:
-        w //= 2
-        acc = acc[:, :w] + acc[:, w:2 * w]
-    return acc[:, 0]
-
-
 def running_sum64(x: torch.Tensor) -> torch.Tensor:
     """Sequential float64 running sum along candidates: c_j = (...(x_0 + x_1) + ...) + x_j."""
     out = torch.empty_like(x, dtype=torch.float64)
@@ -132,23 +114,6 @@ def running_sum64(x: torch.Tensor) -> torch.Tensor:
         acc = acc + x[:, j]
         out[:, j] = acc
     return out
-
-
-def shifted_exp(z: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """exp64(z - m) with z == m -> 1 (defines +inf rows and all -inf rows)."""
-    d = torch.where(z == m[:, None], torch.zeros_like(z), z - m[:, None])
-    return exp64(d)
-
-
-def row_mass(row: torch.Tensor, scale: torch.Tensor):
-    """Max and shifted mass of row/scale over the full row, declared order.
-    row [R, V] float64 (NaN already folded to -inf if asked), scale [R] ->
-    (m [R], S [R], nz [R]) with S = sum64(exp64(row/scale - m)) >= 1 and nz the number
-    of lanes whose exp64 term is > 0 (the lanes that carry probability mass)."""
-    z = row / scale[:, None]
-    m = z.max(dim=1).values
-    e = shifted_exp(z, m)
-    return m, sum64(e), (e > 0).sum(dim=1)
 
 
 # ---------------------------------------------------------------------------------------
@@ -177,7 +142,7 @@ def sampling_plan(cand_values, full_rows, sampling_params, *, nan_fold=False) ->
         v = torch.where(torch.isnan(v), torch.full_like(v, -torch.inf), v)
     greedy = temp < GREEDY_TEMPERATURE
     safe_t = torch.where(greedy, torch.ones_like(temp), temp)
-    m1, s1, _ = row_mass_fast(row64, torch.ones(r, dtype=torch.float64))
+    m1, s1, _ = row_mass(row64, torch.ones(r, dtype=torch.float64))
     lse1 = m1 + log64(s1)
 
     # 1. top-k: a prefix of the candidates
@@ -195,7 +160,7 @@ def sampling_plan(cand_values, full_rows, sampling_params, *, nan_fold=False) ->
     m, s, nz = m_k.clone(), s_k.clone(), torch.zeros(r, dtype=torch.int64)
     off = torch.nonzero(~enabled & ~greedy)[:, 0]  # rows normalized over the whole vocab
     if off.numel():
-        m[off], s[off], nz[off] = row_mass_fast(row64[off], safe_t[off])
+        m[off], s[off], nz[off] = row_mass(row64[off], safe_t[off])
     p = shifted_exp(z, m) / s[:, None]
     p = torch.where(in_k, p, torch.zeros_like(p))  # [R, k]
     p = torch.nan_to_num(p, nan=0.0)  # only NaN rows without the fold get here

@@ -1,18 +1,33 @@
-"""The decode sampling tail: final RMSNorm -> lm_head GEMM -> exact top-k -> sampler.
+"""The decode sampling tail, composed: final RMSNorm -> lm_head GEMM -> exchange -> top-k -> sampler.
 
     hidden [gbs, H] fp32|fp16|bf16 --widen (exact)--> x [gbs, H] fp32, pad lanes := 0
       ssq  = sum_squares(x, strided(256))                      fp32, declared order
       rms  = 1 / sqrt(ssq / H_u + eps)                         fp32, IEEE div, sqrt_rn32
       deferred_rms=True : a = bf16(fp32(x * gamma));  logits = fp32(gemm(a, W) * rms)
       deferred_rms=False: a = bf16(fp32(fp32(x * rms) * gamma));  logits = gemm(a, W)
-        gemm = kernels.gemm_bf16_chain: per element an fp32 chain over h = 0..H-1
-      mirror = bf16(logits)                                    [gbs, V_s]  (what a collective carries)
-    mirror rows [R, V] --exact_topk--> candidates [R, k] --sample_rows--> tokens [R]
+        gemm = kernels.gemm.gemm_bf16(order=gemm_order): "amx32" (default) per element
+               32-lane blocks of even/odd fp32 fma chains, FTZ/DAZ; "chain" one chain over h
+      mirror = bf16(logits)                                    [gbs, V_s]
+    one rank : mirror is already [R, V] (R = gbs, V = V_s)
+    VTP ranks: exchange.exchange_rows moves the mirror's bytes into [R, V] owned rows
+    owned rows [R, V] --rows_tail--> candidates [R, k], tokens [R]
+      tail_path "fused" (default): kernels.rows_tail.rows_tail_fused, one pass per row
+      tail_path "reference": topk.exact_topk --> sampler.sample_rows (the same bytes)
 
-Numerics declared (see docs/numerics.md for the float64 bounds):
+This module is the one place the tail is composed, for one rank or many: `decode_tail`
+validates (`validate_tail_inputs`, the tail's one boundary check), then runs
+`shard_logits` (norm + GEMM + scale) and `rows_tail` (top-k + sampler) around the
+transport. The exchange moves bytes only, so every output is bitwise the single-rank
+call's on the same global inputs, for any VTP, hops and batch groups.
+
+Numerics declared (`tail_decl`; docs/numerics.md has the float64 bounds):
   ssq: fp32 fma chains, strided(256) over the H padded lanes (pad lanes are exact zeros),
        depth ceil(H/256) + 5 + 7.
-  gemm: fp32 fma chain, sequential over h = 0..H-1, depth H (docs/gemm.md).
+  gemm: kernels.gemm.gemm_bf16 in TailConfig.gemm_order (docs/gemm.md). "amx32" (the
+        default): per output, 32-lane blocks in order, each an even and an odd fp32 fma
+        chain of 16 from +0, acc = acc + (e + o); subnormal inputs read as 0 (DAZ), tiny
+        results flushed (FTZ); depth 16 + 1 + ceil(H/32). "chain": one fp32 fma chain,
+        sequential over h = 0..H-1, IEEE subnormals, depth H.
   rounding points: x*gamma (fp32), a (bf16), ssq/H_u, +eps, sqrt, 1/s (fp32 each),
        acc*rms (fp32), mirror (bf16).
 Every step is row-independent, so a row's bytes never depend on the batch it is in.
@@ -22,11 +37,18 @@ V full vocab, R rows this rank owns (= gbs on one rank), k candidates.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import struct
+from dataclasses import dataclass, fields, replace
 
 import torch
 
-from .kernels.gemm import gemm_bf16_chain
+from . import exchange
+from .checks import check_eps, check_k, gamma32, is_int, need, need_tensor
+from .config import TailConfig
+from .kernels.gemm import ORDERS as GEMM_ORDERS
+from .kernels.gemm import gemm_bf16, gemm_decl
+from .kernels import rows_tail as rows_kernel
+from .layout import validate_layout
 from .numerics import Decl, SumDecl, sqrt_rn32
 from .orders import strided, sum_squares
 from .sampler import sample_rows, validate_params
@@ -34,11 +56,13 @@ from .topk import exact_topk
 
 SSQ_ORDER = strided(256)
 TOPK_CHUNK = 4096
+TAIL_PATHS = ("fused", "reference")  # rows_tail's paths: the same bytes, "fused" the fast one
+DEFAULT_TIMEOUT_S = exchange.DEFAULT_TIMEOUT_S
 
 
 @dataclass(frozen=True)
 class TailOutput:
-    """What decode_tail returns; fields not asked for are None."""
+    """What decode_tail (and rows_tail) return; fields not asked for are None."""
 
     topk_values: torch.Tensor  # [R, k] bf16, descending
     topk_indices: torch.Tensor  # [R, k] int64 global vocab ids
@@ -49,8 +73,9 @@ class TailOutput:
     taps: dict | None = None
 
 
-def tail_decl(h: int, deferred_rms: bool = True) -> Decl:
-    """The declared numerics of the tail's norm + GEMM for hidden width h."""
+def tail_decl(h: int, deferred_rms: bool = True, gemm_order: str = TailConfig.gemm_order) -> Decl:
+    """The declared numerics of the tail's norm + GEMM for hidden width h (the GEMM's sum
+    is kernels.gemm.gemm_decl(h, gemm_order)'s; the default order is TailConfig's)."""
     pts = (("x*gamma:fp32", "a:bf16", "ssq/H_u:fp32", "+eps:fp32", "sqrt:fp32", "1/s:fp32",
             "acc*rms:fp32", "mirror:bf16") if deferred_rms else
            ("ssq/H_u:fp32", "+eps:fp32", "sqrt:fp32", "1/s:fp32", "x*rms:fp32",
@@ -59,12 +84,12 @@ def tail_decl(h: int, deferred_rms: bool = True) -> Decl:
         op="decode_tail" + ("" if deferred_rms else "[legacy]"),
         rounding_points=pts,
         sums=(SumDecl("ssq", "fp32", SSQ_ORDER.depth(h), SSQ_ORDER.describe(h)),
-              SumDecl("gemm", "fp32", h, "fp32 fma chain, sequential over h = 0..H-1 per output element")),
+              gemm_decl(h, gemm_order).sum("gemm")),
     )
 
 
 # ---------------------------------------------------------------------------------------
-# validation
+# validation: the tail's one boundary check
 # ---------------------------------------------------------------------------------------
 def pad_mask(h: int, h_u: int, interleaved: bool) -> torch.Tensor:
     """[H] bool: True on real lanes. interleaved: 4 groups of H/4, each ending in
@@ -76,114 +101,253 @@ def pad_mask(h: int, h_u: int, interleaved: bool) -> torch.Tensor:
     return (lane % g) < (g - (h - h_u) // 4)
 
 
-def validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, *, eps, hidden_actual,
-                         zero_interleaved_pad, k, sampling_params, vocab_size, rows=None):
-    """ValueError with expected-vs-got for anything decode_tail cannot take."""
-    x, w = hidden_states, lm_head_weight_t
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError(f"hidden_states must be [gbs, H]; got {tuple(getattr(x, 'shape', ()))}")
-    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"hidden_states must be float32, float16 or bfloat16; got {x.dtype}")
+def validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, sampling_params,
+                         config: TailConfig, *, vocab_size: int, rows: int | None = None) -> None:
+    """ValueError (TypeError for a non-tensor) with expected-vs-got for anything the tail
+    cannot take. vocab_size: V (the bound of k); rows: R, the sampling_params rows
+    (default gbs)."""
+    x, w, cfg = hidden_states, lm_head_weight_t, config
+    need(isinstance(cfg, TailConfig), f"config must be a TailConfig; got {type(cfg).__name__}")
+    need_tensor("hidden_states", x, "[gbs, H]")
+    need(x.dim() == 2, f"hidden_states must be [gbs, H]; got {tuple(x.shape)}")
+    need(x.dtype in (torch.float32, torch.float16, torch.bfloat16),
+         f"hidden_states must be float32, float16 or bfloat16; got {x.dtype}")
     gbs, h = x.shape
-    if gbs < 1 or h < 1:
-        raise ValueError(f"hidden_states must be non-empty [gbs, H]; got {tuple(x.shape)}")
-    if not isinstance(gamma, torch.Tensor) or tuple(gamma.shape) not in ((h,), (1, h)):
-        raise ValueError(f"gamma must be [H={h}] or [1, H]; got {tuple(getattr(gamma, 'shape', ()))}")
-    if gamma.dtype != torch.float32:
-        raise ValueError(f"gamma must be float32; got {gamma.dtype}")
-    if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[0] != h:
-        raise ValueError(f"lm_head_weight_t must be [H={h}, V_s]; got {tuple(getattr(w, 'shape', ()))}")
-    if w.dtype != torch.bfloat16:
-        raise ValueError(f"lm_head_weight_t must be bfloat16; got {w.dtype}")
-    if not w.is_contiguous():
-        raise ValueError("lm_head_weight_t must be C-contiguous (pass the transposed weight, "
-                         "e.g. w.t().contiguous()); got a strided view")
-    h_u = h if hidden_actual is None else hidden_actual
-    if not 1 <= h_u <= h:
-        raise ValueError(f"hidden_actual must be in [1, H={h}]; got {hidden_actual}")
-    if zero_interleaved_pad and h_u != h and (h % 4 or (h - h_u) % 4):
-        raise ValueError(f"interleaved padding needs H and H - H_u divisible by 4; got H={h}, H_u={h_u}")
-    if not eps >= 0:
-        raise ValueError(f"eps must be >= 0; got {eps}")
-    if not 1 <= k <= vocab_size:
-        raise ValueError(f"k must be in [1, V={vocab_size}]; got {k}")
+    need(gbs >= 1 and h >= 1, f"hidden_states must be non-empty [gbs, H]; got {tuple(x.shape)}")
+    gamma32(gamma, h)
+    need_tensor("lm_head_weight_t", w, f"[H={h}, V_s] bf16")
+    need(w.dim() == 2 and w.shape[0] == h, f"lm_head_weight_t must be [H={h}, V_s]; got {tuple(w.shape)}")
+    need(w.dtype == torch.bfloat16, f"lm_head_weight_t must be bfloat16; got {w.dtype}")
+    need(w.is_contiguous(), "lm_head_weight_t must be C-contiguous (pass the transposed weight, "
+                            "e.g. w.t().contiguous()); got a strided view")
+    h_u = h if cfg.hidden_actual is None else cfg.hidden_actual
+    need(is_int(h_u) and 1 <= h_u <= h, f"hidden_actual must be an int in [1, H={h}]; got {cfg.hidden_actual!r}")
+    need(not (cfg.zero_interleaved_pad and h_u != h and (h % 4 or (h - h_u) % 4)),
+         f"interleaved padding needs H and H - H_u divisible by 4; got H={h}, H_u={h_u}")
+    check_eps(cfg.eps)
+    check_k(cfg.k, vocab_size, f"V={vocab_size}")
+    need(cfg.gemm_order in GEMM_ORDERS, f"gemm_order must be one of {GEMM_ORDERS}; got {cfg.gemm_order!r}")
+    need(cfg.tail_path in TAIL_PATHS, f"tail_path must be one of {TAIL_PATHS}; got {cfg.tail_path!r}")
     if sampling_params is not None:
         validate_params(sampling_params, gbs if rows is None else rows)
-    return gbs, h, h_u
 
 
 # ---------------------------------------------------------------------------------------
 # the two halves: shard logits (before any collective) and the owned rows' tail
 # ---------------------------------------------------------------------------------------
-def shard_logits(hidden_states, gamma, lm_head_weight_t, *, eps=1e-5, hidden_actual=None,
-                 zero_interleaved_pad=True, deferred_rms=True, rows=slice(None)) -> torch.Tensor:
+def shard_logits(hidden_states, gamma, lm_head_weight_t, *, config: TailConfig = TailConfig(),
+                 rows: slice = slice(None)) -> torch.Tensor:
     """Norm + GEMM + scale for a row block: [rows, H] -> [rows, V_s] fp32 (declared order
     in the module docstring). Row-independent: a block alone equals the same rows sliced
     from the full call, byte for byte. Inputs are assumed validated."""
+    cfg = config
     h = hidden_states.shape[1]
-    h_u = h if hidden_actual is None else hidden_actual
-    real = pad_mask(h, h_u, zero_interleaved_pad)  # [H]
-    g = gamma.reshape(h)
+    h_u = h if cfg.hidden_actual is None else cfg.hidden_actual
+    real = pad_mask(h, h_u, cfg.zero_interleaved_pad)  # [H]
+    g = gamma.reshape(h).to(torch.float32)  # [H], exact widening
     x = hidden_states[rows].to(torch.float32)  # [gbs, H], exact widen
     x = torch.where(real, x, torch.zeros((), dtype=torch.float32))
     ssq = sum_squares(x, SSQ_ORDER)  # [gbs]
     s = sqrt_rn32(ssq / torch.tensor(float(h_u), dtype=torch.float32)
-                  + torch.tensor(eps, dtype=torch.float32))
+                  + torch.tensor(cfg.eps, dtype=torch.float32))
     rms = torch.tensor(1.0, dtype=torch.float32) / s  # [gbs]
-    if deferred_rms:
+    if cfg.deferred_rms:
         a = (x * g).to(torch.bfloat16)
     else:
         a = ((x * rms[:, None]) * g).to(torch.bfloat16)
     a = torch.where(real, a, torch.zeros((), dtype=torch.bfloat16))  # [gbs, H]
-    acc = gemm_bf16_chain(a, lm_head_weight_t)  # [gbs, V_s]
-    return acc * rms[:, None] if deferred_rms else acc
+    acc = gemm_bf16(a, lm_head_weight_t, order=cfg.gemm_order)  # [gbs, V_s] fp32
+    return acc * rms[:, None] if cfg.deferred_rms else acc
 
 
-def rows_tail(rows_bf16, *, k, sampling_params=None, nan_fold=False, debug_taps=False,
-              chunk=TOPK_CHUNK) -> dict:
-    """Top-k and the sampler on full-vocab bf16 rows [R, V] (column j = vocab id j).
-    Returns topk_values [R, k] bf16, topk_indices [R, k] int64, and with sampling_params
-    tokens [R] int64, logprobs [R] fp32, truncated [R] bool; taps when debug_taps."""
-    vals, ids, taps = exact_topk(rows_bf16, k, nan_fold=nan_fold, chunk=chunk, debug_taps=debug_taps)
-    out = {"topk_values": vals, "topk_indices": ids, "taps": taps}
+def rows_tail(rows_bf16, *, k: int, sampling_params=None, nan_fold: bool = False,
+              debug_taps: bool = False, path: str = "fused", backend: str | None = None,
+              threads: int | None = None, chunk: int = TOPK_CHUNK) -> TailOutput:
+    """Exact top-k and the sampler on full-vocab bf16 rows [R, V] (column j = vocab id j).
+
+    rows_bf16 [R, V] bf16 CPU; 1 <= k <= V; sampling_params None or [R, 3|4|5] fp32
+    (sampler.validate_params). Returns TailOutput with topk_values [R, k] bf16 (descending,
+    ties to the lower id), topk_indices [R, k] int64, and with sampling_params tokens [R]
+    int64, logprobs [R] fp32, truncated [R] bool; taps (exact_topk's staged taps, chunk
+    wide) when debug_taps; logits None. Semantics and numerics: lmtail.topk and
+    lmtail.sampler (declared: kernels.rows_tail.rows_tail_decl).
+    path "reference": topk.exact_topk + sampler.sample_rows, the declared reference.
+    path "fused" (default): kernels.rows_tail.rows_tail_fused, one pass per row, the same
+    bytes; the rows it leaves undecided (a NaN lane without nan_fold, a zero row maximum)
+    go through sampler.sample_rows on its candidates. Without a C compiler "fused" runs
+    the reference (the kernel loader warns once).
+    backend: one of kernels.rows_tail.available_backends() (None: the fastest; only with
+    path "fused"); threads: the kernel's worker threads (None: torch.get_num_threads()).
+    No byte depends on path, backend, threads or the batch.
+    Raises TypeError for a non-tensor, ValueError naming the argument for a bad one.
+    """
+    need(path in TAIL_PATHS, f"path must be one of {TAIL_PATHS}; got {path!r}")
+    rows_kernel.check_arguments(rows_bf16, k=k, nan_fold=nan_fold, threads=threads)
+    need(isinstance(debug_taps, bool), f"debug_taps must be a bool; got {debug_taps!r}")
+    need(is_int(chunk) and chunk >= 1, f"chunk must be an int >= 1; got {chunk!r}")
+    fused = path == "fused" and bool(rows_kernel.available_backends())
+    need(backend is None or fused, f"backend applies to path 'fused' with a built kernel; got "
+                                   f"backend={backend!r} with path={path!r}")
     if sampling_params is not None:
-        tok, lp, tr = sample_rows(vals, ids, rows_bf16, sampling_params, nan_fold=nan_fold)
-        out.update(tokens=tok, logprobs=lp, truncated=tr)
-    return out
+        validate_params(sampling_params, rows_bf16.shape[0])
+    if not fused:
+        return _rows_tail_reference(rows_bf16, k, sampling_params, nan_fold, debug_taps, chunk)
+    f = rows_kernel.rows_tail_fused(rows_bf16, k=k, sampling_params=sampling_params, nan_fold=nan_fold,
+                                    backend=backend, threads=threads)
+    taps = exact_topk(rows_bf16, k=k, nan_fold=nan_fold, chunk=chunk, debug_taps=True)[2] if debug_taps else None
+    if sampling_params is None:
+        return TailOutput(topk_values=f.topk_values, topk_indices=f.topk_indices, taps=taps)
+    left = torch.nonzero(f.undecided)[:, 0]  # [n] rows the reference sampler decides
+    if left.numel():
+        f.tokens[left], f.logprobs[left], f.truncated[left] = sample_rows(
+            f.topk_values[left], f.topk_indices[left], rows_bf16[left], sampling_params[left], nan_fold=nan_fold)
+    return TailOutput(topk_values=f.topk_values, topk_indices=f.topk_indices, tokens=f.tokens,
+                      logprobs=f.logprobs, truncated=f.truncated, taps=taps)
 
 
-def decode_tail(hidden_states, gamma, lm_head_weight_t, *, eps=1e-5, hidden_actual=None,
-                zero_interleaved_pad=True, k=256, sampling_params=None, group=None, hops=None,
-                batch_groups=1, fence=False, emit_logits=True, debug_taps=False,
-                deferred_rms=True, nan_fold=False, **parallel_kw) -> TailOutput:
-    """The decode sampling tail (SPEC 1-3). One rank unless `group` or `hops` is given, in
-    which case the vocab-parallel path (lmtail.exchange) runs with ONE all-to-all per hop.
+def _rows_tail_reference(rows_bf16, k, sampling_params, nan_fold, debug_taps, chunk) -> TailOutput:
+    """rows_tail's declared reference path: exact_topk, then sample_rows."""
+    vals, ids, taps = exact_topk(rows_bf16, k=k, nan_fold=nan_fold, chunk=chunk, debug_taps=debug_taps)
+    if sampling_params is None:
+        return TailOutput(topk_values=vals, topk_indices=ids, taps=taps)
+    tok, lp, tr = sample_rows(vals, ids, rows_bf16, sampling_params, nan_fold=nan_fold)
+    return TailOutput(topk_values=vals, topk_indices=ids, tokens=tok, logprobs=lp, truncated=tr, taps=taps)
+
+
+def _owned_tail(rows_bf16, sampling_params, cfg: TailConfig, logits) -> TailOutput:
+    out = rows_tail(rows_bf16, k=cfg.k, sampling_params=sampling_params, nan_fold=cfg.nan_fold,
+                    debug_taps=cfg.debug_taps, path=cfg.tail_path)
+    return replace(out, logits=logits if cfg.emit_logits else None)
+
+
+# ---------------------------------------------------------------------------------------
+# the public entry point
+# ---------------------------------------------------------------------------------------
+def decode_tail(hidden_states, gamma, lm_head_weight_t, *, eps: float = 1e-5,
+                hidden_actual: int | None = None, zero_interleaved_pad: bool = True, k: int = 256,
+                sampling_params=None, group=None, hops=None, batch_groups: int = 1,
+                fence: bool = False, emit_logits: bool = True, debug_taps: bool = False,
+                deferred_rms: bool = True, nan_fold: bool = False, gemm_order: str = TailConfig.gemm_order,
+                tail_path: str = TailConfig.tail_path,
+                timeout: float = DEFAULT_TIMEOUT_S, config: TailConfig | None = None) -> TailOutput:
+    """The decode sampling tail. One rank unless `group` or `hops` is given, in which case
+    it is collective over the vocab-parallel group with ONE all-to-all per hop.
 
     hidden_states [gbs, H] fp32/fp16/bf16 (16-bit is widened exactly: the same bytes as a
-    pre-widened fp32 copy); gamma [H] or [1, H] fp32; lm_head_weight_t [H, V_s] bf16
-    C-contiguous (this rank's vocab shard); sampling_params [R, 3|4|5] fp32 for the rows
-    this rank owns (top_k, top_p, temperature[, u[, min_p]]).
-    Returns TailOutput; numerics in the module docstring. Deterministic: the outputs of a
-    row depend only on that row's inputs (any batch, thread count, rank layout).
+    pre-widened fp32 copy), the same on every rank; gamma [H] or [1, H] fp32 or bf16
+    (widened exactly); lm_head_weight_t [H, V_s] bf16 C-contiguous: this rank's vocab
+    shard (rank r of `group` holds vocab ids r*V_s ..); sampling_params [R, 3|4|5] fp32
+    for the rows this rank owns, in layout.owned_rows(r, VTP, gbs, hops, batch_groups)
+    order (top_k, top_p, temperature[, u[, min_p]]).
+    Options (the fields of TailConfig, documented there): eps, hidden_actual,
+    zero_interleaved_pad, k, deferred_rms, nan_fold, emit_logits, debug_taps, gemm_order,
+    tail_path;
+    or pass `config=TailConfig(...)` and leave them at their defaults.
+    Layout: group (a ProcessGroup, default the world, or an exchange.HopGroups), hops
+    (sizes multiplying to VTP), batch_groups G (G overlapped single-hop all-to-alls),
+    fence (a zero all-reduce per hop first; outputs unchanged), timeout (seconds any one
+    collective may take before exchange.ExchangeError).
+    Returns TailOutput: logits [gbs, V_s] fp32 (this rank's shard, if emit_logits);
+    topk_values [R, k] bf16, topk_indices [R, k] int64 global ids, tokens/logprobs/
+    truncated [R] (with sampling_params), taps (debug_taps). Numerics in the module
+    docstring. Deterministic: a row's outputs depend only on that row's inputs (any batch,
+    thread count, rank layout). Bad inputs raise ValueError (TypeError for a non-tensor)
+    on every rank of the group, before any byte moves.
     """
+    given = TailConfig(eps=eps, hidden_actual=hidden_actual, zero_interleaved_pad=zero_interleaved_pad,
+                       k=k, deferred_rms=deferred_rms, nan_fold=nan_fold, emit_logits=emit_logits,
+                       debug_taps=debug_taps, gemm_order=gemm_order, tail_path=tail_path)
+    if config is not None and given != TailConfig():
+        raise ValueError("give the options either as config= or as keywords, not both; got config="
+                         f"{config} and keywords {_changed(given)}")
+    cfg = given if config is None else config
     if group is not None or hops is not None:
-        from .exchange import decode_tail_parallel
+        return _decode_tail_ranks(hidden_states, gamma, lm_head_weight_t, sampling_params, cfg,
+                                  group=group, hops=hops, batch_groups=batch_groups, fence=fence,
+                                  timeout=timeout)
+    need(batch_groups == 1 and not fence, "batch_groups and fence need a process group; got "
+                                          f"batch_groups={batch_groups}, fence={fence}")
+    need_tensor("lm_head_weight_t", lm_head_weight_t, "[H, V_s] bf16")
+    validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, sampling_params, cfg,
+                         vocab_size=lm_head_weight_t.shape[-1])
+    logits = shard_logits(hidden_states, gamma, lm_head_weight_t, config=cfg)  # [gbs, V]
+    return _owned_tail(logits.to(torch.bfloat16), sampling_params, cfg, logits)
 
-        return decode_tail_parallel(
-            hidden_states, gamma, lm_head_weight_t, eps=eps, hidden_actual=hidden_actual,
-            zero_interleaved_pad=zero_interleaved_pad, k=k, sampling_params=sampling_params,
-            group=group, hops=hops, batch_groups=batch_groups, fence=fence,
-            emit_logits=emit_logits, debug_taps=debug_taps, deferred_rms=deferred_rms,
-            nan_fold=nan_fold, **parallel_kw)
-    if batch_groups != 1 or fence:
-        raise ValueError(f"batch_groups and fence need a process group; got batch_groups={batch_groups}, fence={fence}")
-    if parallel_kw:
-        raise ValueError(f"unexpected keyword arguments: {sorted(parallel_kw)}")
-    validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, eps=eps, hidden_actual=hidden_actual,
-                         zero_interleaved_pad=zero_interleaved_pad, k=k, sampling_params=sampling_params,
-                         vocab_size=lm_head_weight_t.shape[1])
-    logits = shard_logits(hidden_states, gamma, lm_head_weight_t, eps=eps, hidden_actual=hidden_actual,
-                          zero_interleaved_pad=zero_interleaved_pad, deferred_rms=deferred_rms)
-    mirror = logits.to(torch.bfloat16)  # [gbs, V]
-    out = rows_tail(mirror, k=k, sampling_params=sampling_params, nan_fold=nan_fold, debug_taps=debug_taps)
-    return TailOutput(logits=logits if emit_logits else None, **out)
+
+def _changed(cfg: TailConfig) -> dict:
+    base = TailConfig()
+    return {f.name: getattr(cfg, f.name) for f in fields(cfg) if getattr(cfg, f.name) != getattr(base, f.name)}
+
+
+# ---------------------------------------------------------------------------------------
+# many ranks: agree on the inputs, then shard logits -> exchange -> owned rows' tail
+# ---------------------------------------------------------------------------------------
+_DTYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+
+
+def _f64_bits(v) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(v)))[0]
+
+
+TAIL_SIGNATURE = ("gbs", "H", "V_s", "k", "hidden dtype", "gamma dtype", "hidden_actual",
+                  "zero_interleaved_pad", "eps", "deferred_rms", "nan_fold", "gemm_order", "tail_path",
+                  "sampling_params columns", "batch_groups", "fence", "hops",
+                  "hidden_states checksum", "gamma checksum")
+
+
+def tail_signature(hidden, gamma, weight, sampling_params, cfg: TailConfig, *, hops,
+                   batch_groups, fence) -> list[tuple[int, object]]:
+    """(int64, shown value) per TAIL_SIGNATURE field: everything the ranks must agree on.
+    Inputs validated."""
+    gbs, h = hidden.shape
+    hops = tuple(hops)
+    sig = {"gbs": gbs, "H": h, "V_s": weight.shape[1], "k": cfg.k,
+           "hidden dtype": _DTYPES[hidden.dtype], "gamma dtype": _DTYPES[gamma.dtype],
+           "hidden_actual": h if cfg.hidden_actual is None else cfg.hidden_actual,
+           "zero_interleaved_pad": int(cfg.zero_interleaved_pad), "eps": (_f64_bits(cfg.eps), cfg.eps),
+           "deferred_rms": int(cfg.deferred_rms), "nan_fold": int(cfg.nan_fold),
+           "gemm_order": GEMM_ORDERS.index(cfg.gemm_order), "tail_path": TAIL_PATHS.index(cfg.tail_path),
+           "sampling_params columns": 0 if sampling_params is None else sampling_params.shape[1],
+           "batch_groups": batch_groups, "fence": int(fence),
+           "hops": (exchange.bytes_digest(repr(hops).encode()), hops),
+           "hidden_states checksum": exchange.tensor_digest(hidden),
+           "gamma checksum": exchange.tensor_digest(gamma)}
+    return [sig[n] if isinstance(sig[n], tuple) else (int(sig[n]), int(sig[n])) for n in TAIL_SIGNATURE]
+
+
+def _decode_tail_ranks(hidden_states, gamma, lm_head_weight_t, sampling_params, cfg, *, group,
+                       hops, batch_groups, fence, timeout) -> TailOutput:
+    hg = group if isinstance(group, exchange.HopGroups) else None
+    parent = exchange.parent_group(hg.parent if hg else group)
+    vtp = parent.size()
+    if hg is not None and hops is not None and tuple(hops) != hg.hops:
+        raise ValueError(f"hops must match the HopGroups given as group ({hg.hops}); got {tuple(hops)}")
+    hops = hg.hops if hg else hops
+    layout_hops = validate_layout(vtp, vtp * batch_groups, hops, batch_groups)  # gbs-free checks
+    shapes_ok = all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in (hidden_states, lm_head_weight_t))
+    gbs = hidden_states.shape[0] if shapes_ok else None
+    if gbs:
+        validate_layout(vtp, gbs, layout_hops, batch_groups)  # raises before any collective
+    local_error, sig = None, None
+    try:  # a rank's bad inputs become a ValueError on every rank (via the signature)
+        validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, sampling_params, cfg,
+                             vocab_size=lm_head_weight_t.shape[1] * vtp if shapes_ok else 1,
+                             rows=gbs // vtp if gbs else None)
+        sig = tail_signature(hidden_states, gamma, lm_head_weight_t, sampling_params, cfg,
+                             hops=layout_hops, batch_groups=batch_groups, fence=fence)
+    except (ValueError, TypeError) as e:
+        local_error = e
+    exchange.agree(parent, TAIL_SIGNATURE, sig, local_error, what="decode_tail", timeout=timeout)
+
+    kept = []  # the fp32 shard logits of each row block, in row order
+
+    def mirror_block(rows: slice) -> torch.Tensor:
+        lg = shard_logits(hidden_states, gamma, lm_head_weight_t, config=cfg, rows=rows)  # [n, V_s]
+        kept.append(lg)
+        return lg.to(torch.bfloat16)  # the mirror the collective carries
+
+    recv = exchange.exchange_rows(mirror_block, gbs=gbs, group=hg or parent, hops=layout_hops,
+                                  batch_groups=batch_groups, fence=fence, timeout=timeout)
+    assert recv.shape == (gbs // vtp, lm_head_weight_t.shape[1] * vtp), "received [R, V]"
+    logits = kept[0] if len(kept) == 1 else torch.cat(kept, dim=0)  # [gbs, V_s]
+    return _owned_tail(recv, sampling_params, cfg, logits)

@@ -1,6 +1,6 @@
 """Exact top-k over bf16 rows, staged: chunks, then a merge.
 
-Definition (SPEC 2): the k largest values of each row, ties broken by the LOWER vocab id,
+Definition: the k largest values of each row, ties broken by the LOWER vocab id,
 sorted descending. +-inf are ordinary values, -0.0 == +0.0 (a tie, broken by id). NaN:
 with nan_fold=True NaN lanes rank below every number (and among themselves by id); with
 nan_fold=False the caller promises NaN-free rows, and NaN input gives an unspecified (but
@@ -73,7 +73,7 @@ def split_keys(keys: torch.Tensor):
     return mono_to_bf16(keys >> 32), _ID_MASK - (keys & _ID_MASK)
 
 
-def exact_topk(values: torch.Tensor, k: int, *, nan_fold: bool = False, chunk: int = 4096,
+def exact_topk(values: torch.Tensor, *, k: int, nan_fold: bool = False, chunk: int = 4096,
                debug_taps: bool = False):
     """Exact top-k of bf16 rows (see module docstring).
 

@@ -1,7 +1,7 @@
-"""The numerics contract (SPEC 7): kinds x gates, planted controls, token certification.
+"""The numerics contract: kinds x gates, planted controls, token certification.
 
     from lmtail.contract import registry, run_contract, certify_tail
-    kinds, controls = registry()                  # tail kinds + the glue engineer's
+    kinds, controls = registry()                  # the tail's kinds, the GEMM's and the glue ops'
     report = run_contract(Config(fast=True))      # {"kinds": [KindResult], "controls": [...]}
     certify_tail(hidden, gamma, w, tail_output, sampling_params=sp)   # the demo's receipt
 
@@ -17,14 +17,15 @@ from .harness import Config, Control, Kind, run_control, run_kind, select
 def registry(*, kinds: str | None = None):
     """({name: Kind}, [Control]) for the kinds matching `kinds` (comma-separated fnmatch
     patterns or substrings; None: all) and the controls planted in those kinds."""
-    from .glue_adapter import glue_controls, glue_kinds
+    from .gemm_kinds import gemm_controls, gemm_kinds
+    from .glue_kinds import glue_controls, glue_kinds
     from .tail_kinds import RankRuns, tail_controls, tail_kinds
 
     ranks = RankRuns()  # shared: the ownership control reuses the decode kind's rank runs
-    all_kinds = {k.name: k for k in tail_kinds(ranks) + glue_kinds()}
+    all_kinds = {k.name: k for k in tail_kinds(ranks) + gemm_kinds() + glue_kinds()}
     names = select(all_kinds, kinds)
     chosen = {n: all_kinds[n] for n in names}
-    ctls = [c for c in tail_controls(ranks) + glue_controls() if c.kind in chosen]
+    ctls = [c for c in tail_controls(ranks) + gemm_controls() + glue_controls() if c.kind in chosen]
     return chosen, ctls
 
 

@@ -1,4 +1,4 @@
-"""Token certification: the tail's decisions against the float64 ideal logits (SPEC 7).
+"""Token certification: the tail's decisions against the float64 ideal logits.
 
 For every row, three kinds of decision are taken on the float64 ideal logits `ref`
 (reference.tail.logits_ref: no rounding anywhere) with the declared bound `delta`
@@ -13,7 +13,7 @@ declaration can sit from ref, element by element):
            reference.contract.sample_decision on (ref, delta): certified iff the top-k
            cut, the top-p cut, the min-p cut and the draw's slot are certain for every
            value within the bounds (masses bounded through exp((v +- delta)/T)), plus the
-           sampler's own float64 slack. The op's truncated flag must be SPEC 3's; the
+           sampler's own float64 slack. The op's truncated flag must be the defined one; the
            token is compared where k candidates suffice for the exact answer.
 
 A certified decision must match the op's output (a mismatch is a contract failure); an
@@ -28,6 +28,8 @@ import math
 import numpy as np
 
 from ..reference.contract import ideal_bound, sample_decision, sampler_slack
+from ..config import TailConfig
+from ..tail import tail_decl
 
 DECISIONS = ("argmax", "topk", "sample")
 
@@ -86,7 +88,7 @@ def certify_rows(ref, delta, *, topk_indices, k, tokens=None, truncated=None, sa
             n_trunc += bool(dec["certified"] and dec["truncated"])
             if dec["certified"] and flag is not None and flag != dec["truncated"]:
                 results["sample"] = (True, dec["margin"], False,
-                                     f"truncated flag {flag}, SPEC 3 says {dec['truncated']} ({sp[i].tolist()})")
+                                     f"truncated flag {flag}, defined {dec['truncated']} ({sp[i].tolist()})")
             elif dec["comparable"] or not dec["certified"]:
                 ok = tokens is not None and int(tokens[i]) == dec["token"]
                 results["sample"] = (dec["certified"], dec["margin"], ok,
@@ -111,13 +113,16 @@ def certify_rows(ref, delta, *, topk_indices, k, tokens=None, truncated=None, sa
 
 
 def certify_tail(hidden, gamma, w, out, *, sampling_params=None, eps=1e-5, hidden_actual=None,
-                 interleaved=True, deferred_rms=True, k=None, col_chunk=8192, max_listed=20) -> dict:
+                 interleaved=True, deferred_rms=True, gemm_order=TailConfig.gemm_order, k=None, decl=None,
+                 col_chunk=8192, max_listed=20) -> dict:
     """Certify a single-rank decode_tail's outputs against float64.
 
     hidden [gbs, H], gamma [H], w [H, V] bf16 (the FULL vocab: single rank, or the
     concatenated shards), out: a TailOutput (or dict) with topk_indices [gbs, k] and, when
     sampling_params [gbs, 3|4|5] is given, tokens and truncated [gbs]. eps, hidden_actual,
-    interleaved (zero_interleaved_pad), deferred_rms: as passed to decode_tail.
+    interleaved (zero_interleaved_pad), deferred_rms, gemm_order: as passed to decode_tail.
+    decl: the tail's declaration the bound is computed from (default
+    tail.tail_decl(H, deferred_rms, gemm_order)).
     Returns dict: rows; certified, matched, mismatched, near_ties (totals over the three
     decisions); truncated (rows the exact answer needs > k candidates for); decisions
     {argmax|topk|sample: {certified, matched, near_ties}}; near_tie_rows {decision: [row]}
@@ -131,8 +136,9 @@ def certify_tail(hidden, gamma, w, out, *, sampling_params=None, eps=1e-5, hidde
         raise ValueError(f"out must hold every row of hidden (single-rank outputs): topk_indices is "
                          f"{tuple(ids.shape)}, hidden is {tuple(hidden.shape)}")
     k = ids.shape[1] if k is None else k
-    ref, delta = ideal_bound(hidden, gamma, w, eps=eps, hidden_actual=hidden_actual, interleaved=interleaved,
-                             deferred_rms=deferred_rms, col_chunk=col_chunk)
+    decl = tail_decl(hidden.shape[1], deferred_rms, gemm_order) if decl is None else decl
+    ref, delta = ideal_bound(hidden, gamma, w, eps=eps, decl=decl, hidden_actual=hidden_actual,
+                             interleaved=interleaved, deferred_rms=deferred_rms, col_chunk=col_chunk)
     tokens, trunc = _get(out, "tokens"), _get(out, "truncated")
     return certify_rows(ref, delta, topk_indices=ids, k=k, sampling_params=sampling_params,
                         tokens=None if tokens is None else tokens.numpy(),

@@ -20,15 +20,15 @@ import time
 from .harness import GATES, Config, fmt_margin
 
 
-def parse(argv):
-    p = argparse.ArgumentParser(prog="lmtail contract", description=__doc__.split("\n\n")[0])
+def configure(p: argparse.ArgumentParser) -> None:
+    """The `lmtail contract` options, added to `p`."""
+    p.description = __doc__.split("\n\n")[0]
     p.add_argument("--kinds", default=None, help="comma-separated fnmatch patterns or substrings (default: all)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the full results as JSON")
     p.add_argument("--fast", action="store_true", help="the test-suite subset (well under a minute)")
     p.add_argument("--ranks", type=int, default=None,
                    help="world size of the ranks gate (default 4; 0 with --fast: skip it)")
     p.add_argument("--decl", action="store_true", help="print each kind's declaration")
-    return p.parse_args(argv)
 
 
 def _cell(g):
@@ -103,11 +103,18 @@ def to_json(out, cfg, seconds) -> dict:
 
 
 def main(argv=None) -> int:
+    """`lmtail contract` on argv (the same parser the `lmtail` CLI builds)."""
+    p = argparse.ArgumentParser(prog="lmtail contract")
+    configure(p)
+    return run(p.parse_args(sys.argv[1:] if argv is None else argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the contract as `args` selects, print the tables; exit code as the module says."""
     from rich.console import Console
 
     from . import registry, run_contract
 
-    args = parse(sys.argv[1:] if argv is None else argv)
     ranks = args.ranks if args.ranks is not None else (0 if args.fast else 4)
     cfg = Config(fast=args.fast, ranks=ranks)
     con = Console()

@@ -1,12 +1,18 @@
-"""The contract harness: kinds x gates, planted controls, and the result table (SPEC 7).
+"""The contract harness: kinds x gates, planted controls, and the result table.
 
     Kind (op x variant x dtype)                      Control (a deliberately wrong variant)
       decl(data) -> numerics.Decl                      kind: the kind it impersonates
-      run(data) -> {name: tensor}                      run / ranks: replaces the kind's
-      check(data, out, run) -> Verdict (float64)       planted: the gate that must go red
-      gens[gate](fast) -> [Case]  (gates 1-4)
+      run(data) -> {name: tensor}                      run / ranks: replaces the kind's op
+      check(data, out, run, decl) -> Verdict           decl: replaces the kind's declaration
+                 (float64, ranges FROM decl)           planted: the gate that must go red
+      gens[gate](fast) -> [Case]  (gates 1-4; "bytes": the byte gates' inputs)
       take_rows(data, idx) -> data   (batch gate)
       ranks(data, nranks, run) -> [(layout, out)] (ranks gate)
+
+The declaration is an input of every check: the harness evaluates decl(case.data) and
+hands it to the check, which computes its float64 ranges from the declared sums (dtype ->
+unit roundoff, depth -> gamma(depth)). A control may plant a wrong declaration instead of
+a wrong op; a declaration shallower than the code runs must go red.
 
     run_kind:    every gate of the kind with the kind's own op  -> KindResult (all pass?)
     run_control: the same gates with the control's op           -> ControlResult (red where
@@ -14,8 +20,8 @@
 
 Gates (docs/contract.md):
   1 shapes, 2 random, 3 special, 4 adversarial: every Case is run and judged by its own
-    `expect` or else the kind's float64 `check`; a Case with `raises` must raise a
-    ValueError matching it.
+    `expect(data, out, run, decl)` or else the kind's float64 `check`; a Case with `raises`
+    must raise a ValueError matching it. Cases a kind marks slow are left out with --fast.
   emulate: the op's bytes == a slow emulation of the declared order (where the kind has one;
     any NaN matches any NaN here: NaN payloads are no part of the contract);
   batch: rows solo, in blocks (2, 4, 8 rows at several offsets) and reversed vs together;
@@ -24,7 +30,8 @@ Gates (docs/contract.md):
   compare bit patterns (integer views), never values.
 
 A gate passes when every case does. The worst margin of a kind is the smallest margin any
-of its checks reported (reference.contract.range_margin: in range widths; 0 is an end).
+of its checks reported, for every kind in one unit: range widths
+(reference.contract.range_margin: 1/2 the centre, 0 an end, negative outside).
 
 Shape legend: R rows of a case (the leading dim of every row output).
 """
@@ -59,9 +66,9 @@ class Verdict:
 
 @dataclass(frozen=True)
 class Case:
-    """One input of a data gate. expect(data, out, run) -> Verdict replaces the kind's
-    check (special values with their own defined result); raises: the op must raise a
-    ValueError whose message matches this regex (a defined error)."""
+    """One input of a data gate. expect(data, out, run, decl) -> Verdict replaces the
+    kind's check (special values with their own defined result); raises: the op must raise
+    a ValueError whose message matches this regex (a defined error)."""
 
     label: str
     data: Mapping
@@ -83,13 +90,13 @@ class Kind:
     emulate: Callable[[Mapping], dict] | None = None
     group: str = "tail"
     about: str = ""
-    margin_unit: str = "width"
 
 
 @dataclass(frozen=True)
 class Control:
-    """A planted wrong variant of `kind`: `run` (and/or `ranks`) replaces the kind's op; it
-    must come out red at gate `planted` (it may be red elsewhere too)."""
+    """A planted wrong variant of `kind`: `run` (and/or `ranks`) replaces the kind's op, or
+    `decl` (data -> Decl) its declaration; it must come out red at gate `planted` (it may
+    be red elsewhere too)."""
 
     name: str
     kind: str
@@ -97,6 +104,7 @@ class Control:
     what: str
     run: Callable | None = None
     ranks: Callable | None = None
+    decl: Callable[[Mapping], Decl] | None = None
 
 
 @dataclass
@@ -116,7 +124,7 @@ class KindResult:
     group: str
     decl: Decl | None
     gates: dict
-    unit: str = "width"
+    unit: str = "width"  # every margin is in range widths
 
     @property
     def ok(self) -> bool:
@@ -212,8 +220,9 @@ def _fmt(t) -> str:
 # ---------------------------------------------------------------------------------------
 # data gates
 # ---------------------------------------------------------------------------------------
-def run_case(kind: Kind, case: Case, run: Callable) -> Verdict:
-    """Run one case and judge it (an exception other than the expected error is a fail)."""
+def run_case(kind: Kind, case: Case, run: Callable, decl: Callable | None = None) -> Verdict:
+    """Run one case and judge it against decl(case.data) (default: the kind's declaration);
+    an exception other than the expected error is a fail."""
     if case.raises is not None:
         try:
             run(case.data)
@@ -227,7 +236,7 @@ def run_case(kind: Kind, case: Case, run: Callable) -> Verdict:
     try:
         out = run(case.data)
         judge = case.expect or kind.check
-        return judge(case.data, out, run)
+        return judge(case.data, out, run, (decl or kind.decl)(case.data))
     except Exception as e:  # noqa: BLE001
         tb = traceback.extract_tb(e.__traceback__)[-1]
         return Verdict(False, None, f"raised {type(e).__name__}: {e} ({tb.filename.split('/')[-1]}:{tb.lineno})")
@@ -244,10 +253,10 @@ def _merge(res: GateResult, label: str, v: Verdict) -> None:
         res.detail = f"[{label}] {v.detail}"
 
 
-def data_gate(kind: Kind, gate: str, run: Callable, cfg: Config) -> GateResult:
+def data_gate(kind: Kind, gate: str, run: Callable, cfg: Config, decl: Callable | None = None) -> GateResult:
     res = GateResult(gate, True)
     for case in kind.gens[gate](cfg.fast):
-        _merge(res, case.label, run_case(kind, case, run))
+        _merge(res, case.label, run_case(kind, case, run, decl))
     return res
 
 
@@ -346,18 +355,18 @@ def applicable(kind: Kind, cfg: Config) -> list[str]:
     return gates + ["threads", "repeat"]
 
 
-def run_gates(kind: Kind, cfg: Config, *, run=None, ranks=None, only=None) -> dict:
+def run_gates(kind: Kind, cfg: Config, *, run=None, ranks=None, decl=None, only=None) -> dict:
     """{gate: GateResult} for every applicable gate (or those in `only`), on
-    cfg.base_threads threads (restored after)."""
+    cfg.base_threads threads (restored after); run, ranks, decl replace the kind's."""
     before = torch.get_num_threads()
     torch.set_num_threads(cfg.base_threads)
     try:
-        return _run_gates(kind, cfg, run or kind.run, ranks or kind.ranks, only)
+        return _run_gates(kind, cfg, run or kind.run, ranks or kind.ranks, decl or kind.decl, only)
     finally:
         torch.set_num_threads(before)
 
 
-def _run_gates(kind, cfg, run, ranks, only) -> dict:
+def _run_gates(kind, cfg, run, ranks, decl, only) -> dict:
     out = {}
     for gate in applicable(kind, cfg):
         if only is not None and gate not in only:
@@ -365,7 +374,7 @@ def _run_gates(kind, cfg, run, ranks, only) -> dict:
         t0 = time.perf_counter()
         try:
             if gate in DATA_GATES:
-                res = data_gate(kind, gate, run, cfg)
+                res = data_gate(kind, gate, run, cfg, decl)
             elif gate == "emulate":
                 res = emulate_gate(kind, run, cfg)
             elif gate == "batch":
@@ -389,7 +398,7 @@ def run_kind(kind: Kind, cfg: Config) -> KindResult:
         decl = kind.decl(gens(True)[0].data)
     except Exception:  # noqa: BLE001 - a missing declaration shows as None in the table
         decl = None
-    return KindResult(kind.name, kind.group, decl, run_gates(kind, cfg), kind.margin_unit)
+    return KindResult(kind.name, kind.group, decl, run_gates(kind, cfg))
 
 
 def run_control(ctl: Control, kinds: Mapping[str, Kind], cfg: Config) -> ControlResult:
@@ -403,7 +412,7 @@ def run_control(ctl: Control, kinds: Mapping[str, Kind], cfg: Config) -> Control
         only = [ctl.planted]
     else:
         only = [g for g in applicable(kind, cfg) if g != "ranks"]
-    return ControlResult(ctl, run_gates(kind, cfg, run=ctl.run, ranks=ctl.ranks, only=only))
+    return ControlResult(ctl, run_gates(kind, cfg, run=ctl.run, ranks=ctl.ranks, decl=ctl.decl, only=only))
 
 
 def select(names, pattern: str | None) -> list[str]:

@@ -5,6 +5,8 @@ Kinds (op x variant x dtype), each run through gates 1-4 and the byte gates:
   tail.logits.legacy.fp32     deferred_rms=False: a = bf16((x*rms)*gamma)
   tail.logits.deferred.fp16   fp16 hidden: in range AND the bytes of the widened fp32 run
   tail.logits.deferred.bf16   bf16 hidden: the same
+  tail.logits.*.fp32.chain    deferred and legacy with gemm_order="chain" (the others run
+                              TailConfig's default order, amx32)
   tail.mirror.bf16            the bf16 mirror: top-k of decode_tail == exact top-k of
                               bf16(its own fp32 logits), values and ids
   tail.topk.exact             exact_topk == reference.tail.topk_ref, exactly
@@ -14,12 +16,17 @@ Kinds (op x variant x dtype), each run through gates 1-4 and the byte gates:
                               ideal logits (certify.certify_tail); the ranks gate runs here
 
 Data dicts ("tail data"): x [gbs, H] fp32|fp16|bf16, gamma [H] fp32, w [H, V] bf16, eps,
-h_u, interleaved, deferred (+ k, sp [R, 5] fp32, nan_fold for the mirror/decode kinds);
+h_u, interleaved, deferred, gemm_order (absent: TailConfig's default) (+ k, sp [R, 5] fp32,
+nan_fold for the mirror/decode kinds);
 "rows data": rows [R, V] bf16, k, chunk, nan_fold (+ sp, exact for the sampler).
 
 Controls are the same bodies as the real ops with ONE defect each (`logits_variant`,
 `sampler_variant`, ...; defect=None reproduces the real op byte for byte, which the tests
-assert), so a red control shows the gate sees that defect and nothing else.
+assert), so a red control shows the gate sees that defect and nothing else; one control
+keeps the real op and plants a declaration shallower than the code runs (`shallow_decl`).
+
+Checks take (data, out, run, decl): the ranges come from decl (the harness passes
+decl(data), the kind's declaration unless a control replaces it).
 
 Shape legend: gbs rows, H hidden (padded), H_u real hidden, V vocab, R rows, k candidates.
 """
@@ -27,17 +34,19 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from functools import partial
 
 import numpy as np
 import torch
 
-from ..numerics import sqrt_rn32
-
-from ..kernels.gemm import gemm_bf16_chain, gemm_bf16_chain_reference
-from ..numerics import Decl, SumDecl, U
+from ..config import TailConfig
+from ..kernels.gemm import ORDERS as GEMM_ORDERS
+from ..kernels.gemm import gemm_bf16, gemm_bf16_chain_reference
+from ..numerics import Decl, SumDecl, U, sqrt_rn32
 from ..orders import sum_squares
 from ..reference.contract import logprob_ref, range_margin, sample_decision, sampler_slack
+from ..reference.gemm import gemm_amx32_emulation
 from ..reference.tail import as_np, logits_range, mirror_range, topk_ref
 from ..sampler import draw, sampling_plan, validate_params
 from ..tail import SSQ_ORDER, decode_tail, pad_mask, rows_tail, tail_decl, validate_tail_inputs
@@ -82,13 +91,25 @@ def tail_rows(data, idx):
     return out
 
 
+def gemm_order_of(data) -> str:
+    """The GEMM order a tail case runs in (TailConfig's default when the data names none)."""
+    return data.get("gemm_order", TailConfig.gemm_order)
+
+
 def tail_decl_of(data) -> Decl:
-    return tail_decl(data["w"].shape[0], data.get("deferred", True))
+    return tail_decl(data["w"].shape[0], data.get("deferred", True), gemm_order_of(data))
+
+
+def shallow_decl(data) -> Decl:
+    """Control: the tail's declaration with every sum declared half as deep as the code
+    runs (the op itself unchanged): the ranges computed from it are too narrow."""
+    d = tail_decl_of(data)
+    return replace(d, sums=tuple(replace(s, depth=s.depth // 2) for s in d.sums))
 
 
 def _tail_kw(data):
     return dict(eps=data["eps"], hidden_actual=data["h_u"], zero_interleaved_pad=data["interleaved"],
-                deferred_rms=data["deferred"])
+                deferred_rms=data["deferred"], gemm_order=gemm_order_of(data))
 
 
 # ---------------------------------------------------------------------------------------
@@ -106,8 +127,8 @@ def _nonfinite_rows(data) -> np.ndarray:
     return ~np.isfinite(np.where(real, x, 0.0)).all(axis=1)
 
 
-def logits_verdict(data, logits) -> Verdict:
-    """Finite rows: inside reference.tail.logits_range (margin in range widths); rows with
+def logits_verdict(data, logits, decl: Decl) -> Verdict:
+    """Finite rows: inside reference.tail.logits_range of `decl` (margin in range widths); rows with
     NaN/inf in a real lane: all NaN (ssq = inf or NaN -> rms 0 or NaN -> NaN * ...)."""
     y = as_np(logits)
     bad = _nonfinite_rows(data)
@@ -118,7 +139,7 @@ def logits_verdict(data, logits) -> Verdict:
     if not ok_rows.any():
         return Verdict(True, None, "all rows non-finite: NaN as defined")
     lo, hi = logits_range(data["x"][torch.from_numpy(ok_rows)], data["gamma"], data["w"], eps=data["eps"],
-                          hidden_actual=data["h_u"], interleaved=data["interleaved"],
+                          decl=decl, hidden_actual=data["h_u"], interleaved=data["interleaved"],
                           deferred_rms=data["deferred"])
     inside, m = range_margin(y[ok_rows], lo, hi)
     if not inside.all():
@@ -129,9 +150,10 @@ def logits_verdict(data, logits) -> Verdict:
     return Verdict(True, float(m.min()), f"{inside.size} elements inside")
 
 
-def check_logits(data, out, run) -> Verdict:
-    """The float64 range; for 16-bit hidden also the widened fp32 run's bytes (SPEC 1)."""
-    v = logits_verdict(data, out["logits"])
+def check_logits(data, out, run, decl) -> Verdict:
+    """The float64 range; for 16-bit hidden also the widened fp32 run's bytes (a 16-bit
+    hidden is defined as its exact fp32 widening)."""
+    v = logits_verdict(data, out["logits"], decl)
     if v.ok and data["x"].dtype != torch.float32:
         d = diff_outputs(out, run(dict(data, x=data["x"].float())))
         if d:
@@ -160,10 +182,10 @@ def topk_verdict(rows_bf16, vals, ids, k, nan_fold) -> Verdict:
     return Verdict(True, None, f"{gi.size} candidates exact")
 
 
-def check_mirror(data, out, run) -> Verdict:
+def check_mirror(data, out, run, decl) -> Verdict:
     """logits in range; the top-k is the exact top-k of the bf16 mirror of those logits
     (so the collective carried bf16(logits)), and each value lies in mirror_range."""
-    v = logits_verdict(data, out["logits"])
+    v = logits_verdict(data, out["logits"], decl)
     if not v.ok:
         return v
     mirror = out["logits"].to(torch.bfloat16)
@@ -173,7 +195,7 @@ def check_mirror(data, out, run) -> Verdict:
     fin = ~_nonfinite_rows(data)
     if fin.any():
         lo, hi = logits_range(data["x"][torch.from_numpy(fin)], data["gamma"], data["w"], eps=data["eps"],
-                              hidden_actual=data["h_u"], interleaved=data["interleaved"],
+                              decl=decl, hidden_actual=data["h_u"], interleaved=data["interleaved"],
                               deferred_rms=data["deferred"])
         mlo, mhi = mirror_range(lo, hi)
         ids = out["topk_indices"].numpy()[fin]
@@ -187,12 +209,8 @@ def check_mirror(data, out, run) -> Verdict:
 # ---------------------------------------------------------------------------------------
 # the tail logits with one planted defect (controls); defect=None is the real op
 # ---------------------------------------------------------------------------------------
-DEFECTS = ("fp16_accum", "eps_dropped", "mean_over_H", "pad_not_zeroed", "row_mixing",
-           "splitk_threads", "shuffled_order", "rms_after_round", "fp16_narrowed")
-
-
-def _gemm_variant(a, w, defect):
-    """[gbs, H] bf16 @ [H, V] bf16 -> fp32, in the declared chain or a planted wrong one."""
+def _gemm_variant(a, w, defect, order):
+    """[gbs, H] bf16 @ [H, V] bf16 -> fp32, in the declared `order` or a planted wrong one."""
     if defect == "fp16_accum":  # the chain kept in fp16: partial sums past 65504 are inf
         acc = torch.zeros(a.shape[0], w.shape[1], dtype=torch.float16)
         a32, w32 = a.float(), w.float()
@@ -201,30 +219,35 @@ def _gemm_variant(a, w, defect):
         return acc.float()
     if defect == "splitk_threads":  # split-K over the thread count, partials added after
         parts = torch.tensor_split(torch.arange(a.shape[1]), torch.get_num_threads())
-        acc = gemm_bf16_chain(a[:, parts[0]].contiguous(), w[parts[0]].contiguous())
+        acc = gemm_bf16(a[:, parts[0]].contiguous(), w[parts[0]].contiguous(), order=order)
         for p in parts[1:]:
-            acc = acc + gemm_bf16_chain(a[:, p].contiguous(), w[p].contiguous())
+            acc = acc + gemm_bf16(a[:, p].contiguous(), w[p].contiguous(), order=order)
         return acc
     if defect == "shuffled_order":  # a fresh summation order every call (atomics)
         perm = torch.randperm(a.shape[1], generator=torch.Generator().manual_seed(
             int.from_bytes(os.urandom(4), "little")))
-        return gemm_bf16_chain(a[:, perm].contiguous(), w[perm].contiguous())
-    if defect == "emulate":  # not a defect: the declared chain, one exact fma32 a step
-        return gemm_bf16_chain_reference(a, w)
-    return gemm_bf16_chain(a, w)
+        return gemm_bf16(a[:, perm].contiguous(), w[perm].contiguous(), order=order)
+    if defect == "other_order":  # the other declared order posing as this one
+        return gemm_bf16(a, w, order=next(o for o in GEMM_ORDERS if o != order))
+    if defect == "emulate":  # not a defect: the declared order, one exact rounding a step
+        return gemm_bf16_chain_reference(a, w) if order == "chain" else gemm_amx32_emulation(a, w)
+    return gemm_bf16(a, w, order=order)
 
 
 def emulate_logits(data) -> dict:
-    """The declared order emulated step by step (numerics.fma32 chain over h), for the
-    emulate gate: the op's logits must be these bytes."""
+    """The declared order emulated step by step (the chain: numerics.fma32 over h; amx32:
+    reference.gemm.gemm_amx32_emulation), for the emulate gate: the op's logits must be
+    these bytes."""
     return logits_variant(data, defect="emulate")
 
 
 def logits_variant(data, defect=None) -> dict:
     """shard_logits (tail.py) restated step by step with one defect (module docstring)."""
     x, g, w = data["x"], data["gamma"].reshape(-1), data["w"]
-    validate_tail_inputs(x, data["gamma"], w, eps=data["eps"], hidden_actual=data["h_u"],
-                         zero_interleaved_pad=data["interleaved"], k=1, sampling_params=None,
+    order = gemm_order_of(data)
+    validate_tail_inputs(x, data["gamma"], w, None, TailConfig(eps=data["eps"], hidden_actual=data["h_u"],
+                                                               zero_interleaved_pad=data["interleaved"], k=1,
+                                                               gemm_order=order),
                          vocab_size=w.shape[1])
     h, h_u, deferred = x.shape[1], data["h_u"], data["deferred"]
     real = pad_mask(h, h_u, data["interleaved"])  # [H]
@@ -247,7 +270,7 @@ def logits_variant(data, defect=None) -> dict:
         a = ((x * rms[:, None]) * g).to(torch.bfloat16)
     if defect != "pad_not_zeroed":
         a = torch.where(real, a, torch.zeros((), dtype=torch.bfloat16))  # [gbs, H]
-    acc = _gemm_variant(a, w, defect)  # [gbs, V]
+    acc = _gemm_variant(a, w, defect, order)  # [gbs, V]
     return {"logits": acc * rms[:, None] if deferred or defect == "rms_after_round" else acc}
 
 
@@ -264,7 +287,7 @@ def mirror_variant(data, defect=None) -> dict:
 # ---------------------------------------------------------------------------------------
 # special values and adversarial data for the tail logits
 # ---------------------------------------------------------------------------------------
-def _zero_logits(data, out, run) -> Verdict:
+def _zero_logits(data, out, run, decl) -> Verdict:
     y = out["logits"]
     ok = bool((y == 0).all())
     return Verdict(ok, None, "logits all 0 as defined" if ok else f"expected all 0; got {y.flatten()[:4].tolist()}")
@@ -272,20 +295,20 @@ def _zero_logits(data, out, run) -> Verdict:
 
 def _rows_independent(rows):
     """Expect: the other rows' bytes equal their solo runs, then the kind's check."""
-    def expect(data, out, run, *, check):
+    def expect(data, out, run, decl, *, check):
         others = [i for i in range(data["x"].shape[0]) if i not in rows]
         d = diff_outputs(run(tail_rows(data, others)), {k: v[others] for k, v in out.items()})
         if d:
             return Verdict(False, None, f"rows {others} changed by the special row: {d}")
-        return check(data, out, run)
+        return check(data, out, run, decl)
     return expect
 
 
-def _pad_ignored(data, out, run, *, check) -> Verdict:
+def _pad_ignored(data, out, run, decl, *, check) -> Verdict:
     real = pad_mask(data["x"].shape[1], data["h_u"], data["interleaved"])
     clean = dict(data, x=torch.where(real, data["x"], torch.zeros((), dtype=data["x"].dtype)))
     d = diff_outputs(out, run(clean))
-    return Verdict(False, None, f"pad lane NaN/inf reached the outputs: {d}") if d else check(data, out, run)
+    return Verdict(False, None, f"pad lane NaN/inf reached the outputs: {d}") if d else check(data, out, run, decl)
 
 
 def tail_special(fast, *, dtype=torch.float32, deferred=True, k=None, check=check_logits):
@@ -322,18 +345,18 @@ def tail_special(fast, *, dtype=torch.float32, deferred=True, k=None, check=chec
 
 def tail_errors(d):
     """Defined errors: ValueError with expected-vs-got, nothing computed."""
-    return [Case("eps < 0 -> ValueError", dict(d, eps=-1e-5), raises=r"eps must be >= 0"),
-            Case("eps NaN -> ValueError", dict(d, eps=math.nan), raises=r"eps must be >= 0"),
+    return [Case("eps < 0 -> ValueError", dict(d, eps=-1e-5), raises=r"eps must be .*>= 0"),
+            Case("eps NaN -> ValueError", dict(d, eps=math.nan), raises=r"eps must be .*>= 0"),
             Case("int hidden -> ValueError", dict(d, x=d["x"].to(torch.int32)), raises=r"hidden_states must be float32"),
             Case("fp32 weight -> ValueError", dict(d, w=d["w"].float()), raises=r"lm_head_weight_t must be bfloat16"),
-            Case("H_u > H -> ValueError", dict(d, h_u=d["x"].shape[1] + 1), raises=r"hidden_actual must be in"),
+            Case("H_u > H -> ValueError", dict(d, h_u=d["x"].shape[1] + 1), raises=r"hidden_actual must be (an int )?in"),
             Case("1-D hidden -> ValueError", dict(d, x=d["x"][0]), raises=r"hidden_states must be \[gbs, H\]")]
 
 
-def _exact_logits(data, out, run, *, check) -> Verdict:
+def _exact_logits(data, out, run, decl, *, check) -> Verdict:
     """Gate 4: every partial sum is exact in fp32 in any order and rms = 1 or 1/16 exactly,
     so the logits must equal the exact sum itself, and lie in range."""
-    v = check(data, out, run)
+    v = check(data, out, run, decl)
     want = np.asarray(data["exact"], dtype=np.float64)
     got = as_np(out["logits"])
     if not np.array_equal(got, want):
@@ -342,9 +365,11 @@ def _exact_logits(data, out, run, *, check) -> Verdict:
     return v
 
 
-def tail_adversarial(fast, *, dtype=torch.float32, deferred=True, k=None, check=check_logits):
+def tail_adversarial(fast, *, dtype=torch.float32, deferred=True, k=None, check=check_logits,
+                     gemm_order=TailConfig.gemm_order):
     """Gate 4: powers of two, one product 2^17 (> fp16's 65504) and rows of +-16 whose
-    squares sum to 65536; eps = 0 so rms is a power of two; pad lanes hold 1e4 garbage."""
+    squares sum to 65536; eps = 0 so rms is a power of two; pad lanes hold 1e4 garbage;
+    and GEMM data that errs near the declared bound of `gemm_order`."""
     cases = []
     for seed, (h, h_u) in enumerate([(256, 256), (256, 240)]):
         g = torch.Generator().manual_seed(40 + seed)
@@ -361,12 +386,40 @@ def tail_adversarial(fast, *, dtype=torch.float32, deferred=True, k=None, check=
         a = (xr * rms * gam) if not deferred else (xr * gam)
         exact = (a.double() @ w.double()) * (rms.double() if deferred else 1.0)
         d = dict(x=x.to(dtype), gamma=gam, w=w.to(torch.bfloat16), eps=0.0, h_u=h_u, interleaved=False,
-                 deferred=deferred, exact=exact.numpy())
+                 deferred=deferred, exact=exact.numpy(), gemm_order=gemm_order)
         if k is not None:
             d.update(k=min(k, 24), nan_fold=False)
         cases.append(Case(f"powers of two, H={h} H_u={h_u}, product 2^17", d,
                           expect=partial(_exact_logits, check=check)))
+    what = ("GEMM chain rounding up at every add (3/4 of the declared bound)" if gemm_order == "chain" else
+            "amx32 GEMM: lane chain and block adds tie back to 1 (78 of the declared 81 u)")
+    cases.append(Case(what, _gemm_at_bound(dtype=dtype, deferred=deferred, k=k, order=gemm_order)))
     return cases
+
+
+def _gemm_at_bound(*, dtype, deferred, k, order, v=24):
+    """a = 1 in every lane (x = 1, gamma = 1, eps = 0: rms is exactly 1) and w built so the
+    GEMM of `order` errs close to its declared bound gamma(depth, u32) * sum|terms|:
+      chain: w[0] = 1, w[1:] = 5*2^-26 (5/8 of an ulp of 1): every add rounds UP by 3/8
+        ulp, 3/4 of gamma(H);
+      amx32 (H = 2048, NB = 64): w[0] = 1, the other 15 even lanes of block 0 and lane 0
+        of every later block 2^-24 (half an ulp of 1), the rest 0: each of those 14 + NB
+        adds is a tie back to 1, (14 + NB) u against the declared (17 + NB) u (a short H
+        would leave the gap to half the depth inside the rms range's own slack).
+    The op is inside its declared range; a declaration of half the depth is too narrow."""
+    h = 256 if order == "chain" else 2048
+    if order == "chain":
+        w = torch.full((h, v), 5 * 2.0**-26)
+    else:
+        w = torch.zeros(h, v)
+        lane = torch.arange(h)
+        w[((lane < 32) & (lane % 2 == 0)) | (lane % 32 == 0)] = 2.0**-24
+    w[0] = 1.0
+    d = dict(x=torch.ones(2, h).to(dtype), gamma=torch.ones(h), w=w.to(torch.bfloat16), eps=0.0, h_u=h,
+             interleaved=False, deferred=deferred, gemm_order=order)
+    if k is not None:
+        d.update(k=min(k, v), nan_fold=False)
+    return d
 
 
 def tail_shapes(fast, *, dtype=torch.float32, deferred=True, k=None):
@@ -401,11 +454,11 @@ def take_rows_rows(data, idx):
 
 
 def run_topk(data) -> dict:
-    v, i, _ = exact_topk(data["rows"], data["k"], nan_fold=data["nan_fold"], chunk=data["chunk"])
+    v, i, _ = exact_topk(data["rows"], k=data["k"], nan_fold=data["nan_fold"], chunk=data["chunk"])
     return {"topk_values": v, "topk_indices": i}
 
 
-def check_topk(data, out, run) -> Verdict:
+def check_topk(data, out, run, decl) -> Verdict:
     return topk_verdict(data["rows"], out["topk_values"], out["topk_indices"], data["k"], data["nan_fold"])
 
 
@@ -415,7 +468,7 @@ def topk_variant(data, defect=None) -> dict:
     k/2 winners share a chunk)."""
     rows, k, nf, chunk = data["rows"], data["k"], data["nan_fold"], data["chunk"]
     if defect == "ties_higher_id":
-        v, i, _ = exact_topk(rows.flip(-1), k, nan_fold=nf, chunk=chunk)
+        v, i, _ = exact_topk(rows.flip(-1), k=k, nan_fold=nf, chunk=chunk)
         return {"topk_values": v, "topk_indices": rows.shape[1] - 1 - i}
     if defect == "stage1_short":
         r, n_v = rows.shape
@@ -431,7 +484,7 @@ def topk_variant(data, defect=None) -> dict:
     return run_topk(data)
 
 
-def _topk_no_crash(data, out, run) -> Verdict:
+def _topk_no_crash(data, out, run, decl) -> Verdict:
     r, k = data["rows"].shape[0], data["k"]
     ok = tuple(out["topk_indices"].shape) == (r, k) and bool(((out["topk_indices"] >= 0) &
                                                                (out["topk_indices"] < data["rows"].shape[1])).all())
@@ -486,7 +539,7 @@ def topk_adversarial(fast):
 # the sampler
 # ---------------------------------------------------------------------------------------
 def random_params(r, seed, k) -> torch.Tensor:
-    """[R, 5] fp32 (top_k, top_p, temperature, u, min_p): a mix of everything SPEC 3 has."""
+    """[R, 5] fp32 (top_k, top_p, temperature, u, min_p): a mix of every sampling option."""
     g = torch.Generator().manual_seed(1000 + seed)
     pick = lambda vals: torch.tensor(vals)[torch.randint(0, len(vals), (r,), generator=g)]  # noqa: E731
     return torch.stack([pick([0.0, 1.0, 5.0, 40.0, float(k), float(k + 7)]),
@@ -502,7 +555,7 @@ def sampler_data(r, v, seed, *, k, scale=2.0):
 
 def run_sampler(data) -> dict:
     out = rows_tail(data["rows"], k=data["k"], sampling_params=data["sp"], nan_fold=data["nan_fold"])
-    return {"tokens": out["tokens"], "logprobs": out["logprobs"], "truncated": out["truncated"]}
+    return {"tokens": out.tokens, "logprobs": out.logprobs, "truncated": out.truncated}
 
 
 def sampler_variant(data, defect=None) -> dict:
@@ -510,7 +563,7 @@ def sampler_variant(data, defect=None) -> dict:
     mass INCLUDING the candidate is < top_p) or "greedy_1e-3" (T < 1e-3 taken as greedy)."""
     rows, k, sp, nf = data["rows"], data["k"], data["sp"], data["nan_fold"]
     validate_params(sp, rows.shape[0])
-    vals, ids, _ = exact_topk(rows, k, nan_fold=nf)
+    vals, ids, _ = exact_topk(rows, k=k, nan_fold=nf)
     plan = sampling_plan(vals, rows, sp, nan_fold=nf)
     top_p = sp[:, 1].double()[:, None]
     if defect == "topp_drops_crossing":
@@ -527,7 +580,7 @@ def sampler_variant(data, defect=None) -> dict:
 
 def sampler_verdict(rows_bf16, sp, k, nan_fold, out, *, exact=False) -> Verdict:
     """Per row, the float64 decision on the row's own bf16 values (delta = 0): on a
-    certified row the truncated flag must be SPEC 3's and, where the exact token can be
+    certified row the truncated flag must be the defined one and, where the exact token can be
     drawn from k candidates (`comparable`), the token must match; near-ties (a mass within
     the float64 slack of a threshold) are counted; the logprob must be within
     slack*(1 + |lse| + |lp|) + u32 of the float64 log_softmax at its token."""
@@ -552,7 +605,7 @@ def sampler_verdict(rows_bf16, sp, k, nan_fold, out, *, exact=False) -> Verdict:
             continue
         counts["truncated"] += dec["truncated"]
         if bool(tr[i]) != dec["truncated"] and not fail:
-            fail = (f"row {i} {spn[i].tolist()}: truncated flag {bool(tr[i])}, SPEC 3 says {dec['truncated']} "
+            fail = (f"row {i} {spn[i].tolist()}: truncated flag {bool(tr[i])}, defined {dec['truncated']} "
                     f"(k={k}, {dec['n_filter']} filtered, {dec['n_keep']} kept)")
         if not dec["comparable"]:
             continue
@@ -575,7 +628,7 @@ def sampler_verdict(rows_bf16, sp, k, nan_fold, out, *, exact=False) -> Verdict:
     return Verdict(not fail, None if worst == math.inf else worst, detail, counts)
 
 
-def check_sampler(data, out, run) -> Verdict:
+def check_sampler(data, out, run, decl) -> Verdict:
     return sampler_verdict(data["rows"], data["sp"], data["k"], data["nan_fold"], out,
                            exact=bool(data.get("exact", False)))
 
@@ -585,7 +638,7 @@ def _sp(rows):
 
 
 def _tokens_are(want):
-    def expect(data, out, run):
+    def expect(data, out, run, decl):
         got = out["tokens"].tolist()
         return Verdict(got == list(want), None, f"tokens {got}" + ("" if got == list(want) else f", defined {list(want)}"))
     return expect
@@ -658,12 +711,12 @@ def run_decode(data) -> dict:
     return {f: getattr(out, f) for f in ("logits", "topk_values", "topk_indices", "tokens", "logprobs", "truncated")}
 
 
-def check_decode(data, out, run) -> Verdict:
+def check_decode(data, out, run, decl) -> Verdict:
     """mirror check (range + exact top-k of bf16(logits)) + the sampler on its own mirror
     rows (exact float64 decisions) + certification against the float64 ideal logits."""
     from .certify import certify_tail
 
-    v = check_mirror(data, out, run)
+    v = check_mirror(data, out, run, decl)
     if not v.ok:
         return v
     s = sampler_verdict(out["logits"].to(torch.bfloat16), data["sp"], data["k"], data["nan_fold"], out)
@@ -671,7 +724,7 @@ def check_decode(data, out, run) -> Verdict:
         return Verdict(False, v.margin, "sampler on the mirror: " + s.detail)
     c = certify_tail(data["x"], data["gamma"], data["w"], out, sampling_params=data["sp"], eps=data["eps"],
                      hidden_actual=data["h_u"], interleaved=data["interleaved"], deferred_rms=data["deferred"],
-                     k=data["k"])
+                     k=data["k"], decl=decl)
     counts = {"certified": c["certified"], "near_ties": c["near_ties"], "truncated": c["truncated"]}
     if c["mismatched"]:
         return Verdict(False, v.margin, f"certified decision differs from float64: {c['mismatches'][0]}", counts)
@@ -779,11 +832,16 @@ class RankRuns:
 # ---------------------------------------------------------------------------------------
 # the registry
 # ---------------------------------------------------------------------------------------
-def _logits_kind(name, *, dtype, deferred, about):
+def in_order(gen, order):
+    """The cases of generator `gen` with the tail's GEMM in `order` (data["gemm_order"])."""
+    return lambda fast: [replace(c, data=dict(c.data, gemm_order=order)) for c in gen(fast)]
+
+
+def _logits_kind(name, *, dtype, deferred, about, order=TailConfig.gemm_order):
     kw = dict(dtype=dtype, deferred=deferred)
-    return Kind(name, tail_decl_of, run_logits, check_logits,
-                {"shapes": partial(tail_shapes, **kw), "random": partial(tail_random, **kw),
-                 "special": partial(tail_special, **kw), "adversarial": partial(tail_adversarial, **kw)},
+    gens = {"shapes": partial(tail_shapes, **kw), "random": partial(tail_random, **kw),
+            "special": partial(tail_special, **kw), "adversarial": partial(tail_adversarial, gemm_order=order, **kw)}
+    return Kind(name, tail_decl_of, run_logits, check_logits, {g: in_order(f, order) for g, f in gens.items()},
                 take_rows=tail_rows, emulate=emulate_logits, about=about)
 
 
@@ -811,6 +869,10 @@ def tail_kinds(ranks: RankRuns | None = None) -> list[Kind]:
                      about="fp16 hidden: in range and the widened fp32 run's bytes"),
         _logits_kind("tail.logits.deferred.bf16", dtype=torch.bfloat16, deferred=True,
                      about="bf16 hidden: in range and the widened fp32 run's bytes"),
+        _logits_kind("tail.logits.deferred.fp32.chain", dtype=torch.float32, deferred=True, order="chain",
+                     about="decode_tail logits, deferred rms, gemm_order='chain'"),
+        _logits_kind("tail.logits.legacy.fp32.chain", dtype=torch.float32, deferred=False, order="chain",
+                     about="decode_tail logits, legacy rms, gemm_order='chain'"),
         Kind("tail.mirror.bf16", _mirror_decl, run_mirror, check_mirror,
              {"shapes": partial(tail_shapes, k=64), "random": partial(tail_random, k=64, v=4096),
               "special": partial(tail_special, **mirror_kw), "adversarial": partial(tail_adversarial, **mirror_kw)},
@@ -834,6 +896,15 @@ def tail_controls(ranks: RankRuns | None = None) -> list[Control]:
     d32 = "tail.logits.deferred.fp32"
     return [
         Control("tail.fp16_accum", d32, "adversarial", "GEMM chain accumulated in fp16", lv("fp16_accum")),
+        Control("tail.gemm_other_order", d32, "emulate", "the chain GEMM posing as amx32", lv("other_order")),
+        Control("tail.chain.gemm_other_order", f"{d32}.chain", "emulate", "the amx32 GEMM posing as the chain",
+                lv("other_order")),
+        Control("tail.chain.legacy_other_order", "tail.logits.legacy.fp32.chain", "emulate",
+                "legacy kind: the amx32 GEMM posing as the chain", lv("other_order")),
+        Control("tail.chain.decl_half_depth", f"{d32}.chain", "adversarial",
+                "the real op in the chain order, its sums declared half as deep", decl=shallow_decl),
+        Control("tail.decl_half_depth", d32, "adversarial",
+                "the real op, its sums declared half as deep as it runs them", decl=shallow_decl),
         Control("tail.eps_dropped", d32, "special", "rms = 1/sqrt(ssq/H_u), no eps", lv("eps_dropped")),
         Control("tail.mean_over_H", d32, "shapes", "ssq divided by H instead of H_u", lv("mean_over_H")),
         Control("tail.pad_not_zeroed", d32, "shapes", "pad lanes enter ssq and the GEMM", lv("pad_not_zeroed")),

@@ -6,21 +6,21 @@ Shape legend:
   a, b   [..., N] fp32 (b broadcast to a)  -> sums [...] fp32         (fma_sum_rows)
   slots  [S, T, H] fp32 or bf16, weights [T, >= nslots] fp32 -> [T, H] fp32 (moe_routed)
 
-Numerics (the contract; the torch paths stay the declared references the tests compare
-against, bit for bit):
-  fma_sum_rows == orders._fma_sum_torch: per lane an fp32 fma chain over the order's
+Numerics (the contract; every backend gives the same bits):
+  fma_sum_rows: per lane an fp32 fma chain over the order's
     (pass, vec) elements in increasing element order from +0.0 (zero padded past N), the
     xor butterfly over each 32 lanes (16, 8, 4, 2, 1; placebo reversed), the lane groups
     added in order. Depth order.depth(N).
-  moe_routed == the routed loop of norms._moe_combine: acc = fma(w[:, s], slot_s, acc) for
+  moe_routed: the routed chain of norms.moe_add_rms: acc = fma(w[:, s], slot_s, acc) for
     s = 0, 1, ..., nslots - 1 from +0.0, bf16 slots widened exactly. Depth nslots.
 Every step is one correctly rounded fp32 fma (C fmaf / vfmadd: what numerics.fma32
 emulates in float64). NaN sign and payload are not declared (every NaN compares as one).
 A row (token) is owned by one thread: neither the row count nor `threads` reaches a bit.
 
 Backends (all bit-equal; tests/test_fmachain.py proves it): "avx512" (16 lanes a vector
-op), "generic" (plain C). `available_backends()` is () when no C compiler is found; the
-callers then keep their torch path.
+op), "c" (plain C), "torch" (numerics.fma32, an exact fp32 fma emulated in float64, as
+torch tensor ops; the only one when no C compiler is found, and the one non-CPU tensors
+get).
 """
 from __future__ import annotations
 
@@ -31,17 +31,20 @@ from pathlib import Path
 
 import torch
 
-_ISA = {"generic": 0, "avx512": 2}
+from lmtail.checks import check_threads, is_int, need, need_tensor, pick_backend
+from lmtail.kernels._cc import load_optional
+from lmtail.numerics import fma32
+
+_ISA = {"c": 0, "avx512": 2}
+_BUTTERFLY = (16, 8, 4, 2, 1)
 _MIN_WORK_PER_THREAD = 1 << 16  # elements: below this a second thread costs more than it saves
 
 
 @functools.lru_cache(maxsize=None)
 def _c_library():
     """The compiled C kernel (built and cached on first use), or None with a warning."""
-    from lmtail.kernels._cc import load_optional
-
     lib = load_optional(Path(__file__).with_name("fmachain.c"), what="fma chains",
-                        fallback="the torch emulation (numerics.fma32)")
+                        fallback="the torch backend (numerics.fma32)")
     if lib is None:
         return None
     fn = lib.lmtail_fma_sum
@@ -57,57 +60,134 @@ def _c_library():
 
 @functools.lru_cache(maxsize=None)
 def available_backends() -> tuple[str, ...]:
-    """The C backends this machine runs, fastest first (all give the same bytes); () when
-    the kernel could not be built."""
+    """The backends this machine runs, fastest first (all give the same bytes)."""
     lib = _c_library()
     if lib is None:
-        return ()
-    return ("avx512", "generic") if lib.lmtail_fmachain_best_isa() == 2 else ("generic",)
+        return ("torch",)
+    return ("avx512", "c", "torch") if lib.lmtail_fmachain_best_isa() == 2 else ("c", "torch")
 
 
-def _threads_backend(threads, backend, work: int) -> tuple[int, str]:
-    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool)
-                                or threads < 1):
-        raise ValueError(f"threads must be a positive int or None; got {threads!r}")
-    have = available_backends()
-    backend = backend or (have[0] if have else None)
-    if backend not in have:
-        raise ValueError(f"backend must be one of {have}; got {backend!r}")
+def _threads_backend(threads, backend, work: int, tensors) -> tuple[int, str]:
+    check_threads(threads)
+    on_cpu = all(t.device.type == "cpu" for t in tensors)
+    backend = pick_backend(backend, available_backends() if on_cpu else ("torch",))
     if threads is None:
         threads = max(1, min(torch.get_num_threads(), work // _MIN_WORK_PER_THREAD))
     return threads, backend
 
 
-def fma_sum_rows(a: torch.Tensor, b: torch.Tensor, *, lanes: int, vec: int, reverse: bool,
-                 threads: int | None = None, backend: str | None = None) -> torch.Tensor:
-    """sum_i a[..., i] * b[..., i] in the order (lanes, vec, reverse butterfly): the bits of
-    orders._fma_sum_torch. a [..., N] fp32 CPU, b fp32 broadcastable to a -> [...] fp32.
+# ---------------------------------------------------------------------------------------
+# the "torch" backend: the same chains as torch tensor ops
+# ---------------------------------------------------------------------------------------
+def lane_fold(lanes: torch.Tensor, *, reverse: bool) -> torch.Tensor:
+    """Steps 2-3 of an order: the xor butterfly within each 32-lane group (offsets 16, 8,
+    4, 2, 1; reverse: 1, 2, ..., 16), then the T/32 group totals added in group order.
+    lanes [..., T] fp32, T a multiple of 32 -> [...] fp32."""
+    t = lanes.shape[-1]
+    assert t % 32 == 0, "lanes come in groups of 32"
+    g = lanes.reshape(*lanes.shape[:-1], t // 32, 32)  # [..., T/32, 32]
+    # After xor step `off` every lane i holds g_i + g_(i^off) (fp32 + commutes bitwise), so
+    # lane 0's butterfly is a fold: offsets 16..1 add the two halves, 1..16 adjacent pairs.
+    for _ in _BUTTERFLY:
+        if reverse:
+            g = g[..., 0::2] + g[..., 1::2]
+        else:
+            half = g.shape[-1] // 2
+            g = g[..., :half] + g[..., half:]
+    total = g[..., 0, 0]
+    for k in range(1, t // 32):
+        total = total + g[..., k, 0]
+    return total
 
+
+def products_exact(a: torch.Tensor, b: torch.Tensor, prod: torch.Tensor) -> bool:
+    """True when fma(a_i, b_i, acc) == prod_i + acc for every element (prod = fp32 a*b).
+
+    Cheap sufficient test: a and b are bf16 values (8-bit significands: low 16 bits zero),
+    every product is finite and either a normal fp32 (then its 16 significant bits are
+    exact) or an exact zero with a zero factor. Otherwise: compare against float64.
+    """
+    if not prod.numel():
+        return True
+    square = a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
+    m = prod if square else prod.abs()  # a square is >= 0 or NaN
+    lo, hi = torch.aminmax(m)
+    bits = a.view(torch.int32) if square else a.view(torch.int32) | b.view(torch.int32)
+    if bool(hi <= 3.4028234663852886e38) and int((bits & 0xFFFF).amax()) == 0:
+        if bool(lo >= 2.0**-126):
+            return True
+        factor_zeros = m.numel() - int(torch.count_nonzero(a if square else torch.minimum(a.abs(), b.abs())))
+        if int(torch.count_nonzero(m < 2.0**-126)) == factor_zeros:  # the small ones are exact zeros
+            return True
+    return bool(((prod.double() == a.double() * b.double()) | torch.isnan(prod)).all())
+
+
+def _passes(z: torch.Tensor, t: int, v: int):
+    """[..., N] -> the P passes [..., T, vec] of the order (views; only the last is padded)."""
+    n, tv = z.shape[-1], t * v
+    for i in range(0, n, tv):
+        c = z[..., i : i + tv]
+        if c.shape[-1] < tv:
+            c = torch.nn.functional.pad(c, (0, tv - c.shape[-1]))
+        yield c.reshape(*c.shape[:-1], t, v)
+
+
+def _fma_sum_torch(a, b, lanes: int, vec: int, reverse: bool) -> torch.Tensor:
+    """fma32 (exact fp32 fma emulated in float64) per step, vectorized over rows and lanes.
+    When every product is exact in fp32 (squares of bf16 values) the fma is one fp32 add of
+    the product: same bits."""
+    prod = a * b  # [..., N] fp32 products
+    acc = torch.zeros(a.shape[:-1] + (lanes,), dtype=torch.float32, device=a.device)  # [..., T]
+    if products_exact(a, b, prod):  # zero padding: 0*0 = +0 adds like fma(0, 0, acc)
+        for pp in _passes(prod, lanes, vec):
+            for j in range(vec):
+                acc = acc + pp[..., j]
+    else:
+        for pa, pb in zip(_passes(a, lanes, vec), _passes(b, lanes, vec)):
+            for j in range(vec):
+                acc = fma32(pa[..., j], pb[..., j], acc)
+    return lane_fold(acc, reverse=reverse)
+
+
+def _moe_routed_torch(slots, weights, nslots: int) -> torch.Tensor:
+    acc = torch.zeros(slots.shape[1:], dtype=torch.float32, device=slots.device)  # [T, H], +0.0
+    for i in range(nslots):  # routed chain, slot order from 0
+        acc = fma32(weights[:, i : i + 1], slots[i].to(torch.float32), acc)
+    return acc
+
+
+# ---------------------------------------------------------------------------------------
+# the ops
+# ---------------------------------------------------------------------------------------
+def fma_sum_rows(a: torch.Tensor, b: torch.Tensor, *, lanes: int, vec: int, reverse: bool,
+                 backend: str | None = None, threads: int | None = None) -> torch.Tensor:
+    """sum_i a[..., i] * b[..., i] in the order (lanes, vec, reverse butterfly) (module
+    docstring). a [..., N] fp32, b fp32 broadcastable to a -> [...] fp32.
+
+    backend: one of available_backends() (default the fastest; non-CPU tensors: "torch");
     threads: worker threads (default: torch.get_num_threads(), fewer for small inputs); a
-    row is owned by one thread, so the count cannot change a bit. backend: one of
-    available_backends() (default the fastest). The GIL is released while the kernel runs.
-    Raises ValueError (nothing computed) on non-fp32 / non-CPU / 0-d inputs, lanes not a
-    positive multiple of 32, vec < 1, threads < 1 or an unknown backend.
+    row is owned by one thread, so neither can change a bit. The GIL is released while the
+    C kernel runs. Raises ValueError (nothing computed) on non-fp32 or 0-d inputs, lanes
+    not a positive multiple of 32, vec < 1, threads < 1 or an unknown backend (a C backend
+    for non-CPU tensors); TypeError for a non-tensor.
     """
     for name, t in (("a", a), ("b", b)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.device.type != "cpu":
-            got = (t.dtype, str(t.device)) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be an fp32 CPU tensor [..., N]; got {got}")
-    if a.dim() < 1:
-        raise ValueError(f"a must be [..., N] with at least 1 dim; got {tuple(a.shape)}")
-    if not (isinstance(lanes, int) and lanes >= 32 and lanes % 32 == 0):
-        raise ValueError(f"lanes must be a positive multiple of 32; got {lanes!r}")
-    if not (isinstance(vec, int) and vec >= 1):
-        raise ValueError(f"vec must be an int >= 1; got {vec!r}")
+        need_tensor(name, t, "[..., N] fp32")
+        need(t.dtype == torch.float32, f"{name} must be an fp32 tensor [..., N]; got {t.dtype}")
+    need(a.dim() >= 1, f"a must be [..., N] with at least 1 dim; got {tuple(a.shape)}")
+    need(is_int(lanes) and lanes >= 32 and lanes % 32 == 0, f"lanes must be a positive multiple of 32; got {lanes!r}")
+    need(is_int(vec) and vec >= 1, f"vec must be an int >= 1; got {vec!r}")
     b = torch.broadcast_to(b, a.shape)  # raises on a bad shape
     n, rows = a.shape[-1], math.prod(a.shape[:-1])
+    threads, backend = _threads_backend(threads, backend, rows * max(n, 1), (a, b))
+    if backend == "torch":
+        return _fma_sum_torch(a, b, lanes, vec, reverse)
     a2 = a.detach().reshape(rows, n)  # [R, N]
     if a2.shape[0] and n and a2.stride(-1) != 1:
         a2 = a2.contiguous()
     b2 = b.detach().reshape(rows, n)  # [R, N]; a row broadcast keeps stride 0
     if b2.shape[0] and n and b2.stride(-1) != 1:
         b2 = b2.contiguous()
-    threads, backend = _threads_backend(threads, backend, rows * max(n, 1))
     out = torch.empty(rows, dtype=torch.float32)  # [R]
     if rows == 0:
         return out.reshape(a.shape[:-1])
@@ -121,26 +201,27 @@ def fma_sum_rows(a: torch.Tensor, b: torch.Tensor, *, lanes: int, vec: int, reve
 
 
 def moe_routed(slots: torch.Tensor, weights: torch.Tensor, *, nslots: int,
-               threads: int | None = None, backend: str | None = None) -> torch.Tensor:
+               backend: str | None = None, threads: int | None = None) -> torch.Tensor:
     """routed[t, h] = fma(w[t, R-1], slots[R-1, t, h], ... fma(w[t, 0], slots[0, t, h], +0.0)),
-    R = nslots, every step one fp32 fma rounding: the bits of norms' torch routed loop.
+    R = nslots, every step one fp32 fma rounding (module docstring).
 
     slots [S, T, H] fp32 or bf16 (bf16 widened exactly), weights [T, W] fp32 with W >= R,
     0 <= R <= S -> [T, H] fp32. threads/backend as fma_sum_rows (a token row per thread).
-    Raises ValueError (nothing computed) on other dtypes, devices, shapes or R.
+    Raises ValueError (nothing computed) on other dtypes, shapes or R; TypeError for a
+    non-tensor.
     """
-    if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.float32, torch.bfloat16) \
-            or slots.dim() != 3 or slots.device.type != "cpu":
-        got = (tuple(slots.shape), slots.dtype) if isinstance(slots, torch.Tensor) else type(slots).__name__
-        raise ValueError(f"slots must be an fp32 or bf16 CPU tensor [S, T, H]; got {got}")
+    need_tensor("slots", slots, "[S, T, H] fp32 or bf16")
+    need(slots.dtype in (torch.float32, torch.bfloat16) and slots.dim() == 3,
+         f"slots must be an fp32 or bf16 tensor [S, T, H]; got {(tuple(slots.shape), slots.dtype)}")
     s, t, h = slots.shape
-    if not isinstance(weights, torch.Tensor) or weights.dtype != torch.float32 \
-            or weights.dim() != 2 or weights.shape[0] != t or weights.device.type != "cpu":
-        got = (tuple(weights.shape), weights.dtype) if isinstance(weights, torch.Tensor) else type(weights).__name__
-        raise ValueError(f"weights must be an fp32 CPU tensor [T={t}, >= nslots]; got {got}")
-    if not (isinstance(nslots, int) and 0 <= nslots <= min(s, weights.shape[1])):
-        raise ValueError(f"nslots must be an int in [0, min(S={s}, W={weights.shape[1]})]; got {nslots!r}")
-    threads, backend = _threads_backend(threads, backend, t * h * max(nslots, 1))
+    need_tensor("weights", weights, f"[T={t}, >= nslots] fp32")
+    need(weights.dtype == torch.float32 and weights.dim() == 2 and weights.shape[0] == t,
+         f"weights must be an fp32 tensor [T={t}, >= nslots]; got {(tuple(weights.shape), weights.dtype)}")
+    need(is_int(nslots) and 0 <= nslots <= min(s, weights.shape[1]),
+         f"nslots must be an int in [0, min(S={s}, W={weights.shape[1]})]; got {nslots!r}")
+    threads, backend = _threads_backend(threads, backend, t * h * max(nslots, 1), (slots, weights))
+    if backend == "torch":
+        return _moe_routed_torch(slots, weights, nslots)
     out = torch.empty(t, h, dtype=torch.float32)  # [T, H]
     if t == 0 or h == 0:
         return out

@@ -1,38 +1,41 @@
-"""The lm_head GEMM with a declared summation order: an fp32 fma chain over h.
+"""The bf16 GEMM with a declared summation order: "chain" or "amx32".
 
 Shape legend:
   M  rows of activations (gbs, or a row block of it)
-  H  hidden size: the summed axis (sum depth)
-  V  columns of the weight shard (V_s)
-  a    [M, H] bf16   GEMM input activations
-  w    [H, V] bf16   lm_head shard, already transposed, C-contiguous
+  H  hidden size: the summed axis;  NB = ceil(H/32) blocks of 32 K-lanes, Kp = 32 NB
+  V  columns of the weight (V_s for the lm_head shard);  Vp = V rounded up to 32
+  a    [M, H] bf16   GEMM input activations (any strides)
+  w    [H, V] bf16   weight, already transposed, C-contiguous; or a PackedWeight
   out  [M, V] fp32
 
-Numerics (the contract, docs/gemm.md): every output element on its own is
-    acc = +0.0;  for h = 0, 1, ..., H-1:  acc = fl32(acc + a[m,h] * w[h,v]);  out = acc
-with ONE rounding per step (an fp32 fused multiply-add: the product a*w is taken exactly,
-then added and rounded to nearest-even). A NaN result is stored as the canonical quiet NaN
-(bits 0x7FC00000); NaN/inf otherwise follow IEEE (inf*0 = NaN, inf-inf = NaN). Subnormals
-are honoured (no flush-to-zero, whatever the caller's MXCSR). One sum: fp32, depth H,
-sequential in h. Hence, byte for byte: a row's result does not depend on M or on the other
-rows, nor on the thread count, nor on repeats, and a column slice of w gives the same bytes
-as slicing the full result. A row block goes into a preallocated result by
-`gemm_bf16_chain(a[r0:r1], w, out=full[r0:r1])`.
+`gemm_bf16(a, w, order=...)` is the op; each order is a declaration (`gemm_decl(H, order)`,
+docs/gemm.md) that every backend reproduces bit for bit. Per output element:
 
-Backends, all bit-equal (the tests prove it against `gemm_bf16_chain_reference`):
-  "avx512"  C kernel (src/lmtail/kernels/gemm_chain.c): 6x64 register tiles over an fp32
-            panel widened once per (h block, column tile); for M <= 6, accumulators in
-            L1 and w rows streamed; pthreads over column tiles;
-  "generic" the same C library's plain-C loop with fmaf (any CPU with a C compiler);
-  "numba"   used only when the C library cannot be built: float64 emulation of the fma
-            (product exact in float64; the double rounding float64 -> fp32 is innocuous
-            here, docs/gemm.md), parallel over column tiles.
+  "chain": acc = +0.0; for h = 0..H-1: acc = fl32(acc + a[m,h] * w[h,v]) (an fma: exact
+      product, one rounding); IEEE subnormals kept. One sum, fp32, depth H.
+  "amx32": acc = +0.0; for each 32-lane block b in order (lanes past H are +0 * +0):
+      e = fma chain from +0 over the even lanes, o = over the odd lanes (16 steps each),
+      then acc = fl32(acc + fl32(e + o)). Inputs read with DAZ (a subnormal bf16 is the
+      zero of its sign); every fma and add flushed with FTZ (a result tiny after rounding
+      becomes the zero of its sign). One sum, fp32, depth 16 + 1 + NB. This is the order
+      of AMX TDPBF16PS, and an FMA emulation of it runs on any CPU.
+Both store a NaN result as the canonical quiet NaN 0x7FC00000; inf follows IEEE.
+Byte for byte, a row's result does not depend on M or the other rows, the thread count,
+the backend, repeats, the weight layout (plain or packed), or column slicing.
+
+Backends (`available_backends(order)`, fastest first, all bit-equal):
+  chain : "avx512", "c" (kernels/gemm_chain.c), "numba" (no C compiler)
+  amx32 : "amx" (tile instructions; CPUs with AMX-BF16), "avx512", "avx2" (vector fmas
+          under MXCSR FTZ|DAZ), "c" (plain C, the fma emulated exactly, FTZ/DAZ in
+          software) (kernels/gemm_amx32.c); no fallback without a C compiler.
+`pack_weight(w)` makes the one-time load layout (VNNI pairs) that AMX reads directly.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numba
@@ -41,28 +44,79 @@ import torch
 
 from lmtail.numerics import Decl, SumDecl, fma32
 
-_ISA = {"generic": 0, "avx512": 2}
+ORDERS = ("chain", "amx32")
+_ISA = {"c": 0, "avx512": 2}  # the chain library's ISA codes
+_AMX32_ISA = {"amx": 3, "avx512": 2, "avx2": 1, "c": 0}
 _NUMBA_TILE = 64
 
 
-def gemm_decl(H: int) -> Decl:
-    """The declaration of `gemm_bf16_chain` for hidden size H."""
-    return Decl(
-        op="gemm_bf16_chain",
-        rounding_points=("acc = fl32(acc + a*w) each h step (fma: exact product, 1 rounding)",
-                         "NaN result -> canonical quiet NaN 0x7FC00000"),
-        sums=(SumDecl(name="acc", dtype="fp32", depth=H,
-                      order="sequential chain h = 0..H-1 from +0.0, per output element"),),
-    )
+def gemm_decl(H: int, order: str = "chain") -> Decl:
+    """The declaration of `gemm_bf16(order=order)` for hidden size H."""
+    if order == "chain":
+        return Decl(
+            op="gemm_bf16_chain",
+            rounding_points=("acc = fl32(acc + a*w) each h step (fma: exact product, 1 rounding)",
+                             "NaN result -> canonical quiet NaN 0x7FC00000"),
+            sums=(SumDecl(name="gemm", dtype="fp32", depth=H,
+                          order="sequential chain h = 0..H-1 from +0.0, per output element"),),
+        )
+    if order == "amx32":
+        nb = -(-H // 32)
+        return Decl(
+            op="gemm_bf16_amx32",
+            rounding_points=(
+                "inputs: a subnormal bf16 is read as the zero of its sign (DAZ)",
+                "e, o = fl32(e + a*w) per even / odd lane of a 32-lane block (fma), FTZ",
+                "s = fl32(e + o), FTZ", "acc = fl32(acc + s) per block in order, FTZ",
+                "FTZ: a result tiny after rounding becomes the zero of its sign",
+                "NaN result -> canonical quiet NaN 0x7FC00000"),
+            sums=(SumDecl(name="gemm", dtype="fp32", depth=16 + 1 + nb,
+                          order="per 32-lane block: even and odd fma chains from +0 (16 "
+                                "each, lanes past H are +0*+0), acc = acc + (e + o), blocks "
+                                "b = 0..ceil(H/32)-1 in order from acc = +0",
+                          flush=True, roundings=34 * nb),),
+        )
+    raise ValueError(f"order must be one of {ORDERS}; got {order!r}")
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight [H, V] bf16 in the amx32 kernels' load-time layout.
+
+    data [Kp/2, 2*Vp] bf16: data[k//2, 2*v + k%2] = w[k, v] (VNNI pairs, the layout AMX
+    tiles read), zero past H and V, a subnormal stored as the zero of its sign (what DAZ
+    reads anyway). Costs one pass over w and (Kp/H)*(Vp/V) times its bytes; the plain
+    [H, V] tensor works everywhere too (AMX then re-lays each 32-column tile per call).
+    """
+
+    data: torch.Tensor
+    H: int
+    V: int
+
+    def __post_init__(self):
+        want = (16 * -(-self.H // 32), 2 * 32 * -(-self.V // 32))
+        if not (isinstance(self.data, torch.Tensor) and self.data.dtype == torch.bfloat16
+                and self.data.device.type == "cpu" and self.data.is_contiguous()
+                and tuple(self.data.shape) == want):
+            got = (f"{self.data.dtype} {tuple(self.data.shape)}"
+                   if isinstance(self.data, torch.Tensor) else type(self.data).__name__)
+            raise ValueError(f"PackedWeight.data must be a contiguous CPU bf16 [Kp/2, 2*Vp] = "
+                             f"{want} for H={self.H}, V={self.V}; got {got}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.H, self.V)
 
 
 # ---------------------------------------------------------------------------------------
 # validation
 # ---------------------------------------------------------------------------------------
-def _validate(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> None:
+def _validate(a: torch.Tensor, w, out: torch.Tensor | None) -> None:
     for name, t, want in (("a", a, "[M, H]"), ("w", w, "[H, V]")):
+        if name == "w" and isinstance(t, PackedWeight):
+            continue
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor {want}; got {type(t).__name__}")
+            raise TypeError(f"{name} must be a torch.Tensor {want}; got {type(t).__name__}")
         if t.dim() != 2:
             raise ValueError(f"{name} must be 2-D {want}; got shape {tuple(t.shape)}")
         if t.dtype != torch.bfloat16:
@@ -72,7 +126,7 @@ def _validate(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> Non
     if a.shape[1] != w.shape[0]:
         raise ValueError(f"H mismatch: a is [M, H] = {tuple(a.shape)} but w is [H, V] = "
                          f"{tuple(w.shape)}; expected a.shape[1] == w.shape[0]")
-    if not w.is_contiguous():
+    if isinstance(w, torch.Tensor) and not w.is_contiguous():
         raise ValueError(f"w must be C-contiguous [H, V]; got strides {w.stride()} for shape "
                          f"{tuple(w.shape)} (expected ({w.shape[1]}, 1))")
     if out is None:
@@ -90,12 +144,26 @@ def _validate(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> Non
                          f"got strides {out.stride()}")
 
 
+def _validate_options(order: str, w, backend: str | None, threads: int | None) -> None:
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}; got {order!r}")
+    if isinstance(w, PackedWeight) and order != "amx32":
+        raise ValueError(f"a PackedWeight needs order='amx32'; got order={order!r} "
+                         "(pass the plain [H, V] tensor for the chain)")
+    if backend is not None and backend not in available_backends(order):
+        raise ValueError(f"backend must be one of {available_backends(order)} for order="
+                         f"{order!r} on this machine; got {backend!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                or threads < 1):
+        raise ValueError(f"threads must be an int >= 1 or None; got {threads!r}")
+
+
 # ---------------------------------------------------------------------------------------
 # backends
 # ---------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _c_library():
-    """The compiled C kernel (built and cached on first use), or None with a warning."""
+    """The compiled chain kernel (built and cached on first use), or None with a warning."""
     from lmtail.kernels._cc import load_optional
 
     lib = load_optional(Path(__file__).with_name("gemm_chain.c"), what="gemm", fallback="the numba fallback")
@@ -108,13 +176,46 @@ def _c_library():
     return lib
 
 
-def available_backends() -> tuple[str, ...]:
-    """The backends this machine runs, fastest first (all give the same bytes)."""
+@functools.lru_cache(maxsize=None)
+def _amx32_library():
+    """The compiled amx32 kernels, or None with a warning (no compiler, failed build)."""
+    from lmtail.kernels._cc import load_optional
+
+    lib = load_optional(Path(__file__).with_name("gemm_amx32.c"), what="gemm amx32",
+                        fallback="no amx32 backend")
+    if lib is None:
+        return None
+    lib.lmtail_amx32_has.argtypes = [ctypes.c_int]
+    lib.lmtail_amx32_has.restype = ctypes.c_int
+    lib.lmtail_amx32_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                      ctypes.c_int64, ctypes.c_void_p]
+    lib.lmtail_amx32_pack.restype = None
+    fn = lib.lmtail_amx32_gemm
+    fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                    ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2)
+    fn.restype = ctypes.c_int
+    return lib
+
+
+@functools.lru_cache(maxsize=None)
+def _amx32_backends() -> tuple[str, ...]:
+    lib = _amx32_library()
+    if lib is None:
+        return ()
+    return tuple(b for b in ("amx", "avx512", "avx2", "c") if lib.lmtail_amx32_has(_AMX32_ISA[b]))
+
+
+def available_backends(order: str = "chain") -> tuple[str, ...]:
+    """The backends this machine runs for `order`, fastest first (all give the same bytes).
+    amx32 without a C compiler: () (gemm_bf16 then raises RuntimeError)."""
+    if order == "amx32":
+        return _amx32_backends()
+    if order != "chain":
+        raise ValueError(f"order must be one of {ORDERS}; got {order!r}")
     lib = _c_library()
     if lib is None:
         return ("numba",)
-    return ("avx512", "generic", "numba") if lib.lmtail_gemm_best_isa() == 2 else (
-        "generic", "numba")
+    return ("avx512", "c", "numba") if lib.lmtail_gemm_best_isa() == 2 else ("c", "numba")
 
 
 @numba.njit(parallel=True, cache=True)
@@ -140,9 +241,11 @@ def _chain_numba(aT, w16, out):  # aT [H, M] f32, w16 [H, V] u16, out [M, V] f32
                 out[m, c0 + c] = np.float32(np.nan) if np.isnan(acc[c]) else acc[c]
 
 
-def _run(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, backend: str) -> None:
+def _run(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, backend: str,
+         threads: int | None = None) -> None:
     """out[:, :] = the chain, computed by `backend` (inputs already validated)."""
     M, H = a.shape
+    nthreads = torch.get_num_threads() if threads is None else threads
     aT = a.detach().float().t().contiguous()  # [H, M] fp32, exact widening
     if backend == "numba":
         _chain_numba(aT.numpy(), w.detach().view(torch.int16).numpy().view(np.uint16),
@@ -152,28 +255,68 @@ def _run(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, backend: str) -> N
     assert lib is not None and backend in _ISA, backend
     ldc = out.stride(0) if M > 1 else w.shape[1]
     used = lib.lmtail_gemm_bf16_chain(aT.data_ptr(), w.data_ptr(), out.data_ptr(), M, H,
-                                      w.shape[1], ldc, torch.get_num_threads(), _ISA[backend])
+                                      w.shape[1], ldc, nthreads, _ISA[backend])
     assert used == _ISA[backend], (used, backend)
+
+
+def _run_amx32(a: torch.Tensor, w, out: torch.Tensor, backend: str,
+               threads: int | None = None) -> None:
+    """out[:, :] = the amx32 order, computed by `backend` (inputs already validated)."""
+    lib = _amx32_library()
+    assert lib is not None and backend in _AMX32_ISA, backend
+    M, H = a.shape
+    nthreads = torch.get_num_threads() if threads is None else threads
+    if a.stride(1) != 1:
+        a = a.contiguous()
+    lda = a.stride(0) if M > 1 else H
+    packed = isinstance(w, PackedWeight)
+    wt = w.data if packed else w
+    ldw = 0 if packed else w.shape[1]
+    ldc = out.stride(0) if M > 1 else w.shape[1]
+    rc = lib.lmtail_amx32_gemm(a.data_ptr(), lda, wt.data_ptr(), ldw, int(packed),
+                               out.data_ptr(), M, H, w.shape[1], ldc, nthreads,
+                               _AMX32_ISA[backend])
+    if rc != 0:
+        raise RuntimeError(f"gemm_bf16 amx32 backend {backend!r} failed (code {rc}: "
+                           f"{'ISA unavailable' if rc == -1 else 'out of memory'})")
 
 
 # ---------------------------------------------------------------------------------------
 # public API
 # ---------------------------------------------------------------------------------------
-def gemm_bf16_chain(a: torch.Tensor, w: torch.Tensor, *,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """out = a @ w as the declared fp32 fma chain (module docstring, docs/gemm.md).
+def pack_weight(w: torch.Tensor) -> PackedWeight:
+    """The one-time load layout of w [H, V] bf16 for order="amx32" (see PackedWeight).
+    Raises ValueError on a non-bf16, non-2-D, non-CPU or non-contiguous w."""
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"w must be a torch.Tensor [H, V]; got {type(w).__name__}")
+    _validate(torch.empty(0, w.shape[0] if w.dim() >= 1 else 0, dtype=torch.bfloat16), w, None)
+    H, V = w.shape
+    kp, vp = 32 * -(-H // 32), 32 * -(-V // 32)
+    data = torch.empty(kp // 2, 2 * vp, dtype=torch.bfloat16)  # [Kp/2, 2 Vp]
+    lib = _amx32_library()
+    if lib is None:
+        raise RuntimeError("pack_weight needs the amx32 C kernel (no C compiler?)")
+    lib.lmtail_amx32_pack(w.data_ptr(), V, H, V, data.data_ptr())
+    return PackedWeight(data=data, H=H, V=V)
 
-    a [M, H] bf16 (any strides), w [H, V] bf16 C-contiguous -> [M, V] fp32.
-    out: optional [M, V] fp32 destination with unit column stride and row stride >= V
-    (e.g. a row block `full[r0:r1]` of a bigger result); returned when given.
-    Rounding: one per h step (fma), fp32 round-to-nearest-even, subnormals kept; one sum,
-    fp32, depth H, sequential h = 0..H-1 from +0.0. NaN results are 0x7FC00000.
-    Deterministic and batch-, thread- and column-slice-invariant to the byte. Runs on
-    torch.get_num_threads() threads; the GIL is released while it runs.
-    Raises ValueError (nothing written) on wrong dtypes, ranks, H mismatch, a
-    non-contiguous w or a bad out.
+
+def gemm_bf16(a: torch.Tensor, w, *, order: str = "chain", out: torch.Tensor | None = None,
+              backend: str | None = None, threads: int | None = None) -> torch.Tensor:
+    """out = a @ w in the declared summation `order` ("chain" or "amx32"; module docstring,
+    docs/gemm.md, `gemm_decl(H, order)`).
+
+    a [M, H] bf16 (any strides); w [H, V] bf16 C-contiguous, or `pack_weight(w)` (amx32
+    only) -> [M, V] fp32. out: optional [M, V] fp32 destination with unit column stride and
+    row stride >= V (e.g. a row block `full[r0:r1]`); returned when given.
+    backend: one of available_backends(order) (None = the first); threads: worker threads
+    (None = torch.get_num_threads()). The bytes depend on neither, nor on M, the layout of
+    w or repeats. The GIL is released while the kernel runs.
+    Raises TypeError for a non-tensor a or w; ValueError (nothing written) on wrong dtypes,
+    ranks, an H mismatch, a non-contiguous w, a bad out, order, backend or threads;
+    RuntimeError for amx32 on a machine without a C compiler.
     """
     _validate(a, w, out)
+    _validate_options(order, w, backend, threads)
     M, H = a.shape
     V = w.shape[1]
     if out is None:
@@ -182,8 +325,19 @@ def gemm_bf16_chain(a: torch.Tensor, w: torch.Tensor, *,
         return out
     if H == 0:
         return out.zero_()
-    _run(a, w, out, available_backends()[0])
+    avail = available_backends(order)
+    if not avail:
+        raise RuntimeError("gemm_bf16 order='amx32' needs its C kernel, which could not be "
+                           "built on this machine (see the RuntimeWarning)")
+    run = _run_amx32 if order == "amx32" else _run
+    run(a, w, out, backend or avail[0], threads)
     return out
+
+
+def gemm_bf16_chain(a: torch.Tensor, w: torch.Tensor, *,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """`gemm_bf16(a, w, order="chain", out=out)`: the sequential fp32 fma chain over h."""
+    return gemm_bf16(a, w, order="chain", out=out)
 
 
 def gemm_bf16_chain_reference(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 /* lmtail: the sampler's full-vocab pass `row_mass` as a CPU kernel, bit-equal to the
- * declared torch reference `lmtail.sampler.row_mass` (which calls numerics.exp64 and
- * sampler.sum64).
+ * "torch" backend of `lmtail.kernels.rowmass.row_mass` (numerics.exp64 and
+ * kernels.rowmass.sum64 as torch ops).
  *
  * Shape legend: R rows, V vocab (the full row), L = 256 sum lanes.
  *   row    [R, ld]  float64   row i in row[i*ld + v] for v < V (ld >= V)

@@ -1,6 +1,7 @@
-"""SmolLM2-135M-Instruct (GGUF, llama) end to end on lmtail's ops: loader, tokenizer, a row-invariant
-forward whose residual add + RMSNorm steps are lmtail.norms.add_rms, generation on decode_tail
-(1 or N vocab-parallel ranks), certification against float64 (certify_tail), the demo.
+"""SmolLM2-135M-Instruct (GGUF, llama) end to end on lmtail's ops: loader, tokenizer, a forward
+whose every step has a declared order (bf16 GEMMs, attention, rope, silu; residual add + RMSNorm
+by lmtail.norms.add_rms) next to the fp32 reference body, generation on decode_tail (1 or N
+vocab-parallel ranks).
 
 See docs/model.md. Typical use:
 
@@ -10,13 +11,13 @@ See docs/model.md. Typical use:
     gen = generate(bundle, ["What is the capital of France?"], max_new_tokens=16)   # ranks=4 too
 """
 from .generate import Generation, TailTrace, generate
-from .gguf_loader import LayerWeights, LlamaConfig, ModelBundle, ModelFileMissing, load_model, locate_gguf
+from .gguf_loader import LayerWeights, Linears16, LlamaConfig, ModelBundle, ModelFileMissing, load_model, locate_gguf
 from .llama import (FP32_OPS, KVCache, Ops, add_rms_fp32, bf16_ops, forward, lmtail_ops, logits_fp32, new_cache,
-                    teacher_forced_nll)
+                    prefill, teacher_forced_nll)
 from .tokenizer import ChatTokenizer, build_tokenizer
 
 __all__ = [
-    "FP32_OPS", "ChatTokenizer", "Generation", "KVCache", "LayerWeights", "LlamaConfig",
+    "FP32_OPS", "ChatTokenizer", "Generation", "KVCache", "LayerWeights", "Linears16", "LlamaConfig",
     "ModelBundle", "ModelFileMissing", "Ops", "add_rms_fp32", "bf16_ops", "build_tokenizer", "forward",
-    "generate", "lmtail_ops", "load_model", "locate_gguf", "logits_fp32", "new_cache", "TailTrace", "teacher_forced_nll",
+    "generate", "lmtail_ops", "load_model", "locate_gguf", "logits_fp32", "new_cache", "prefill", "TailTrace", "teacher_forced_nll",
 ]

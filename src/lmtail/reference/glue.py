@@ -9,7 +9,8 @@ Two kinds of reference live here:
    with the torch path, so they pin its bytes on small shapes (the byte gates).
 
 2. float64 range checks (`*_range`, `router_check`, `compare`): the exact value E of each
-   declared sum and its range E +- (gamma(depth, u_fp32) * sum|terms| + slack), where slack
+   declared sum and its range E +- (gamma(depth, u) * sum|terms| + slack), with depth and u
+   taken from the sum's declaration (numerics.SumDecl, passed in by the caller), where slack
    = 2 gamma(n+4, u_fp64) sum|terms| (the float64 evaluation error of E, 2**29 times below the
    fp32 bound) + depth * 2**-150 (fp32 underflow, half the smallest subnormal a rounding).
    The ends are pushed through the rest of the op with the op's own round-to-nearest at each
@@ -30,8 +31,10 @@ from fractions import Fraction
 
 import ml_dtypes
 import numpy as np
+import torch
 
-from ..numerics import U, gamma
+from ..numerics import U, Decl, SumDecl, exp64, gamma
+from .contract import range_margin
 
 BF16 = ml_dtypes.bfloat16
 F32 = np.float32
@@ -217,10 +220,6 @@ def emu_rms_parts(x, g, *, part: int, rounding: str, eps, order) -> np.ndarray:
 def emu_router_topk(slices, k: int, *, bias=None, scale=2.5) -> tuple[np.ndarray, np.ndarray]:
     """slices [K, T, E] fp32 -> (ids [T, k] int64, weights [T, k] fp32), one row at a time.
     The sigmoid's exp is numerics.exp64 (the declared primitive), taken element by element."""
-    import torch  # exp64 is the declared primitive; called on one scalar at a time
-
-    from ..numerics import exp64
-
     slices = np.asarray(slices, np.float32)
     n_k, t_n, e_n = slices.shape
     ids_out, w_out = [], []
@@ -251,11 +250,11 @@ def emu_router_topk(slices, k: int, *, bias=None, scale=2.5) -> tuple[np.ndarray
 # =======================================================================================
 # 2. float64 ranges
 # =======================================================================================
-def sum_range(terms, depth: int, axis: int = -1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Bounds of a declared fp32 sum of `terms` (exact float64 values) with `depth`.
+def sum_range(terms, decl: SumDecl, axis: int = -1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Bounds of a declared sum of `terms` (exact float64 values) into an fp32 result.
 
-    Returns (lo, hi, free), lo/hi already rounded to fp32: every fp32 sum of these terms with
-    at most `depth` roundings per term lies in [lo, hi]. NaN ends: the sum is NaN by
+    Returns (lo, hi, free), lo/hi already rounded to fp32: every sum of these terms with at
+    most decl.depth roundings of unit decl.u per term lies in [lo, hi]. NaN ends: the sum is NaN by
     definition (a NaN term, or +inf and -inf). +-inf terms alone: the sum is that inf.
     free: partial sums might overflow fp32 with mixed signs (anything accepted there).
     """
@@ -268,8 +267,8 @@ def sum_range(terms, depth: int, axis: int = -1) -> tuple[np.ndarray, np.ndarray
         fin = np.where(np.isfinite(terms), terms, 0.0)
         e_ = fin.sum(axis)
         a_ = np.abs(fin).sum(axis)
-        g = gamma(depth, U["fp32"])
-        slack = 2 * gamma(n + 4, U["fp64"]) * a_ + depth * 2.0**-150
+        g = decl.bound()
+        slack = 2 * gamma(n + 4, U["fp64"]) * a_ + decl.depth * 2.0**-150
         lo = e_ - g * a_ - slack
         hi = e_ + g * a_ + slack
         ovf = (1 + g) * a_ + slack >= _OVF32
@@ -324,11 +323,12 @@ def y_range(h_lo, h_hi, inv_lo, inv_hi, g, rounding: str) -> tuple[np.ndarray, n
         return rbf(r32(p_lo)), rbf(r32(p_hi))
 
 
-def norm_range(h_lo, h_hi, g, *, depth: int, eps: float, rounding: str = "once"):
-    """y bounds for rows [..., N] whose h lies in [h_lo, h_hi]; returns (lo, hi, free)."""
+def norm_range(h_lo, h_hi, g, *, ssq: SumDecl, eps: float, rounding: str = "once"):
+    """y bounds for rows [..., N] whose h lies in [h_lo, h_hi], the sum of squares as
+    declared by `ssq`; returns (lo, hi, free)."""
     sq_lo, sq_hi = squares_range(h_lo, h_hi)
-    s_lo, _, free_a = sum_range(sq_lo, depth)
-    _, s_hi, free_b = sum_range(sq_hi, depth)
+    s_lo, _, free_a = sum_range(sq_lo, ssq)
+    _, s_hi, free_b = sum_range(sq_hi, ssq)
     i_lo, i_hi = inv_range(s_lo, s_hi, h_lo.shape[-1], eps)
     y_lo, y_hi = y_range(h_lo, h_hi, i_lo[..., None], i_hi[..., None], g, rounding)
     free = np.broadcast_to((free_a | free_b)[..., None], y_lo.shape)
@@ -341,28 +341,28 @@ def add_h_ref(x, res) -> np.ndarray:
         return rbf(r32(np.asarray(x, np.float64) + np.asarray(res, np.float64)))
 
 
-def moe_h_range(x, slots, w, *, n_shared: int, depth: int):
-    """h bounds for moe_add_rms: the combine as a range over gamma(depth), each end rounded
+def moe_h_range(x, slots, w, *, n_shared: int, combine: SumDecl):
+    """h bounds for moe_add_rms: the combine as a range from its declaration, each end rounded
     to bf16 (c = bf16(...)), then h = bf16(fl32(x + c)). Returns (lo, hi, free) [T, H]."""
     x = np.asarray(x, np.float64)
     sl = np.asarray(slots, np.float64)  # [S, T, H]
     r = sl.shape[0] - n_shared
     with np.errstate(invalid="ignore", over="ignore"):
         terms = np.concatenate([np.asarray(w, np.float64).T[:r, :, None] * sl[:r], sl[r:]], 0)
-    c_lo, c_hi, free = sum_range(terms, depth, axis=0)  # [T, H]
+    c_lo, c_hi, free = sum_range(terms, combine, axis=0)  # [T, H]
     with np.errstate(invalid="ignore", over="ignore"):
         h_lo = rbf(r32(x + rbf(c_lo)))
         h_hi = rbf(r32(x + rbf(c_hi)))
     return h_lo, h_hi, free
 
 
-def router_ranges(slices, bias=None):
+def router_ranges(slices, bias=None, *, logit: SumDecl):
     """Bounds of logit, s and key [T, E] for router_topk: logit is the fp32 sum of the K
-    slices (depth K-1); e = fl32(exp64(-logit)) with exp64 within 2 ulp64 of exp (the
+    slices as `logit` declares it; e = fl32(exp64(-logit)) with exp64 within 2 ulp64 of exp (the
     reference takes np.exp widened by 2**-48 relative); s = fl32(1/fl32(1+e)); key =
     fl32(s + bias). Returns dict of (lo, hi) pairs."""
     sl = np.asarray(slices, np.float64)
-    l_lo, l_hi, _ = sum_range(sl, max(sl.shape[0] - 1, 0), axis=0)
+    l_lo, l_hi, _ = sum_range(sl, logit, axis=0)
     with np.errstate(over="ignore", invalid="ignore"):
         e_lo = r32(np.exp(-l_hi) * (1 - 2.0**-48))
         e_hi = r32(np.exp(-l_lo) * (1 + 2.0**-48))
@@ -376,20 +376,11 @@ def router_ranges(slices, bias=None):
 # =======================================================================================
 # comparing an output with its range
 # =======================================================================================
-def _ordinal(v, dtype: str) -> np.ndarray:
-    """Integer that increases with the value by one per representable step (+-0 equal)."""
-    with np.errstate(invalid="ignore"):
-        if dtype == "bf16":
-            bits = np.asarray(v, np.float32).astype(BF16).view(np.int16).astype(np.int64)
-            return np.where(bits < 0, -(bits & 0x7FFF), bits)
-        bits = np.asarray(v, np.float32).view(np.int32).astype(np.int64)
-        return np.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
-
-
-def compare(name: str, out, lo, hi, *, dtype: str = "bf16", free=None) -> tuple[bool, float, str]:
+def compare(name: str, out, lo, hi, *, free=None) -> tuple[bool, float, str]:
     """out must be NaN where the range is NaN (the defined result), inside [lo, hi]
-    elsewhere; free positions are not checked. Returns (ok, worst margin in output-dtype
-    steps from the nearer end, negative outside; inf if nothing was checked, detail)."""
+    elsewhere; free positions are not checked. Returns (ok, worst margin in range widths
+    (reference.contract.range_margin: 0 on an end, negative outside; inf if nothing was
+    checked), detail)."""
     out = np.asarray(out, np.float64)
     free = np.zeros(out.shape, bool) if free is None else np.broadcast_to(free, out.shape)
     nan_exp = (np.isnan(lo) | np.isnan(hi)) & ~free
@@ -399,10 +390,7 @@ def compare(name: str, out, lo, hi, *, dtype: str = "bf16", free=None) -> tuple[
         bad_num = num & (np.isnan(out) | (out < lo) | (out > hi))
     margin = math.inf
     if num.any():
-        o, l_, h_ = _ordinal(out[num], dtype), _ordinal(lo[num], dtype), _ordinal(hi[num], dtype)
-        m = np.minimum(o - l_, h_ - o).astype(np.float64)
-        m[np.isnan(out[num])] = -math.inf
-        margin = float(m.min())
+        margin = float(range_margin(out[num], lo[num], hi[num])[1].min())
     bad = bad_nan | bad_num
     n_bad = int(bad.sum())
     detail = (f"{name}: {int(num.sum())} in range checks, {int(nan_exp.sum())} NaN by definition, "
@@ -414,14 +402,15 @@ def compare(name: str, out, lo, hi, *, dtype: str = "bf16", free=None) -> tuple[
     return n_bad == 0, margin, detail
 
 
-def router_check(slices, bias, k: int, scale: float, ids, w) -> tuple[bool, float, str]:
+def router_check(slices, bias, k: int, scale: float, ids, w, *, decl: Decl) -> tuple[bool, float, str]:
     """Check router_topk's (ids, weights) against float64 ranges.
 
     ids: no unchosen expert may be certainly above a chosen one (its key lo > the chosen's
     key hi); point-equal keys must go to the lower id; the returned order must be key
     descending then id ascending under the same rules. NaN keys rank below everything.
     Overlapping ranges are near-ties: accepted and counted. weights: inside the range of
-    fl32(fl32(s_j / fl32(sum + 1e-20)) * scale), sum of the selected s with depth k-1.
+    fl32(fl32(s_j / fl32(sum + 1e-20)) * scale), the sum of the selected s as declared.
+    decl: router_topk's declaration (sums "logit" and "s_sum").
     """
     ids = np.asarray(ids, np.int64)
     t_n, e_n = np.asarray(slices).shape[1:]
@@ -429,7 +418,7 @@ def router_check(slices, bias, k: int, scale: float, ids, w) -> tuple[bool, floa
         return False, -math.inf, f"ids: bad shape {ids.shape} or id out of [0, {e_n})"
     if any(len(set(r)) != k for r in ids.tolist()):
         return False, -math.inf, "ids: an expert chosen twice in one row"
-    rg = router_ranges(slices, bias)
+    rg = router_ranges(slices, bias, logit=decl.sum("logit"))
     k_lo, k_hi = (np.where(np.isnan(v), -np.inf, v) for v in rg["key"])
     point = k_lo == k_hi
     rows = np.arange(t_n)[:, None]
@@ -448,14 +437,14 @@ def router_check(slices, bias, k: int, scale: float, ids, w) -> tuple[bool, floa
     nxt_tie = c_pt[:, 1:] & c_pt[:, :-1] & (c_lo[:, 1:] == c_lo[:, :-1]) & (ids[:, 1:] < ids[:, :-1])
     n_sel_bad = int((above | tie).any((1, 2)).sum() + (nxt_above | nxt_tie).any(1).sum())
     s_lo, s_hi = (v[rows, ids] for v in rg["s"])  # [T, k]
-    sum_lo = sum_range(s_lo, k - 1)[0]
-    sum_hi = sum_range(s_hi, k - 1)[1]
+    sum_lo = sum_range(s_lo, decl.sum("s_sum"))[0]
+    sum_hi = sum_range(s_hi, decl.sum("s_sum"))[1]
     with np.errstate(all="ignore"):
         d_lo, d_hi = r32(sum_lo + _GUARD32), r32(sum_hi + _GUARD32)
         sc = float(np.float32(scale))
         w_lo = r32(r32(s_lo / d_hi[:, None]) * sc)
         w_hi = r32(r32(s_hi / d_lo[:, None]) * sc)
-    ok_w, margin, det_w = compare("weights", w, w_lo, w_hi, dtype="fp32")
+    ok_w, margin, det_w = compare("weights", w, w_lo, w_hi)
     det = (f"ids: {n_sel_bad} rows with a certain misselection or misorder, "
            f"{int(near.any((1, 2)).sum())} rows with a near-tie; {det_w}")
     return ok_w and n_sel_bad == 0, margin, det

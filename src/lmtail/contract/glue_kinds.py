@@ -1,71 +1,40 @@
-"""Contract kinds of the glue ops (norms.py, router.py): what each declares, how float64
-checks it, the data of each gate, and the planted controls that must go red.
+"""Contract kinds of the glue ops (norms.py, router.py) on the harness's Kind / Control /
+Case / Verdict types: each kind's declaration (from next to the op), its float64 check
+(reference/glue.py ranges computed FROM that declaration), the data of each gate, the
+declared-order emulation, and the planted controls that must go red.
 
-A kind is one op x variant x dtype. It plugs into a harness through `GlueKind`:
-    run(data) -> {output: tensor}          the op under test
-    decl                                   numerics.Decl: rounding points and sums
-    check(data, outputs) -> (ok, worst_margin, detail)
-                                           float64 ranges (reference/glue.py); margin is in
-                                           output-dtype steps from the nearer range end
-    data(gate) -> [data dict]              gate 1 shapes (odd ones too), 2 realistic random
-                                           (several seeds), 3 special values, 4 adversarial
-                                           (terms exact in fp32 in any order, one past fp16)
-    emulate(data) -> {output: tensor}      the slow scalar emulation (byte gate)
-    byte_data() -> [data dict]             small shapes for the byte gate
-A data dict holds the op's inputs plus "label" and, when it is too slow for the default
-test run, "slow": True. `Control` is a deliberately wrong variant with the same interface,
-tagged with the gate ("gate1".."gate4" or "bytes") that must report it red.
-`run_gate(kind, gate, run=...)` is the minimal loop a harness runs.
+    kind              op                    outputs checked   declaration
+    glue.add_rms_h    norms.add_rms         h                 norms.add_rms_decl(H, order)
+    glue.add_rms_y    norms.add_rms         y                 norms.add_rms_decl(H, order)
+    glue.moe_*_h|y    norms.moe_add_rms     h | y             norms.moe_add_rms_decl(H, S, n_shared, order)
+    glue.rms_parts_*  norms.rms_parts       y                 norms.rms_parts_decl(P, rounding, order)
+    glue.router_topk  router.router_topk    ids, weights      router.router_topk_decl(k, K)
+    glue.embed_rows   norms.embed_rows      rows (exact)      norms.embed_rows_decl()
+
+Gate data: shapes (odd ones too; the widest marked slow, left out with --fast), random
+(several seeds and orders), special values, adversarial (terms exact in fp32 in any order,
+one past fp16), and "bytes" (small shapes for the byte gates). Every case's data carries
+the op's inputs (and "order" where the op takes one); margins are in range widths.
 
 Shape legend: T rows, H width (Nemotron 2,688), S = 8 slots (R = 6 routed + 2 shared),
 G parts of P, K = 2 logit slices, E = 128 experts, k = 6 chosen.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from dataclasses import replace
+from functools import partial
 
 import numpy as np
 import torch
 
-from . import norms, router
-from .numerics import Decl, SumDecl, exp64, fma32
-from .orders import Order, contiguous, placebo, strided
-from .reference import glue as ref
+from .. import norms, router
+from ..numerics import exp64, fma32
+from ..orders import contiguous, placebo, strided
+from ..reference import glue as ref
+from .harness import Case, Control, Kind, Verdict
 
 H_NEMO = 2688
 ORDER = norms.DEFAULT_ORDER
-
-
-@dataclass(frozen=True)
-class GlueKind:
-    name: str
-    op: str
-    outputs: tuple[str, ...]
-    decl: Decl
-    run: Callable[[dict], dict]
-    check: Callable[[dict, dict], tuple[bool, float, str]]
-    data: Callable[[int], list]
-    emulate: Callable[[dict], dict]
-    byte_data: Callable[[], list]
-
-
-@dataclass(frozen=True)
-class Control:
-    name: str
-    kind: str  # the kind whose data and check it runs under
-    gate: str  # "gate1".."gate4" | "bytes": where it must go red
-    why: str
-    run: Callable[[dict], dict]
-
-
-class GateResult(NamedTuple):
-    kind: str
-    gate: str
-    label: str
-    ok: bool
-    margin: float
-    detail: str
 
 
 # =======================================================================================
@@ -102,45 +71,9 @@ def _moe_weights(rng, t: int, r: int = 6, total: float = 2.5) -> np.ndarray:
     return (s / s.sum(1, keepdims=True) * total).astype(np.float32)
 
 
-def _outs_equal(a: dict, b: dict, names) -> tuple[bool, str]:
-    for n in names:
-        x, y = a[n], b[n]
-        if x.shape != y.shape or x.dtype != y.dtype:
-            return False, f"{n}: {x.dtype} {tuple(x.shape)} vs emulation {y.dtype} {tuple(y.shape)}"
-        both_nan = torch.zeros(x.shape, dtype=torch.bool)
-        if x.is_floating_point():  # NaN sign/payload is no part of the contract
-            both_nan = torch.isnan(x) & torch.isnan(y)
-            ib = torch.int16 if x.dtype == torch.bfloat16 else torch.int32
-            x, y = x.view(ib), y.view(ib)
-        diff = (x != y) & ~both_nan
-        if bool(diff.any()):
-            pos = [int(i) for i in diff.nonzero()[0]]
-            return False, (f"{n}: {int(diff.sum())} of {diff.numel()} differ from the declared-order "
-                           f"emulation; first {n}{pos}: {a[n][tuple(pos)].item()!r} vs {b[n][tuple(pos)].item()!r}")
-    return True, "bytes equal to the declared-order emulation: " + ", ".join(names)
-
-
-def run_gate(kind: GlueKind, gate: str, *, run: Callable | None = None, include_slow: bool = False,
-             until_red: bool = False) -> list[GateResult]:
-    """Run one gate of one kind (optionally with a control's run in place of the op).
-    gate: "gate1".."gate4" (float64 check) or "bytes" (against the slow emulation).
-    until_red: stop at the first red result (enough to show a control is caught)."""
-    run = run or kind.run
-    res = []
-    if gate == "bytes":
-        datasets = kind.byte_data()
-    else:
-        datasets = [d for d in kind.data(int(gate.removeprefix("gate"))) if include_slow or not d.get("slow")]
-    for d in datasets:
-        if gate == "bytes":
-            ok, det = _outs_equal(run(d), kind.emulate(d), kind.outputs)
-            margin = 0.0 if ok else -1.0
-        else:
-            ok, margin, det = kind.check(d, run(d))
-        res.append(GateResult(kind.name, gate, d["label"], ok, margin, det))
-        if until_red and not ok:
-            break
-    return res
+def _verdict(res) -> Verdict:
+    ok, margin, detail = res
+    return Verdict(bool(ok), None if margin is None else float(margin), detail)
 
 
 # =======================================================================================
@@ -151,15 +84,19 @@ def _add_run(d):
     return {"h": h, "y": y}
 
 
-def _add_check_h(d, out):
-    h = ref.add_h_ref(_np(d["x"]), _np(d["residual"]))
-    return ref.compare("h", _np(out["h"]), h, h)
+def _add_decl(d):
+    return norms.add_rms_decl(d["x"].shape[-1], order=d["order"])
 
 
-def _add_check_y(d, out):
+def _add_check_h(d, out, run, decl):
     h = ref.add_h_ref(_np(d["x"]), _np(d["residual"]))
-    lo, hi, free = ref.norm_range(h, h, _np(d["gamma"]), depth=d["order"].depth(h.shape[-1]), eps=d["eps"])
-    return ref.compare("y", _np(out["y"]), lo, hi, free=free)
+    return _verdict(ref.compare("h", _np(out["h"]), h, h))
+
+
+def _add_check_y(d, out, run, decl):
+    h = ref.add_h_ref(_np(d["x"]), _np(d["residual"]))
+    lo, hi, free = ref.norm_range(h, h, _np(d["gamma"]), ssq=decl.sum("ssq"), eps=d["eps"])
+    return _verdict(ref.compare("y", _np(out["y"]), lo, hi, free=free))
 
 
 def _add_emulate(d):
@@ -238,28 +175,15 @@ def _add_byte_data() -> list:
     return out
 
 
-def _sq_decl(what: str, n: int, order: Order = ORDER) -> SumDecl:
-    return SumDecl(f"ssq({what})", "fp32", order.depth(n), order.describe(n))
-
-
-_NORM_POINTS = ("ssq: fp32 sum of squares in the declared order", "m = fl32(ssq / n)",
-                "d = fl32(m + fp32(eps))", "r = fl32(sqrt(d))", "inv = fl32(1 / r)")
-ADD_H = GlueKind(
-    "add_rms_h", "norms.add_rms", ("h",),
-    Decl("add_rms.h", ("h = bf16(fl32(x + residual))",), ()),
-    _add_run, _add_check_h, _add_data, _add_emulate, _add_byte_data)
-ADD_Y = GlueKind(
-    "add_rms_y", "norms.add_rms", ("y",),
-    Decl("add_rms.y", ("h = bf16(fl32(x + residual))",) + _NORM_POINTS
-         + ("t = fl32(h * inv)", "y = bf16(fl32(t * gamma32))"), (_sq_decl("h", H_NEMO),)),
-    _add_run, _add_check_y, _add_data, _add_emulate, _add_byte_data)
+def _add_kind(which: str) -> Kind:
+    return _kind(f"add_rms_{which}", "add_rms", which, _add_decl, _add_run,
+                 _add_check_h if which == "h" else _add_check_y, _add_data, _add_emulate, _add_byte_data)
 
 
 # =======================================================================================
 # moe_add_rms kinds
 # =======================================================================================
 N_SLOTS, N_SHARED = 8, 2
-MOE_DEPTH = max(N_SLOTS - N_SHARED, N_SHARED - 1) + 1  # 7
 
 
 def _moe_run(d):
@@ -268,26 +192,26 @@ def _moe_run(d):
     return {"h": h, "y": y}
 
 
-def _moe_depth(d) -> int:
-    return max(d["slots"].shape[0] - d["n_shared"], d["n_shared"] - 1) + 1
+def _moe_decl(d):
+    return norms.moe_add_rms_decl(d["x"].shape[-1], n_slots=d["slots"].shape[0], n_shared=d["n_shared"],
+                                  order=d["order"])
 
 
-def _moe_h_range(d):
+def _moe_h_range(d, decl):
     return ref.moe_h_range(_np(d["x"]), _np(d["slots"]), _np(d["weights"]), n_shared=d["n_shared"],
-                           depth=_moe_depth(d))
+                           combine=decl.sum("combine"))
 
 
-def _moe_check_h(d, out):
-    lo, hi, free = _moe_h_range(d)
-    return ref.compare("h", _np(out["h"]), lo, hi, free=free)
+def _moe_check_h(d, out, run, decl):
+    lo, hi, free = _moe_h_range(d, decl)
+    return _verdict(ref.compare("h", _np(out["h"]), lo, hi, free=free))
 
 
-def _moe_check_y(d, out):
-    h_lo, h_hi, free_h = _moe_h_range(d)
-    lo, hi, free = ref.norm_range(h_lo, h_hi, _np(d["gamma"]), depth=d["order"].depth(h_lo.shape[-1]),
-                                  eps=d["eps"])
+def _moe_check_y(d, out, run, decl):
+    h_lo, h_hi, free_h = _moe_h_range(d, decl)
+    lo, hi, free = ref.norm_range(h_lo, h_hi, _np(d["gamma"]), ssq=decl.sum("ssq"), eps=d["eps"])
     free = free | free_h.any(-1, keepdims=True)
-    return ref.compare("y", _np(out["y"]), lo, hi, free=free)
+    return _verdict(ref.compare("y", _np(out["y"]), lo, hi, free=free))
 
 
 def _moe_emulate(d):
@@ -400,23 +324,10 @@ def _moe_byte_data(slot_dtype: str):
     return data
 
 
-def _moe_kind(which: str, slot_dtype: str) -> GlueKind:
-    comb = SumDecl("combine", "fp32", MOE_DEPTH,
-                   "routed: acc = fma(w_s, slot_s, acc) for s = 0..5 from +0.0; shared: s6 + s7; "
-                   "routed + shared; then c = bf16(.) before the add")
-    points = ("c = bf16(fl32(routed + shared))", "h = bf16(fl32(x + c))")
-    if which == "y":
-        points += _NORM_POINTS + ("t = fl32(h * inv)", "y = bf16(fl32(t * gamma32))")
-        sums = (comb, _sq_decl("h", H_NEMO))
-    else:
-        sums = (comb,)
-    return GlueKind(f"moe_{slot_dtype}_{which}", "norms.moe_add_rms", (which,),
-                    Decl(f"moe_add_rms.{which}[{slot_dtype} slots]", points, sums),
-                    _moe_run, _moe_check_h if which == "h" else _moe_check_y,
-                    _moe_data(slot_dtype), _moe_emulate, _moe_byte_data(slot_dtype))
-
-
-MOE_KINDS = tuple(_moe_kind(w, s) for s in ("bf16", "f32") for w in ("h", "y"))
+def _moe_kind(which: str, slot_dtype: str) -> Kind:
+    return _kind(f"moe_{slot_dtype}_{which}", "moe_add_rms", which, _moe_decl, _moe_run,
+                 _moe_check_h if which == "h" else _moe_check_y, _moe_data(slot_dtype), _moe_emulate,
+                 _moe_byte_data(slot_dtype), about=f"{slot_dtype} slots")
 
 
 # =======================================================================================
@@ -427,13 +338,18 @@ def _parts_run(d):
                                  eps=d["eps"], order=d["order"])}
 
 
-def _parts_check(d, out):
+def _parts_decl(d):
+    return norms.rms_parts_decl(d["part"], rounding=d["rounding"], order=d["order"])
+
+
+def _parts_check(d, out, run, decl):
     x = _np(d["x"])
     p = d["part"]
     xg = x.reshape(*x.shape[:-1], -1, p)  # [T, G, P]
     g = _np(d["gamma"]).reshape(-1, p)
-    lo, hi, free = ref.norm_range(xg, xg, g, depth=d["order"].depth(p), eps=d["eps"], rounding=d["rounding"])
-    return ref.compare("y", _np(out["y"]), lo.reshape(x.shape), hi.reshape(x.shape), free=free.reshape(x.shape))
+    lo, hi, free = ref.norm_range(xg, xg, g, ssq=decl.sum("ssq"), eps=d["eps"], rounding=d["rounding"])
+    return _verdict(ref.compare("y", _np(out["y"]), lo.reshape(x.shape), hi.reshape(x.shape),
+                                free=free.reshape(x.shape)))
 
 
 def _parts_emulate(d):
@@ -483,16 +399,9 @@ def _parts_byte_data(rounding: str):
     return data
 
 
-def _parts_kind(rounding: str) -> GlueKind:
-    p = 2688 if rounding == "once" else 512
-    last = ("y = bf16(fl32(fl32(x * inv) * gamma32))" if rounding == "once"
-            else "y = bf16(fl32(gamma32 * bf16(fl32(x * inv))))")
-    return GlueKind(f"rms_parts_{rounding}_y", "norms.rms_parts", ("y",),
-                    Decl(f"rms_parts.y[{rounding}]", _NORM_POINTS + (last,), (_sq_decl(f"part of {p}", p),)),
-                    _parts_run, _parts_check, _parts_data(rounding), _parts_emulate, _parts_byte_data(rounding))
-
-
-PARTS_KINDS = (_parts_kind("once"), _parts_kind("mlx"))
+def _parts_kind(rounding: str) -> Kind:
+    return _kind(f"rms_parts_{rounding}_y", "rms_parts", "y", _parts_decl, _parts_run, _parts_check,
+                 _parts_data(rounding), _parts_emulate, _parts_byte_data(rounding), about=f"rounding={rounding!r}")
 
 
 # =======================================================================================
@@ -502,13 +411,18 @@ N_EXPERTS, TOP_K = 128, 6
 
 
 def _router_run(d):
-    ids, w = router.router_topk(d["slices"], d["k"], bias=d["bias"], scale=d["scale"])
+    ids, w = router.router_topk(d["slices"], k=d["k"], bias=d["bias"], scale=d["scale"])
     return {"ids": ids, "weights": w}
 
 
-def _router_check(d, out):
+def _router_decl(d):
+    return router.router_topk_decl(d["k"], n_slices=d["slices"].shape[0])
+
+
+def _router_check(d, out, run, decl):
     b = None if d["bias"] is None else _np(d["bias"])
-    return ref.router_check(_np(d["slices"]), b, d["k"], d["scale"], out["ids"].numpy(), _np(out["weights"]))
+    return _verdict(ref.router_check(_np(d["slices"]), b, d["k"], d["scale"], out["ids"].numpy(),
+                                     _np(out["weights"]), decl=decl))
 
 
 def _router_emulate(d):
@@ -529,8 +443,8 @@ def _router_random(rng, t, e=N_EXPERTS, label="", bias=False):
 
 
 def underflow_case() -> dict:
-    """SPEC 6 / the seed: three rows whose logits are two slices of -50 each. Every sigmoid
-    underflows to 0; the ids are 0..5 (all tie) and the weights 0, not NaN."""
+    """Three rows whose logits are two slices of -50 each. Every sigmoid underflows to 0;
+    the ids are 0..5 (all tie) and the weights 0, not NaN."""
     return _router_case("all-underflow 3 rows", np.full((2, 3, N_EXPERTS), -50.0))
 
 
@@ -570,14 +484,6 @@ def _router_byte_data() -> list:
             underflow_case(), _router_specials()]
 
 
-ROUTER = GlueKind(
-    "router_topk", "router.router_topk", ("ids", "weights"),
-    Decl("router_topk", ("logit = fp32 slice sum", "e = fl32(exp64(-logit))", "s = fl32(1 / fl32(1 + e))",
-                         "key = fl32(s + bias)", "top-k by key, ties to the lower id, NaN last",
-                         "den = fl32(sum + fp32(1e-20))", "w = fl32(fl32(s / den) * scale)"),
-         (SumDecl("logit", "fp32", 1, "slice order: l0 + l1"),
-          SumDecl("sum(s_sel)", "fp32", TOP_K - 1, "the returned order (key desc, id asc), from s_sel[0]"))),
-    _router_run, _router_check, _router_data, _router_emulate, _router_byte_data)
 
 
 # =======================================================================================
@@ -594,17 +500,56 @@ def _embed_data(gate: int) -> list:
     return [{"label": f"gate{gate} 300 ids of 50x70", "ids": torch.from_numpy(ids), "table": _bf(tab)}]
 
 
-def _embed_check(d, out):
+def _embed_check(d, out, run, decl):
     want = d["table"][d["ids"]]
     ok = torch.equal(out["rows"].view(torch.int16), want.view(torch.int16))
-    return ok, 0.0 if ok else -1.0, "rows byte-equal to table[ids]" if ok else "rows differ from table[ids]"
+    return Verdict(ok, None, "rows byte-equal to table[ids]" if ok else "rows differ from table[ids]")
 
 
-EMBED = GlueKind("embed_rows", "norms.embed_rows", ("rows",), Decl("embed_rows", ("none: an exact copy",), ()),
-                 lambda d: {"rows": norms.embed_rows(d["ids"], d["table"])}, _embed_check, _embed_data,
-                 lambda d: {"rows": _bf(_np(d["table"])[d["ids"].numpy()])}, lambda: _embed_data(1))
+# =======================================================================================
+# the kinds
+# =======================================================================================
+ROW_DIMS = {  # op -> {input: row axis} (the batch gate cuts these)
+    "add_rms": {"x": 0, "residual": 0},
+    "moe_add_rms": {"x": 0, "slots": 1, "weights": 0},
+    "rms_parts": {"x": 0},
+    "router_topk": {"slices": 1},
+    "embed_rows": {"ids": 0},
+}
 
-KINDS = {k.name: k for k in (ADD_H, ADD_Y, *MOE_KINDS, *PARTS_KINDS, ROUTER, EMBED)}
+
+def _take_rows(data, idx, *, dims):
+    """data with the row axis of each named tensor (dims: name -> axis) cut to idx."""
+    out = dict(data)
+    for name, axis in dims.items():
+        t = data.get(name)
+        if t is not None:
+            out[name] = t.index_select(axis, torch.tensor(list(idx), dtype=torch.long))
+    return out
+
+
+def _cases(data, gate: int, fast: bool) -> list:
+    return [Case(d["label"], d) for d in data(gate) if not (fast and d.get("slow"))]
+
+
+def _kind(name, op, outputs, decl, run, check, data, emulate, byte_data, about="") -> Kind:
+    """A glue Kind: data(gate 1..4) -> [data dict with "label" (and "slow")]; byte_data()
+    -> the byte gates' data dicts."""
+    gens = {g: partial(_cases, data, i) for i, g in enumerate(("shapes", "random", "special", "adversarial"), 1)}
+    gens["bytes"] = lambda fast: [Case(d["label"], d) for d in byte_data()]
+    return Kind(f"glue.{name}", decl, run, check, gens, take_rows=partial(_take_rows, dims=ROW_DIMS[op]),
+                emulate=emulate, group="glue", about=f"{op} -> {outputs}" + (f", {about}" if about else ""))
+
+
+def glue_kinds() -> list[Kind]:
+    """Every glue kind (module docstring)."""
+    return [_add_kind("h"), _add_kind("y"), *(_moe_kind(w, s) for s in ("bf16", "f32") for w in ("h", "y")),
+            _parts_kind("once"), _parts_kind("mlx"),
+            _kind("router_topk", "router_topk", "ids, weights", _router_decl, _router_run, _router_check,
+                  _router_data, _router_emulate, _router_byte_data),
+            _kind("embed_rows", "embed_rows", "rows", lambda d: norms.embed_rows_decl(),
+                  lambda d: {"rows": norms.embed_rows(d["ids"], d["table"])}, _embed_check, _embed_data,
+                  lambda d: {"rows": _bf(_np(d["table"])[d["ids"].numpy()])}, lambda: _embed_data(1))]
 
 
 # =======================================================================================
@@ -680,23 +625,34 @@ def _router_variant(d, *, guard=True, ties_high=False):
     return {"ids": ids, "weights": (ss / den[:, None]) * torch.full_like(ss, d["scale"])}
 
 
-CONTROLS = (
-    Control("moe_keep_f32", "moe_bf16_h", "gate1", "combine kept in fp32 before the add (no bf16 rounding of c)",
-            lambda d: _moe_variant(d, keep_f32=True)),
-    Control("moe_keep_f32_fp32_slots", "moe_f32_h", "gate1", "the same with fp32 slots",
-            lambda d: _moe_variant(d, keep_f32=True)),
-    Control("moe_shared_in_chain", "moe_f32_h", "bytes", "shared slots added into the routed chain: (r+s0)+s1",
-            lambda d: _moe_variant(d, shared_in_chain=True)),
-    Control("moe_fp16_combine", "moe_bf16_h", "gate4", "combine accumulated in fp16 (inf past 65504)",
-            lambda d: _moe_variant(d, fp16=True)),
-    Control("add_rms_fp16_squares", "add_rms_y", "gate4", "sum of squares accumulated in fp16 (inf)",
-            _add_fp16_squares),
-    Control("add_rms_no_eps", "add_rms_y", "gate3", "eps dropped: a zero row gives 0 * inf = NaN", _add_no_eps),
-    Control("rms_parts_once_as_mlx", "rms_parts_once_y", "bytes", "'once' computed with MLX's double rounding",
-            _parts_swapped),
-    Control("rms_parts_mlx_as_once", "rms_parts_mlx_y", "bytes", "'mlx' computed rounding once", _parts_swapped),
-    Control("router_no_guard", "router_topk", "gate3", "no +1e-20: all-underflow rows give 0/0 = NaN",
-            lambda d: _router_variant(d, guard=False)),
-    Control("router_ties_high", "router_topk", "gate3", "ties to the higher expert id",
-            lambda d: _router_variant(d, ties_high=True)),
-)
+def glue_controls() -> list[Control]:
+    """The planted wrong variants, each red at its planted gate."""
+    c = lambda name, kind, gate, what, run: Control(f"glue.{name}", f"glue.{kind}", gate, what, run)  # noqa: E731
+    return [
+        c("moe_keep_f32", "moe_bf16_h", "shapes", "combine kept in fp32 before the add (no bf16 rounding of c)",
+          lambda d: _moe_variant(d, keep_f32=True)),
+        c("moe_keep_f32_fp32_slots", "moe_f32_h", "shapes", "the same with fp32 slots",
+          lambda d: _moe_variant(d, keep_f32=True)),
+        c("moe_shared_in_chain", "moe_f32_h", "emulate", "shared slots added into the routed chain: (r+s0)+s1",
+          lambda d: _moe_variant(d, shared_in_chain=True)),
+        c("moe_fp16_combine", "moe_bf16_h", "adversarial", "combine accumulated in fp16 (inf past 65504)",
+          lambda d: _moe_variant(d, fp16=True)),
+        c("add_rms_fp16_squares", "add_rms_y", "adversarial", "sum of squares accumulated in fp16 (inf)",
+          _add_fp16_squares),
+        c("add_rms_no_eps", "add_rms_y", "special", "eps dropped: a zero row gives 0 * inf = NaN", _add_no_eps),
+        c("rms_parts_once_as_mlx", "rms_parts_once_y", "emulate", "'once' computed with MLX's double rounding",
+          _parts_swapped),
+        c("rms_parts_mlx_as_once", "rms_parts_mlx_y", "emulate", "'mlx' computed rounding once", _parts_swapped),
+        c("router_no_guard", "router_topk", "special", "no +1e-20: all-underflow rows give 0/0 = NaN",
+          lambda d: _router_variant(d, guard=False)),
+        c("router_ties_high", "router_topk", "special", "ties to the higher expert id",
+          lambda d: _router_variant(d, ties_high=True)),
+        Control("glue.add_rms_ssq_declared_exact", "glue.add_rms_y", "random",
+                "the real op, its sum of squares declared exact (depth 0)", decl=_exact_ssq_decl),
+    ]
+
+
+def _exact_ssq_decl(d):
+    """Control: add_rms's declaration with its ssq declared depth 0 (no rounding at all)."""
+    decl = _add_decl(d)
+    return replace(decl, sums=tuple(replace(s, depth=0) for s in decl.sums))

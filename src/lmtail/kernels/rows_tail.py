@@ -1,0 +1,236 @@
+"""`rows_tail_fused`: the decode tail after the exchange (exact top-k, the full-row mass terms,
+the draw) as one CPU kernel that reads each bf16 row once, bit-equal to the reference path
+`lmtail.topk.exact_topk` + `lmtail.sampler.sample_rows`. The public op is
+`lmtail.tail.rows_tail` (path="fused" calls this kernel, path="reference" the reference);
+this module is the kernel only: its ctypes call, the checks of its own arguments, and no
+import of the ops above it.
+
+Shape legend:
+  R  rows (the rows this rank owns)      V  vocab (the full row)      k  candidates
+  rows_bf16        [R, V] bf16   full-vocab rows, column j = vocab id j
+  sampling_params  [R, 3|4|5] fp32  top_k, top_p, temperature[, u[, min_p]]
+  topk_values      [R, k] bf16   descending;  topk_indices [R, k] int64
+  tokens [R] int64;  logprobs [R] fp32;  truncated [R] bool;  undecided [R] bool
+
+Semantics: exactly the reference's (lmtail.topk and lmtail.sampler document them): the k
+largest values with ties to the lower id, +-inf ordinary, -0.0 == +0.0 (returned as +0.0),
+NaN below -inf with nan_fold; then top-k / greedy / softmax(v / T) over the filtered set
+(the whole row when top-k is off) / top-p / min-p / the inverse-cdf draw, and the raw
+full-row logprob.
+
+Numerics (declared; `rows_tail_decl`): the same float64 ops in the same order as the
+reference, so the same bits:
+  z = fl64(v / T) per lane (T widened exactly from fp32; a product by 1/T when T is a
+    power of two: the same bits); m = fl64(vmax / T), which is max(z) since division is
+    monotone;
+  e = exp64(z - m) with z == m -> 1 (numerics.exp64's basic float64 ops, no libm);
+  S = sum64(e) over the full row: 256 float64 lane chains in pass order from +0.0, then a
+    halving tree (depth ceil(V/256) + 8); the same sum over the k candidates for top-k rows;
+  p = e / S; c = sequential float64 running sum of p over the candidates (depth k);
+  lse1 = vmax + log64(S at T = 1); logprob = fp32(v_tok - lse1).
+The full-row passes run at T = 1 (always, for the logprob) and at T (only for rows with
+top-k off and T != 1; at T = 1 the first pass is reused, which is the same value). A term is
+a function of the lane's 16 bits, so when the row's value range spans few bf16 patterns
+compared with V, the kernel computes each pattern's term once into a table and adds the
+looked-up terms in the declared order: the same terms, the same order, the same bits.
+
+Rows whose sampler bits the reference leaves to torch's undeclared behaviour come back
+`undecided` for the reference sampler to decide (lmtail.tail.rows_tail does), on those rows
+only: a NaN lane without nan_fold, and a zero row maximum (vmax == 0 or vmax / T == 0, where
+torch's choice between +0.0 and -0.0 is not declared). Their top-k is the kernel's (it is
+defined by keys).
+
+Memory: O(R * k) outputs plus O(k) scratch per thread and a 640 KB term table per worker
+(pooled across calls); no [R, V] keys, no float copy of the rows.
+Determinism: a row is owned by one thread from its first op to its last, so no bit depends
+on R, the thread count, the backend or repeats. The kernel has no staged top-k taps (they
+belong to the staged reference algorithm; lmtail.tail.rows_tail takes them from exact_topk).
+
+Backends (all bit-equal; tests/test_rows_tail.py proves it on this CPU): "avx512"
+(AVX-512 F+BW), "avx2", "c" (plain C, any CPU); none when no C compiler is found.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lmtail import numerics
+from lmtail.checks import check_k, check_threads, need, need_tensor, pick_backend
+from lmtail.kernels._cc import load_optional
+from lmtail.numerics import Decl, SumDecl
+
+_ISA = {"c": 0, "avx2": 1, "avx512": 2}
+LANES = 256
+DEFAULT_U = 0.5
+
+
+def rows_tail_decl(V: int, k: int) -> Decl:
+    """The declared numerics of `rows_tail_fused` (and of the reference) for V lanes, k
+    candidates."""
+    return Decl(
+        op="rows_tail",
+        rounding_points=("z = fl64(v / T)", "m = fl64(vmax / T)",
+                         "e = exp64(z - m) (z == m -> 1): numerics.exp64's float64 ops",
+                         "S = sum64(e)", "p = fl64(e / S)", "c = running sum64 of p",
+                         "cdf = fl64(c / c_last)", "lse1 = fl64(vmax + log64(S1))",
+                         "logprob = fp32(fl64(v_tok - lse1))"),
+        sums=(SumDecl(name="S (full row)", dtype="fp64", depth=-(-V // LANES) + 8,
+                      order="256 lane chains in pass order from +0.0, then a halving tree"),
+              SumDecl(name="S (top-k candidates)", dtype="fp64", depth=-(-k // LANES) + 8,
+                      order="256 lane chains in candidate order from +0.0, then a halving tree"),
+              SumDecl(name="c (running mass)", dtype="fp64", depth=k,
+                      order="sequential over candidates 0..k-1 from +0.0")),
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# the C library
+# ---------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _c_library():
+    """The compiled kernel (built and cached on first use), or None with a warning."""
+    lib = load_optional(Path(__file__).with_name("rows_tail.c"), what="rows_tail",
+                        fallback="the reference path (topk.exact_topk + sampler.sample_rows)")
+    return None if lib is None else _bind(lib)
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the kernel's C signatures on a loaded rows_tail library."""
+    fn = lib.lmtail_rows_tail
+    fn.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_int] +
+                   [ctypes.c_void_p] * 9 + [ctypes.c_int] * 2)
+    fn.restype = ctypes.c_int
+    lib.lmtail_rows_tail_best_isa.restype = ctypes.c_int
+    return lib
+
+
+@functools.lru_cache(maxsize=None)
+def _constants() -> torch.Tensor:
+    """[17] float64: INV_LN2, LN2_HI, LN2_LO, C[0..13], read from numerics."""
+    c = numerics._EXP_C
+    assert len(c) == 14, "rows_tail.c hard-codes exp64's degree-13 Horner"
+    return torch.tensor([numerics._INV_LN2, numerics._LN2_HI, numerics._LN2_LO, *c],
+                        dtype=torch.float64)
+
+
+def available_backends() -> tuple[str, ...]:
+    """The kernel's backends on this machine, fastest first (all give the same bytes);
+    () when no C compiler built it (lmtail.tail.rows_tail then runs its reference path)."""
+    lib = _c_library()
+    if lib is None:
+        return ()
+    best = lib.lmtail_rows_tail_best_isa()
+    return tuple(n for n in ("avx512", "avx2") if _ISA[n] <= best) + ("c",)
+
+
+# ---------------------------------------------------------------------------------------
+# public API
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FusedRows:
+    """What `rows_tail_fused` returns. The sampler fields are None without sampling_params;
+    with them, rows where `undecided` is True hold tokens 0, logprobs 0.0, truncated False
+    and must be sampled by the reference sampler (lmtail.tail.rows_tail does that)."""
+
+    topk_values: torch.Tensor  # [R, k] bf16, descending, ties to the lower id
+    topk_indices: torch.Tensor  # [R, k] int64 vocab ids
+    tokens: torch.Tensor | None = None  # [R] int64
+    logprobs: torch.Tensor | None = None  # [R] fp32, raw log_softmax over the full row
+    truncated: torch.Tensor | None = None  # [R] bool
+    undecided: torch.Tensor | None = None  # [R] bool: the reference sampler decides these rows
+
+
+def check_arguments(rows_bf16, *, k, nan_fold, threads) -> None:
+    """The rows-tail arguments every path shares: TypeError for a non-tensor, else
+    ValueError naming the argument (expected vs got)."""
+    rows = rows_bf16
+    need_tensor("rows_bf16", rows, "[R, V] bf16")
+    need(rows.dtype == torch.bfloat16 and rows.dim() == 2,
+         f"rows_bf16 must be a 2-D bfloat16 tensor [R, V]; got {rows.dtype} of shape {tuple(rows.shape)}")
+    need(rows.device.type == "cpu", f"rows_bf16 must be a CPU tensor; got device {rows.device}")
+    v = rows.shape[1]
+    need(v < 1 << 32, f"V must be < 2**32 (ids are 32-bit in the keys); got {v}")
+    check_k(k, v, f"V={v}")
+    need(isinstance(nan_fold, bool), f"nan_fold must be a bool; got {nan_fold!r}")
+    check_threads(threads)
+
+
+def _check_params_layout(sp, r: int) -> None:
+    """The layout the kernel reads (values are the caller's to validate: see
+    rows_tail_fused)."""
+    need_tensor("sampling_params", sp, f"[R={r}, 3|4|5] fp32")
+    need(sp.dtype == torch.float32 and sp.dim() == 2 and sp.shape[0] == r and sp.shape[1] in (3, 4, 5),
+         f"sampling_params must be a float32 tensor [R={r}, 3|4|5]; got {sp.dtype} of shape {tuple(sp.shape)}")
+
+
+def _param_columns(sp: torch.Tensor):
+    """[R, 3|4|5] fp32 -> (top_k [R] int64, [R, 4] float64: top_p, T, u, min_p), the same
+    widenings and defaults as sampler.sampling_plan."""
+    spd = sp.double()  # [R, P]
+    r = spd.shape[0]
+    top_k = spd[:, 0].to(torch.int64).contiguous()  # [R]
+    u = spd[:, 3] if spd.shape[1] >= 4 else torch.full((r,), DEFAULT_U, dtype=torch.float64)
+    min_p = spd[:, 4] if spd.shape[1] >= 5 else torch.zeros(r, dtype=torch.float64)
+    return top_k, torch.stack([spd[:, 1], spd[:, 2], u, min_p], dim=1).contiguous()  # [R, 4]
+
+
+def rows_tail_fused(rows_bf16, *, k, sampling_params=None, nan_fold=False,
+                    backend: str | None = None, threads: int | None = None) -> FusedRows:
+    """Exact top-k and the sampler on full-vocab bf16 rows, in one pass per row (the C
+    kernel; the public op is lmtail.tail.rows_tail, whose path="fused" calls this).
+
+    rows_bf16 [R, V] bf16 CPU (unit stride along V; other layouts are copied); 1 <= k <= V;
+    sampling_params None or [R, 3|4|5] fp32 whose values sampler.validate_params accepts
+    (the caller validates them; any values are memory-safe here, but only valid ones have
+    the reference's meaning).
+    Returns FusedRows: topk_values [R, k] bf16 (descending, ties to the lower id),
+    topk_indices [R, k] int64, and with sampling_params tokens [R] int64, logprobs [R] fp32,
+    truncated [R] bool, undecided [R] bool (rows whose sampler bits the reference defines:
+    a NaN lane without nan_fold, a zero row maximum). Every decided row's bytes equal the
+    reference's for every backend and thread count (module docstring: numerics).
+    backend: one of available_backends() (None: the fastest); threads: worker threads
+    (None: torch.get_num_threads()). The GIL is released while the kernel runs.
+    Raises TypeError for a non-tensor, ValueError (nothing computed) for a bad argument,
+    RuntimeError when no C compiler built the kernel (available_backends() == ()).
+    """
+    check_arguments(rows_bf16, k=k, nan_fold=nan_fold, threads=threads)
+    have = available_backends()
+    if not have:
+        raise RuntimeError("rows_tail_fused: the C kernel is unavailable (no C compiler or a "
+                           "failed build); lmtail.tail.rows_tail falls back to the reference path")
+    backend = pick_backend(backend, have)
+    r, v = rows_bf16.shape
+    sampling = sampling_params is not None
+    if sampling:
+        _check_params_layout(sampling_params, r)
+    rows = rows_bf16 if rows_bf16.stride(1) == 1 else rows_bf16.contiguous()  # [R, V]
+    ld = rows.stride(0) if r > 1 else v
+    vals = torch.empty((r, k), dtype=torch.bfloat16)  # [R, k]
+    ids = torch.empty((r, k), dtype=torch.int64)  # [R, k]
+    consts = _constants()
+    if sampling:
+        top_k, prm = _param_columns(sampling_params)
+        tokens = torch.zeros(r, dtype=torch.int64)  # [R]
+        logprobs = torch.zeros(r, dtype=torch.float32)  # [R]
+        trunc = torch.zeros(r, dtype=torch.bool)  # [R]
+        flag = torch.zeros(r, dtype=torch.int32)  # [R]
+        ptrs = [top_k.data_ptr(), prm.data_ptr(), consts.data_ptr(), vals.data_ptr(),
+                ids.data_ptr(), tokens.data_ptr(), logprobs.data_ptr(), trunc.data_ptr(),
+                flag.data_ptr()]
+    else:
+        ptrs = [None, None, consts.data_ptr(), vals.data_ptr(), ids.data_ptr(), None, None, None, None]
+    if r:
+        nthreads = torch.get_num_threads() if threads is None else threads
+        used = _c_library().lmtail_rows_tail(rows.data_ptr(), r, v, ld, k, int(nan_fold), *ptrs,
+                                             nthreads, _ISA[backend])
+        if used == -2:
+            raise MemoryError(f"rows_tail: could not allocate scratch for k={k}")
+        assert used == _ISA[backend], (used, backend)
+    if not sampling:
+        return FusedRows(topk_values=vals, topk_indices=ids)
+    return FusedRows(topk_values=vals, topk_indices=ids, tokens=tokens, logprobs=logprobs,
+                     truncated=trunc, undecided=flag != 0)

@@ -1,0 +1,645 @@
+/* lmtail model body kernels: declared-order attention, exp32 and silu_mul (CPU), and the
+ * model loop's fused glue: add + RMSNorm rows (lmtail.norms.add_rms's numerics, strided
+ * order), q|k|v split + rope + KV-cache write, silu_mul with its bf16 round (end of file).
+ *
+ * Shape legend: B rows, T new tokens, nh / nkv query / KV heads, g = nh / nkv, HD = 64
+ * head dim, S_cap cache slots (the key cache's row stride, capacity + 64), F FFN width.
+ *   q    [B, T, nh, HD]     fp32  queries after rope
+ *   kt   [B, nkv, HD, S_cap] fp32 keys after rope, TRANSPOSED (slot contiguous)
+ *   v    [B, nkv, S_cap, HD] fp32 values
+ *   out  [B, T, nh, HD]     fp32
+ *   pad  [B] int64           left pad slots of each row; key j of row b is slot pad[b] + j
+ *
+ * Numerics (the declaration; model/body.py states it as a Decl, docs/model.md explains it).
+ * For one query (row b, head h, position p = s0 + t - pad[b]; n = p + 1 keys):
+ *   s_j  = fl32(dot_j * scale), dot_j = fma chain over d = 0..HD-1 from +0.0 of q[d]*k_j[d]
+ *   m    = max_j s_j                            (exact; order-free)
+ *   e_j  = exp32(fl32(s_j - m))                 (declared exp below)
+ *   den  = sequential fp32 sum over j = 0..n-1 from +0.0 of e_j
+ *   acc  = fma chain over j = 0..n-1 from +0.0 of e_j * v_j[d]   (per d)
+ *   out  = fl32(acc / den)
+ * A pad query (p < 0) gets out = +0.0. Every element's chain is run in that order by one
+ * thread; blocking only decides which independent chains share registers, so the bytes do
+ * not depend on B, T, the slot a key sits in, the thread count or the ISA clone. Keys
+ * beyond a query's position are never read into its sums (no masking terms).
+ *
+ * exp32(x) (fp32, basic operations only):
+ *   x NaN -> NaN; x > 88 -> +inf; x < -86 -> +0;
+ *   t = fl32(x * LOG2E); n = fl32(fl32(t + 1.5*2^23) - 1.5*2^23)  (round to nearest even)
+ *   r = fma(-n, LN2_HI, x); r = fma(-n, LN2_LO, r)
+ *   p = Horner with fma over fp32(1/k!), k = 7..0, in r;  exp32 = fl32(p * 2^n)
+ * silu_mul(g, u) = fl32(fl32(g / fl32(1 + exp32(-g))) * u); silu(-inf) = -0.
+ * Each worker pins MXCSR to round-to-nearest with FTZ/DAZ off and restores it.
+ * Compiled with -ffp-contract=off: the only fused ops are the explicit fmaf calls.
+ */
+#include <stdint.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <pthread.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define CLONES
+#endif
+
+enum { HD = 64, JB = 64, QB = 3 };
+
+/* Constants as exact hex floats (model/body.py spells the same bits): */
+static const float LOG2E = 0x1.715476p+0f;    /* fp32(log2 e) */
+static const float RND = 0x1.8p+23f;          /* 1.5 * 2^23 */
+static const float LN2_HI = 0x1.63p-1f;       /* 355/512 */
+static const float LN2_LO = -0x1.bd0106p-13f; /* fp32(ln 2 - LN2_HI) */
+static const float X_HI = 88.0f, X_LO = -86.0f;
+static const float C[8] = {0x1p+0f, 0x1p+0f, 0x1p-1f, 0x1.555556p-3f, 0x1.555556p-5f,
+                           0x1.111112p-7f, 0x1.6c16c2p-10f, 0x1.a01a02p-13f}; /* fp32(1/k!) */
+
+static inline float exp32(float x) {
+    float xc = x > X_HI ? X_HI : x;
+    xc = xc < X_LO ? X_LO : xc;
+    xc = xc != xc ? 0.0f : xc;
+    float t = xc * LOG2E;
+    float n = (t + RND) - RND;
+    float r = fmaf(-n, LN2_HI, xc);
+    r = fmaf(-n, LN2_LO, r);
+    float p = C[7];
+    p = fmaf(p, r, C[6]);
+    p = fmaf(p, r, C[5]);
+    p = fmaf(p, r, C[4]);
+    p = fmaf(p, r, C[3]);
+    p = fmaf(p, r, C[2]);
+    p = fmaf(p, r, C[1]);
+    p = fmaf(p, r, C[0]);
+    uint32_t sb = (uint32_t)((int32_t)n + 127) << 23;
+    float s;
+    memcpy(&s, &sb, sizeof s);
+    float y = p * s;
+    y = x < X_LO ? 0.0f : y;
+    y = x > X_HI ? INFINITY : y;
+    return x != x ? NAN : y;
+}
+
+static inline float silu_mul1(float g, float u) {
+    float s = g / (1.0f + exp32(-g));
+    s = g == -INFINITY ? -0.0f : s;
+    return s * u;
+}
+
+#if defined(__x86_64__)
+static unsigned pin_mxcsr(void) {
+    unsigned old = _mm_getcsr();
+    _mm_setcsr((old & ~(0x6000u | 0x8000u | 0x0040u)) | 0x1F80u); /* RN, no FTZ/DAZ, masked */
+    return old;
+}
+static void restore_mxcsr(unsigned old) { _mm_setcsr(old); }
+#else
+static unsigned pin_mxcsr(void) { return 0; }
+static void restore_mxcsr(unsigned old) { (void)old; }
+#endif
+
+CLONES static void exp_rows(const float *x, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) y[i] = exp32(x[i]);
+}
+
+void lmtail_exp32(const float *x, float *y, int64_t n) {
+    unsigned old = pin_mxcsr();
+    exp_rows(x, y, n);
+    restore_mxcsr(old);
+}
+
+/* gu [M, ld] fp32: gate in columns [0, F), up in [F, 2F); out [M, F]. */
+CLONES static void silu_rows(const float *gu, float *out, int64_t M, int64_t F, int64_t ld) {
+    for (int64_t m = 0; m < M; ++m) {
+        const float *g = gu + m * ld, *u = g + F;
+        float *o = out + m * F;
+        for (int64_t c = 0; c < F; ++c) o[c] = silu_mul1(g[c], u[c]);
+    }
+}
+
+void lmtail_silu_mul(const float *gu, float *out, int64_t M, int64_t F, int64_t ld) {
+    unsigned old = pin_mxcsr();
+    silu_rows(gu, out, M, F, ld);
+    restore_mxcsr(old);
+}
+
+/* ------------------------------------------------------------------ attention */
+typedef struct {
+    const float *q, *kt, *v;
+    float *out;
+    const int64_t *pad;
+    int64_t B, T, nh, nkv, S_cap, s0;
+    float scale;
+    float *scratch; /* per thread: 2 QB * (S_cap + JB) floats */
+    int64_t nunits, next;
+    int avx512; /* use the AVX-512 register-tile micro-kernels (same chains, same bits) */
+} attn_job;
+
+#if defined(__x86_64__)
+/* AVX-512 versions of scores() and pv() below: the same fma chains per element, with the
+ * accumulators held in zmm registers (3 queries x 64 keys, or 3 queries x 64 dims). */
+#define AVX512 __attribute__((target("avx512f")))
+static inline __attribute__((always_inline)) AVX512 void
+scores512(const int NQ, const float *const *qs, const float *kt, int64_t S_cap, int64_t nmax,
+          float scale, float *const *sc) {
+    const __m512 vs = _mm512_set1_ps(scale);
+    for (int64_t j0 = 0; j0 < nmax; j0 += JB) {
+        __m512 acc[2 * QB][4];
+#pragma GCC unroll 6
+        for (int i = 0; i < NQ; ++i)
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_ps();
+        for (int d = 0; d < HD; ++d) {
+            const float *kr = kt + (int64_t)d * S_cap + j0;
+            const __m512 k0 = _mm512_loadu_ps(kr), k1 = _mm512_loadu_ps(kr + 16);
+            const __m512 k2 = _mm512_loadu_ps(kr + 32), k3 = _mm512_loadu_ps(kr + 48);
+#pragma GCC unroll 6
+            for (int i = 0; i < NQ; ++i) {
+                const __m512 qd = _mm512_set1_ps(qs[i][d]);
+                acc[i][0] = _mm512_fmadd_ps(qd, k0, acc[i][0]);
+                acc[i][1] = _mm512_fmadd_ps(qd, k1, acc[i][1]);
+                acc[i][2] = _mm512_fmadd_ps(qd, k2, acc[i][2]);
+                acc[i][3] = _mm512_fmadd_ps(qd, k3, acc[i][3]);
+            }
+        }
+#pragma GCC unroll 6
+        for (int i = 0; i < NQ; ++i)
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; ++c) _mm512_storeu_ps(sc[i] + j0 + 16 * c, _mm512_mul_ps(acc[i][c], vs));
+    }
+}
+
+static inline __attribute__((always_inline)) AVX512 void
+pv512(const int NQ, float *const *e, const float *v, int64_t n, float *const *outs) {
+    __m512 acc[QB][4];
+    float den[QB];
+#pragma GCC unroll 3
+    for (int i = 0; i < NQ; ++i) {
+        den[i] = 0.0f;
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_ps();
+    }
+    for (int64_t j = 0; j < n; ++j) {
+        const float *vr = v + j * HD;
+        const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16);
+        const __m512 v2 = _mm512_loadu_ps(vr + 32), v3 = _mm512_loadu_ps(vr + 48);
+#pragma GCC unroll 3
+        for (int i = 0; i < NQ; ++i) {
+            const float ej = e[i][j];
+            den[i] = den[i] + ej;
+            const __m512 eb = _mm512_set1_ps(ej);
+            acc[i][0] = _mm512_fmadd_ps(eb, v0, acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(eb, v1, acc[i][1]);
+            acc[i][2] = _mm512_fmadd_ps(eb, v2, acc[i][2]);
+            acc[i][3] = _mm512_fmadd_ps(eb, v3, acc[i][3]);
+        }
+    }
+#pragma GCC unroll 3
+    for (int i = 0; i < NQ; ++i) {
+        const __m512 dv = _mm512_set1_ps(den[i]);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(outs[i] + 16 * c, _mm512_div_ps(acc[i][c], dv));
+    }
+}
+
+/* exp32 on 16 lanes: the scalar exp32's operations one for one (compare + blend for its
+ * selects, fnmadd(n, c, x) = fma(-n, c, x)), so the same bits lane by lane. */
+static inline __attribute__((always_inline)) AVX512 __m512 exp32_512(__m512 x) {
+    const __m512 hi = _mm512_set1_ps(X_HI), lo = _mm512_set1_ps(X_LO);
+    __m512 xc = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), x, hi);
+    xc = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(xc, lo, _CMP_LT_OQ), xc, lo);
+    xc = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(xc, xc, _CMP_UNORD_Q), xc, _mm512_setzero_ps());
+    const __m512 rnd = _mm512_set1_ps(RND);
+    const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(xc, _mm512_set1_ps(LOG2E)), rnd), rnd);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+    __m512 p = _mm512_set1_ps(C[7]);
+    for (int k = 6; k >= 0; --k) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(C[k]));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), y, _mm512_setzero_ps());
+    y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), y, _mm512_set1_ps(INFINITY));
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), y, _mm512_set1_ps(NAN));
+}
+
+/* softmax_num on 16 lanes: m by the scalar rule (x > m ? x : m, every lane started at sc[0],
+ * lanes folded by the same rule: the same m, as max is order-free for the values that
+ * reach exp), then sc[j] = exp32(sc[j] - m). The same bits as softmax_num. */
+static AVX512 void softmax512(float *sc, int64_t n) {
+    __m512 m = _mm512_set1_ps(sc[0]);
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1u);
+        const __m512 x = _mm512_maskz_loadu_ps(k, sc + j);
+        m = _mm512_mask_blend_ps(_mm512_mask_cmp_ps_mask(k, x, m, _CMP_GT_OQ), m, x);
+    }
+    float lanes[16], mx = sc[0];
+    _mm512_storeu_ps(lanes, m);
+    for (int i = 0; i < 16; ++i) mx = lanes[i] > mx ? lanes[i] : mx;
+    const __m512 vm = _mm512_set1_ps(mx);
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1u);
+        _mm512_mask_storeu_ps(sc + j, k, exp32_512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + j), vm)));
+    }
+}
+
+static AVX512 void attend512(int nq, const float *const *qs, const float *kt, const float *v,
+                             int64_t S_cap, int64_t n, float scale, float *const *sc,
+                             float *const *outs, void (*num)(float *, int64_t)) {
+    if (nq == 3) scores512(3, qs, kt, S_cap, n, scale, sc);
+    else if (nq == 2) scores512(2, qs, kt, S_cap, n, scale, sc);
+    else scores512(1, qs, kt, S_cap, n, scale, sc);
+    for (int i = 0; i < nq; ++i) num(sc[i], n);
+    if (nq == 3) pv512(3, sc, v, n, outs);
+    else if (nq == 2) pv512(2, sc, v, n, outs);
+    else pv512(1, sc, v, n, outs);
+}
+
+/* pv512 for NQ = 2 nq queries: the first nq over keys j < n, the last nq over j < n + 1,
+ * sharing each value row's loads; dims in two halves of 32 (each element's chain and each
+ * den are the same sequential chains over j as in pv512; den is run in the first half). */
+static inline __attribute__((always_inline)) AVX512 void
+pv512_pair(const int NQ, float *const *e, const float *v, int64_t n, float *const *outs) {
+    float den[2 * QB];
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; ++half) {
+        __m512 acc[2 * QB][2];
+#pragma GCC unroll 6
+        for (int i = 0; i < NQ; ++i) {
+            if (half == 0) den[i] = 0.0f;
+            acc[i][0] = _mm512_setzero_ps();
+            acc[i][1] = _mm512_setzero_ps();
+        }
+        for (int64_t j = 0; j <= n; ++j) {
+            const float *vr = v + j * HD + 32 * half;
+            const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16);
+#pragma GCC unroll 6
+            for (int i = 0; i < NQ; ++i) {
+                if (j == n && i < NQ / 2) continue; /* the first position has n keys */
+                const float ej = e[i][j];
+                if (half == 0) den[i] = den[i] + ej;
+                const __m512 eb = _mm512_set1_ps(ej);
+                acc[i][0] = _mm512_fmadd_ps(eb, v0, acc[i][0]);
+                acc[i][1] = _mm512_fmadd_ps(eb, v1, acc[i][1]);
+            }
+        }
+#pragma GCC unroll 6
+        for (int i = 0; i < NQ; ++i) {
+            const __m512 dv = _mm512_set1_ps(den[i]);
+            _mm512_storeu_ps(outs[i] + 32 * half, _mm512_div_ps(acc[i][0], dv));
+            _mm512_storeu_ps(outs[i] + 32 * half + 16, _mm512_div_ps(acc[i][1], dv));
+        }
+    }
+}
+
+/* Two adjacent positions (n and n + 1 keys) of the same nq heads: one pass over the keys
+ * for all 2 nq scores (qs, sc, outs: the first position's nq, then the second's), then
+ * each query's own softmax and value chain over its own n. The same chains as attend512. */
+static AVX512 void attend512_pair(int nq, const float *const *qs, const float *kt, const float *v,
+                                  int64_t S_cap, int64_t n, float scale, float *const *sc,
+                                  float *const *outs) {
+    if (nq == 3) scores512(6, qs, kt, S_cap, n + 1, scale, sc);
+    else if (nq == 2) scores512(4, qs, kt, S_cap, n + 1, scale, sc);
+    else scores512(2, qs, kt, S_cap, n + 1, scale, sc);
+    for (int i = 0; i < 2 * nq; ++i) softmax512(sc[i], i < nq ? n : n + 1);
+    if (nq == 3) pv512_pair(6, sc, v, n, outs);
+    else if (nq == 2) pv512_pair(4, sc, v, n, outs);
+    else pv512_pair(2, sc, v, n, outs);
+}
+#endif
+
+/* Scores of NQ queries (NQ <= QB) sharing one KV head: sc[i][j] = fl32(dot * scale) for
+ * j < nmax (lanes past a query's own n are computed from in-bounds slots and never used). */
+static inline __attribute__((always_inline)) void
+scores(const int NQ, const float *const *qs, const float *kt, int64_t S_cap, int64_t nmax,
+       float scale, float *const *sc) {
+    for (int64_t j0 = 0; j0 < nmax; j0 += JB) {
+        float acc[QB][JB];
+        for (int i = 0; i < NQ; ++i)
+            for (int jj = 0; jj < JB; ++jj) acc[i][jj] = 0.0f;
+        for (int d = 0; d < HD; ++d) {
+            const float *kr = kt + (int64_t)d * S_cap + j0;
+            for (int i = 0; i < NQ; ++i) {
+                const float qd = qs[i][d];
+                for (int jj = 0; jj < JB; ++jj) acc[i][jj] = fmaf(qd, kr[jj], acc[i][jj]);
+            }
+        }
+        for (int i = 0; i < NQ; ++i)
+            for (int jj = 0; jj < JB; ++jj) sc[i][j0 + jj] = acc[i][jj] * scale;
+    }
+}
+
+/* In place: sc[j] = exp32(sc[j] - max) for j < n. */
+CLONES static void softmax_num(float *sc, int64_t n) {
+    float m = sc[0];
+    for (int64_t j = 1; j < n; ++j) m = sc[j] > m ? sc[j] : m;
+    for (int64_t j = 0; j < n; ++j) sc[j] = exp32(sc[j] - m);
+}
+
+/* acc[i][d] = fma chain over j in [j0, j1) of e[i][j] * v_j[d]; den[i] += e[i][j] in order. */
+static inline __attribute__((always_inline)) void
+pv(const int NQ, float *const *e, const float *v, int64_t j0, int64_t j1, float acc[][HD],
+   float *den) {
+    for (int64_t j = j0; j < j1; ++j) {
+        const float *vr = v + j * HD;
+        for (int i = 0; i < NQ; ++i) {
+            const float ej = e[i][j];
+            den[i] = den[i] + ej;
+            for (int d = 0; d < HD; ++d) acc[i][d] = fmaf(ej, vr[d], acc[i][d]);
+        }
+    }
+}
+
+/* One position t of row b, KV head kh: its g query heads (in groups of QB). */
+CLONES static void attn_pos(const attn_job *jb, int64_t b, int64_t kh, int64_t t, float *scratch) {
+    const int64_t T = jb->T, g = jb->nh / jb->nkv;
+    const int64_t p = jb->s0 + t - jb->pad[b];
+    const float *kt = jb->kt + ((b * jb->nkv + kh) * HD) * jb->S_cap + jb->pad[b];
+    const float *v = jb->v + ((b * jb->nkv + kh) * jb->S_cap + jb->pad[b]) * HD;
+    for (int64_t h0 = 0; h0 < g; h0 += QB) {
+        const int nq = (int)(g - h0 < QB ? g - h0 : QB);
+        const float *qs[QB];
+        float *outs[QB], *sc[QB];
+        for (int i = 0; i < nq; ++i) {
+            const int64_t h = kh * g + h0 + i;
+            qs[i] = jb->q + ((b * T + t) * jb->nh + h) * HD;
+            outs[i] = jb->out + ((b * T + t) * jb->nh + h) * HD;
+            sc[i] = scratch + (int64_t)i * (jb->S_cap + JB);
+        }
+        if (p < 0) {
+            for (int i = 0; i < nq; ++i) memset(outs[i], 0, HD * sizeof(float));
+            continue;
+        }
+        const int64_t n = p + 1;
+#if defined(__x86_64__)
+        if (jb->avx512) {
+            attend512(nq, qs, kt, v, jb->S_cap, n, jb->scale, sc, outs, softmax512);
+            continue;
+        }
+#endif
+        if (nq == 3) scores(3, qs, kt, jb->S_cap, n, jb->scale, sc);
+        else if (nq == 2) scores(2, qs, kt, jb->S_cap, n, jb->scale, sc);
+        else scores(1, qs, kt, jb->S_cap, n, jb->scale, sc);
+        for (int i = 0; i < nq; ++i) softmax_num(sc[i], n);
+        float acc[QB][HD], den[QB];
+        for (int i = 0; i < nq; ++i) {
+            den[i] = 0.0f;
+            for (int d = 0; d < HD; ++d) acc[i][d] = 0.0f;
+        }
+        if (nq == 3) pv(3, sc, v, 0, n, acc, den);
+        else if (nq == 2) pv(2, sc, v, 0, n, acc, den);
+        else pv(1, sc, v, 0, n, acc, den);
+        for (int i = 0; i < nq; ++i)
+            for (int d = 0; d < HD; ++d) outs[i][d] = acc[i][d] / den[i];
+    }
+}
+
+#if defined(__x86_64__)
+/* Positions t and t + 1 (both real queries) of row b, KV head kh on the AVX-512 kernels:
+ * each group of nq heads shares one pass over the keys (attend512_pair). */
+static AVX512 void attn_pair512(const attn_job *jb, int64_t b, int64_t kh, int64_t t, float *scratch) {
+    const int64_t T = jb->T, g = jb->nh / jb->nkv;
+    const int64_t n = jb->s0 + t - jb->pad[b] + 1;
+    const float *kt = jb->kt + ((b * jb->nkv + kh) * HD) * jb->S_cap + jb->pad[b];
+    const float *v = jb->v + ((b * jb->nkv + kh) * jb->S_cap + jb->pad[b]) * HD;
+    for (int64_t h0 = 0; h0 < g; h0 += QB) {
+        const int nq = (int)(g - h0 < QB ? g - h0 : QB);
+        const float *qs[2 * QB];
+        float *outs[2 * QB], *sc[2 * QB];
+        for (int k = 0; k < 2 * nq; ++k) {
+            const int64_t tt = t + k / nq, h = kh * g + h0 + k % nq;
+            qs[k] = jb->q + ((b * T + tt) * jb->nh + h) * HD;
+            outs[k] = jb->out + ((b * T + tt) * jb->nh + h) * HD;
+            sc[k] = scratch + (int64_t)k * (jb->S_cap + JB);
+        }
+        attend512_pair(nq, qs, kt, v, jb->S_cap, n, jb->scale, sc, outs);
+    }
+}
+#endif
+
+/* One unit: row b, KV head kh, positions 2u and 2u + 1 (the last unit of an odd T: one). */
+static void attn_unit(const attn_job *jb, int64_t unit, float *scratch) {
+    const int64_t T = jb->T, tp = (T + 1) / 2;
+    const int64_t b = unit / (jb->nkv * tp), kh = (unit / tp) % jb->nkv, t = 2 * (unit % tp);
+#if defined(__x86_64__)
+    if (jb->avx512 && t + 1 < T && jb->s0 + t - jb->pad[b] >= 0) {
+        attn_pair512(jb, b, kh, t, scratch);
+        return;
+    }
+#endif
+    attn_pos(jb, b, kh, t, scratch);
+    if (t + 1 < T) attn_pos(jb, b, kh, t + 1, scratch);
+}
+
+typedef struct {
+    attn_job *job;
+    float *scratch;
+} worker_arg;
+
+static void *attn_worker(void *arg) {
+    worker_arg *w = (worker_arg *)arg;
+    unsigned old = pin_mxcsr();
+    for (;;) {
+        int64_t u = __atomic_fetch_add(&w->job->next, 1, __ATOMIC_RELAXED);
+        if (u >= w->job->nunits) break;
+        attn_unit(w->job, u, w->scratch);
+    }
+    restore_mxcsr(old);
+    return NULL;
+}
+
+/* Returns 0 on success, -1 if scratch memory could not be had (nothing written then).
+ * no_avx512 != 0 forces the portable path (the tests compare the two). */
+int lmtail_attend(const float *q, const float *kt, const float *v, float *out, const int64_t *pad,
+                  int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t S_cap, int64_t s0,
+                  float scale, int threads, int no_avx512) {
+    attn_job job = {q, kt, v, out, pad, B, T, nh, nkv, S_cap, s0, scale, NULL, B * nkv * ((T + 1) / 2), 0, 0};
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    job.avx512 = __builtin_cpu_supports("avx512f") && !no_avx512;
+#endif
+    if (threads < 1) threads = 1;
+    if (threads > job.nunits) threads = (int)(job.nunits > 0 ? job.nunits : 1);
+    const size_t per = (size_t)(2 * QB) * (size_t)(S_cap + JB);
+    float *scratch = (float *)malloc(per * sizeof(float) * (size_t)threads);
+    if (!scratch) return -1;
+    worker_arg args[64];
+    pthread_t tid[64];
+    if (threads > 64) threads = 64;
+    for (int i = 0; i < threads; ++i) args[i] = (worker_arg){&job, scratch + per * (size_t)i};
+    int started = 1;
+    for (int i = 1; i < threads; ++i) {
+        if (pthread_create(&tid[i], NULL, attn_worker, &args[i]) != 0) break;
+        started = i + 1;
+    }
+    attn_worker(&args[0]);
+    for (int i = 1; i < started; ++i) pthread_join(tid[i], NULL);
+    free(scratch);
+    return 0;
+}
+
+/* 1 when the AVX-512 attention micro-kernels can run on this CPU. */
+int lmtail_body_has_avx512(void) {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
+/* ------------------------------------------------------------------ bf16 helpers */
+/* fp32 -> bf16, round to nearest even (overflow -> inf); a NaN -> 0x7FC0 (payload not declared). */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)0x7FC0u;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float from_bf16(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* ------------------------------------------------------------------ add + RMSNorm */
+/* lmtail.norms.add_rms in the order strided(lanes), for one row of H (see body.py add_rms_rows):
+ *   h_i = bf16(fl32(bf16(x_i) + r_i))  (x fp32; x_bf16 != 0: x is bf16, widened exactly)
+ *   ssq = lane chains acc_t = fma(h_i, h_i, acc_t) over i = t, t + lanes, ... from +0.0,
+ *         xor butterfly (halves folded: 16, 8, 4, 2, 1) per 32 lanes, groups added in order
+ *   inv = fl32(1 / sqrt(fl32(fl32(ssq / H) + eps)))   (IEEE sqrt and division)
+ *   y_i = bf16(fl32(fl32(h_i * inv) * gamma_i))
+ * scratch: H + lanes floats. */
+CLONES static void add_rms_row(const void *x, int x_bf16, const uint16_t *r, const float *gamma,
+                               int64_t H, float eps, int64_t lanes, uint16_t *h, uint16_t *y,
+                               float *scratch) {
+    float *h32 = scratch, *acc = scratch + H;
+    for (int64_t i = 0; i < H; ++i) {
+        const float xi = x_bf16 ? from_bf16(((const uint16_t *)x)[i])
+                                : from_bf16(to_bf16(((const float *)x)[i]));
+        const uint16_t hb = to_bf16(xi + from_bf16(r[i]));
+        h[i] = hb;
+        h32[i] = from_bf16(hb);
+    }
+    for (int64_t t = 0; t < lanes; ++t) acc[t] = 0.0f;
+    for (int64_t i0 = 0; i0 < H; i0 += lanes) {
+        const int64_t n = H - i0 < lanes ? H - i0 : lanes;
+        for (int64_t t = 0; t < n; ++t) acc[t] = fmaf(h32[i0 + t], h32[i0 + t], acc[t]);
+    }
+    float ssq = 0.0f;
+    for (int64_t g = 0; g < lanes / 32; ++g) {
+        float *l = acc + 32 * g;
+        for (int half = 16; half >= 1; half /= 2)
+            for (int i = 0; i < half; ++i) l[i] = l[i] + l[i + half];
+        ssq = g == 0 ? l[0] : ssq + l[0];
+    }
+    const float m = ssq / (float)H;
+    const float d = m + eps;
+    const float inv = 1.0f / __builtin_sqrtf(d);
+    for (int64_t i = 0; i < H; ++i) y[i] = to_bf16((h32[i] * inv) * gamma[i]);
+}
+
+/* x [N, ldx] fp32 or bf16, r [N, H] bf16, gamma [H] fp32 -> h, y [N, H] bf16.
+ * Returns 0, or -1 when scratch memory could not be had (nothing written then). */
+int lmtail_add_rms_rows(const void *x, int64_t ldx, int x_bf16, const uint16_t *r,
+                        const float *gamma, int64_t N, int64_t H, float eps, int64_t lanes,
+                        uint16_t *h, uint16_t *y) {
+    float *scratch = (float *)malloc(sizeof(float) * (size_t)(H + lanes));
+    if (!scratch) return -1;
+    unsigned old = pin_mxcsr();
+    const size_t esz = x_bf16 ? 2 : 4;
+    for (int64_t m = 0; m < N; ++m)
+        add_rms_row((const char *)x + (size_t)(m * ldx) * esz, x_bf16, r + m * H, gamma, H, eps,
+                    lanes, h + m * H, y + m * H, scratch);
+    restore_mxcsr(old);
+    free(scratch);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ rope + cache write */
+/* qkv [B*T, ld] fp32 rows = [q (nh*HD) | k (nkv*HD) | v (nkv*HD)] of the fused GEMM;
+ * cs, sn [P, HD/2] fp32 rope tables; pos [B*T] int64 positions (>= 0, < P).
+ * Writes q_out [B, T, nh, HD] (roped), kt[b, kh, :, s0 + t] (roped, transposed) and
+ * v[b, kh, s0 + t, :]. Rope of pair i (angle row pos): e = x[2i], o = x[2i+1],
+ *   x'[2i] = fl32(fl32(e c) - fl32(o s)),  x'[2i+1] = fl32(fl32(e s) + fl32(o c)). */
+CLONES static void rope_head(const float *x, const float *c, const float *s, float *out,
+                             int64_t stride) {
+    for (int64_t i = 0; i < HD / 2; ++i) {
+        const float e = x[2 * i], o = x[2 * i + 1];
+        out[(2 * i) * stride] = e * c[i] - o * s[i];
+        out[(2 * i + 1) * stride] = e * s[i] + o * c[i];
+    }
+}
+
+void lmtail_rope_qkv(const float *qkv, int64_t ld, const float *cs, const float *sn,
+                     const int64_t *pos, float *q_out, float *kt, float *v, int64_t B, int64_t T,
+                     int64_t nh, int64_t nkv, int64_t S_cap, int64_t s0) {
+    unsigned old = pin_mxcsr();
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < T; ++t) {
+            const float *row = qkv + (b * T + t) * ld;
+            const float *c = cs + pos[b * T + t] * (HD / 2), *s = sn + pos[b * T + t] * (HD / 2);
+            for (int64_t h = 0; h < nh; ++h)
+                rope_head(row + h * HD, c, s, q_out + ((b * T + t) * nh + h) * HD, 1);
+            for (int64_t h = 0; h < nkv; ++h) {
+                rope_head(row + (nh + h) * HD, c, s, kt + ((b * nkv + h) * HD) * S_cap + s0 + t, S_cap);
+                memcpy(v + ((b * nkv + h) * S_cap + s0 + t) * HD, row + (nh + nkv + h) * HD,
+                       HD * sizeof(float));
+            }
+        }
+    restore_mxcsr(old);
+}
+
+/* silu_mul with a bf16 result: out[m, c] = bf16(silu_mul1(g, u)) (the GEMM input it feeds). */
+CLONES static void silu_rows_bf16(const float *gu, uint16_t *out, int64_t M, int64_t F, int64_t ld) {
+    for (int64_t m = 0; m < M; ++m) {
+        const float *g = gu + m * ld, *u = g + F;
+        uint16_t *o = out + m * F;
+        for (int64_t c = 0; c < F; ++c) o[c] = to_bf16(silu_mul1(g[c], u[c]));
+    }
+}
+
+#if defined(__x86_64__)
+/* silu_rows_bf16 on 16 lanes: silu_mul1's operations one for one (exp32_512, IEEE division),
+ * then to_bf16's integer rounding (NaN -> 0x7FC0): the same bits. */
+static __attribute__((target("avx512f,avx512bw,avx512vl"))) void silu_rows_bf16_512(const float *gu, uint16_t *out, int64_t M, int64_t F, int64_t ld) {
+    const __m512 one = _mm512_set1_ps(1.0f), ninf = _mm512_set1_ps(-INFINITY);
+    const __m512i bias = _mm512_set1_epi32(0x7FFF), lsb = _mm512_set1_epi32(1);
+    const __m512i qnan = _mm512_set1_epi32(0x7FC0);
+    for (int64_t m = 0; m < M; ++m) {
+        const float *g = gu + m * ld, *u = g + F;
+        uint16_t *o = out + m * F;
+        for (int64_t c = 0; c < F; c += 16) {
+            const __mmask16 k = F - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (F - c)) - 1u);
+            const __m512 gv = _mm512_maskz_loadu_ps(k, g + c), uv = _mm512_maskz_loadu_ps(k, u + c);
+            const __m512 e = exp32_512(_mm512_castsi512_ps(  /* -g: the sign bit flipped */
+                _mm512_xor_si512(_mm512_castps_si512(gv), _mm512_set1_epi32((int)0x80000000u))));
+            __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(one, e));
+            sv = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(gv, ninf, _CMP_EQ_OQ), sv, _mm512_set1_ps(-0.0f));
+            const __m512 y = _mm512_mul_ps(sv, uv);
+            const __m512i yi = _mm512_castps_si512(y);
+            __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(yi, bias),
+                                                           _mm512_and_si512(_mm512_srli_epi32(yi, 16), lsb)), 16);
+            r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), r, qnan);
+            _mm256_mask_storeu_epi16(o + c, k, _mm512_cvtepi32_epi16(r));
+        }
+    }
+}
+#endif
+
+void lmtail_silu_mul_bf16(const float *gu, uint16_t *out, int64_t M, int64_t F, int64_t ld) {
+    unsigned old = pin_mxcsr();
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl")) {
+        silu_rows_bf16_512(gu, out, M, F, ld);
+        restore_mxcsr(old);
+        return;
+    }
+#endif
+    silu_rows_bf16(gu, out, M, F, ld);
+    restore_mxcsr(old);
+}

@@ -1,0 +1,418 @@
+"""The declared-order pieces of the SmolLM2 body: exp32, silu_mul, rope tables, attention,
+and the model loop's fused glue (add_rms_rows, rope_qkv, silu_mul_bf16: the bytes of the
+ops they replace, lmtail.norms.add_rms, apply_rope + cache writes, silu_mul + bf16 round).
+
+Every function here computes from IEEE basic operations (+, -, *, /, fma, casts) in a
+stated order, so its bytes are the same on every CPU and for every backend:
+  "avx512" the C kernels with attention's AVX-512 register-tile micro-kernels;
+  "c"      the portable C kernels (model/body.c; compiled as AVX-512 / AVX2 / default
+           clones picked at load: the same bits, only explicit fmaf fuses);
+  "torch"  the same operations spelled in torch (fma emulated exactly by numerics.fma32):
+           slow, for tests and machines without a C compiler.
+The float64 references they are checked against live in lmtail.reference.model.
+
+Shape legend: B rows, T new tokens, nh / nkv query / KV heads, g = nh // nkv, hd head dim
+(64), S_cap cache slots (capacity + SLACK), F FFN width, M rows of a linear, P positions.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..norms import NormResult, add_rms
+from ..numerics import Decl, SumDecl, exp64, fma32, log64
+from ..orders import strided
+
+HD = 64  # the head dim the C attention kernel is built for
+SLACK = 64  # key-cache slots past capacity: the kernel reads whole 64-key blocks
+
+# exp32's constants, bit for bit as in body.c
+_F = np.float32
+LOG2E = _F(float.fromhex("0x1.715476p+0"))
+RND = _F(float.fromhex("0x1.8p+23"))
+LN2_HI = _F(float.fromhex("0x1.63p-1"))
+LN2_LO = _F(float.fromhex("-0x1.bd0106p-13"))
+X_HI, X_LO = _F(88.0), _F(-86.0)
+EXP_C = tuple(_F(float.fromhex(h)) for h in (
+    "0x1p+0", "0x1p+0", "0x1p-1", "0x1.555556p-3", "0x1.555556p-5", "0x1.111112p-7",
+    "0x1.6c16c2p-10", "0x1.a01a02p-13"))  # fp32(1/k!), k = 0..7
+
+EXP32_ULP = 2  # declared accuracy: |exp32(x) - exp(x)| <= 2 ulp for x in [-86, 88]
+SILU_ULP = 4  # silu_mul(g, 1) vs g * sigmoid(g): <= 4 ulp where the result is normal
+ROPE_ULP = 1  # rope cos/sin vs the exact values: <= 1 ulp of fp32 (float64 error < 1e-15 before rounding)
+
+
+# ---------------------------------------------------------------------------------------
+# declarations
+# ---------------------------------------------------------------------------------------
+def exp32_decl() -> Decl:
+    return Decl(op="exp32", rounding_points=(
+        "t = fl32(x * LOG2E); n = fl32(fl32(t + 1.5*2^23) - 1.5*2^23)",
+        "r = fma(-n, LN2_HI, x); r = fma(-n, LN2_LO, r)",
+        "p = Horner over fp32(1/k!), k = 7..0: 7 fmas", "y = fl32(p * 2^n)",
+        "x > 88 -> +inf, x < -86 -> +0, NaN -> NaN"), sums=())
+
+
+def silu_mul_decl() -> Decl:
+    return Decl(op="silu_mul", rounding_points=(
+        "e = exp32(-g)", "d = fl32(1 + e)", "s = fl32(g / d) (silu(-inf) = -0)",
+        "y = fl32(s * u)"), sums=())
+
+
+def rope_decl() -> Decl:
+    return Decl(op="rope", rounding_points=(
+        "inv_freq_i = exp64(fl64(log64(base) * fl64(-2i / hd)))", "theta = fl64(p * inv_freq_i)",
+        "k = round(fl64(theta * 2/pi)); r = theta - k*P1 - k*P2 - k*P3 (float64, 3-part pi/2)",
+        "sin r, cos r: float64 Horner (Taylor to r^17 / r^18); quadrant by k mod 4",
+        "cos, sin rounded once to fp32",
+        "x' = (fl32(fl32(xe*cos) - fl32(xo*sin)), fl32(fl32(xe*sin) + fl32(xo*cos)))"), sums=())
+
+
+def attend_decl(n_keys: int, head_dim: int = HD) -> Decl:
+    """The attention of one query over its n_keys = position + 1 keys."""
+    return Decl(op="attend", rounding_points=(
+        "s_j = fl32(dot_j * scale)", "m = max_j s_j (exact)", "e_j = exp32(fl32(s_j - m))",
+        "out_d = fl32(acc_d / den)", "pad query (position < 0) -> +0.0"), sums=(
+        SumDecl(name="dot", dtype="fp32", depth=head_dim,
+                order="fma chain d = 0..hd-1 from +0.0 of q_d * k_jd"),
+        SumDecl(name="den", dtype="fp32", depth=n_keys,
+                order="sequential j = 0..n-1 (position order) from +0.0 of e_j"),
+        SumDecl(name="acc", dtype="fp32", depth=n_keys,
+                order="fma chain j = 0..n-1 (position order) from +0.0 of e_j * v_jd"),
+    ))
+
+
+# ---------------------------------------------------------------------------------------
+# the C library
+# ---------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _lib():
+    from ..kernels._cc import load_optional
+
+    lib = load_optional(Path(__file__).with_name("body.c"), what="model body",
+                        fallback="the torch emulation (same bytes, slow)")
+    if lib is None:
+        return None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.lmtail_exp32.argtypes = [p, p, i64]
+    lib.lmtail_silu_mul.argtypes = [p, p, i64, i64, i64]
+    lib.lmtail_attend.argtypes = [p] * 5 + [i64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.lmtail_attend.restype = ctypes.c_int
+    lib.lmtail_body_has_avx512.restype = ctypes.c_int
+    lib.lmtail_add_rms_rows.argtypes = [p, i64, ctypes.c_int, p, p, i64, i64, ctypes.c_float, i64, p, p]
+    lib.lmtail_add_rms_rows.restype = ctypes.c_int
+    lib.lmtail_rope_qkv.argtypes = [p, i64, p, p, p, p, p, p] + [i64] * 6
+    lib.lmtail_silu_mul_bf16.argtypes = [p, p, i64, i64, i64]
+    return lib
+
+
+def available_backends() -> tuple[str, ...]:
+    """Backends of this module on this machine, fastest first (all give the same bytes)."""
+    lib = _lib()
+    if lib is None:
+        return ("torch",)
+    return ("avx512", "c", "torch") if lib.lmtail_body_has_avx512() else ("c", "torch")
+
+
+def _pick(backend: str | None) -> str:
+    have = available_backends()
+    if backend is None:
+        return have[0]
+    if backend not in have:
+        raise ValueError(f"backend must be one of {have}; got {backend!r}")
+    return backend
+
+
+def _f32(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise ValueError(f"{name} must be torch.float32; got {t.dtype}")
+
+
+# ---------------------------------------------------------------------------------------
+# exp32, silu_mul
+# ---------------------------------------------------------------------------------------
+def _exp32_torch(x: torch.Tensor) -> torch.Tensor:
+    """exp32 in torch: the same operations as body.c, fma by numerics.fma32."""
+    f = functools.partial(torch.tensor, dtype=torch.float32)
+    xc = torch.where(x > float(X_HI), f(float(X_HI)), x)
+    xc = torch.where(xc < float(X_LO), f(float(X_LO)), xc)
+    xc = torch.where(torch.isnan(xc), f(0.0), xc)
+    t = xc * f(float(LOG2E))
+    n = (t + f(float(RND))) - f(float(RND))
+    r = fma32(-n, f(float(LN2_HI)), xc)
+    r = fma32(-n, f(float(LN2_LO)), r)
+    p = torch.full_like(x, float(EXP_C[7]))
+    for c in reversed(EXP_C[:7]):
+        p = fma32(p, r, f(float(c)))
+    s = ((n.to(torch.int32) + 127) << 23).view(torch.float32)
+    y = p * s
+    y = torch.where(x < float(X_LO), f(0.0), y)
+    y = torch.where(x > float(X_HI), f(math.inf), y)
+    return torch.where(torch.isnan(x), f(math.nan), y)
+
+
+def exp32(x: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """exp(x) elementwise, fp32 -> fp32, by the declared exp32 (exp32_decl): range
+    reduction by n = round(x log2 e), a degree-7 fma Horner polynomial, scaling by 2^n.
+    Accuracy <= EXP32_ULP ulp on [-86, 88]; x > 88 -> inf, x < -86 -> +0, NaN -> NaN
+    (0x7FC00000). Same bits for every backend and shape."""
+    _f32("x", x)
+    be = _pick(backend)
+    if be == "torch":
+        return _exp32_torch(x)
+    xc = x.contiguous()
+    y = torch.empty_like(xc)
+    _lib().lmtail_exp32(xc.data_ptr(), y.data_ptr(), xc.numel())
+    return y
+
+
+def _silu_mul_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    s = gate / (1.0 + _exp32_torch(-gate))
+    s = torch.where(gate == -math.inf, torch.tensor(-0.0), s)
+    return s * up
+
+
+def silu_mul(gu: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """silu(gate) * up for gu [M, 2F] fp32 = [gate | up] (the fused gate/up GEMM output)
+    -> [M, F] fp32, by silu_mul_decl: fl32(fl32(g / fl32(1 + exp32(-g))) * u).
+    Elementwise: a row's bytes never depend on M or the backend."""
+    _f32("gu", gu)
+    if gu.dim() != 2 or gu.shape[1] % 2:
+        raise ValueError(f"gu must be [M, 2F]; got shape {tuple(gu.shape)}")
+    be = _pick(backend)
+    M, F = gu.shape[0], gu.shape[1] // 2
+    if be == "torch":
+        return _silu_mul_torch(gu[:, :F], gu[:, F:])
+    if gu.stride(1) != 1:
+        gu = gu.contiguous()
+    out = torch.empty(M, F, dtype=torch.float32)  # [M, F]
+    if M:
+        _lib().lmtail_silu_mul(gu.data_ptr(), out.data_ptr(), M, F, gu.stride(0))
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# rope
+# ---------------------------------------------------------------------------------------
+_P1 = 1.57079632673412561417e+00  # fdlibm's pi/2 in three 33-bit parts: k * P_i is exact
+_P2 = 6.07710050630396597660e-11
+_P3 = 2.02226624871116645580e-21
+_TWO_OVER_PI = 6.36619772367581382433e-01
+_SIN_C = [(-1) ** k / math.factorial(2 * k + 1) for k in range(9)]  # r^1 .. r^17
+_COS_C = [(-1) ** k / math.factorial(2 * k) for k in range(10)]  # r^0 .. r^18
+
+
+def cos_sin64(theta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of float64 theta (|theta| < 2^20) from basic ops: k = round(theta 2/pi),
+    r = theta - k pi/2 (three-part pi/2, |r| <= pi/4 + tiny), Taylor Horner in r^2,
+    quadrant by k mod 4. Absolute error < 1e-15."""
+    k = torch.round(theta * _TWO_OVER_PI)
+    r = ((theta - k * _P1) - k * _P2) - k * _P3
+    r2 = r * r
+    s = torch.full_like(r, _SIN_C[-1])
+    for c in reversed(_SIN_C[:-1]):
+        s = s * r2 + c
+    s = s * r
+    c_ = torch.full_like(r, _COS_C[-1])
+    for c in reversed(_COS_C[:-1]):
+        c_ = c_ * r2 + c
+    q = k.to(torch.int64) % 4
+    cos = torch.where(q == 0, c_, torch.where(q == 1, -s, torch.where(q == 2, -c_, s)))
+    sin = torch.where(q == 0, s, torch.where(q == 1, c_, torch.where(q == 2, -s, -c_)))
+    return cos, sin
+
+
+@functools.lru_cache(maxsize=4)
+def rope_table(n_positions: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [P, hd/2] fp32 of theta = p * base^(-2i/hd) for p < P, i < hd/2, by
+    rope_decl (float64 basic ops, one rounding to fp32; <= ROPE_ULP ulp). Cached."""
+    i = torch.arange(head_dim // 2, dtype=torch.float64)
+    inv_freq = exp64(log64(torch.tensor(float(base), dtype=torch.float64)) * (-2.0 * i / head_dim))  # [hd/2]
+    theta = torch.arange(n_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]  # [P, hd/2]
+    cos, sin = cos_sin64(theta)
+    return cos.float(), sin.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs (x[2i], x[2i+1]) of x [..., T, n, hd] by cos, sin [..., T, 1, hd/2]
+    (fp32 elementwise: one rounding per product, one per sum)."""
+    xe, xo = x[..., 0::2], x[..., 1::2]
+    return torch.stack((xe * cos - xo * sin, xe * sin + xo * cos), dim=-1).flatten(-2)
+
+
+# ---------------------------------------------------------------------------------------
+# attention
+# ---------------------------------------------------------------------------------------
+def _check_attend(q, kt, v, pad, s0):
+    for name, t in (("q", q), ("kt", kt), ("v", v)):
+        _f32(name, t)
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be C-contiguous; got strides {t.stride()}")
+    if q.dim() != 4 or kt.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, kt, v must be 4-D; got {q.dim()}, {kt.dim()}, {v.dim()}")
+    B, T, nh, hd = q.shape
+    _, nkv, _, s_cap = kt.shape
+    if hd != HD or tuple(kt.shape) != (B, nkv, HD, s_cap) or tuple(v.shape) != (B, nkv, s_cap, HD):
+        raise ValueError(f"expected q [B, T, nh, {HD}], kt [B, nkv, {HD}, S_cap], v [B, nkv, S_cap, {HD}]; "
+                         f"got {tuple(q.shape)}, {tuple(kt.shape)}, {tuple(v.shape)}")
+    if nkv < 1 or nh % nkv:
+        raise ValueError(f"nh must be a multiple of nkv; got nh={nh}, nkv={nkv}")
+    if pad.dtype != torch.int64 or tuple(pad.shape) != (B,):
+        raise ValueError(f"pad must be [B] = [{B}] int64; got {tuple(pad.shape)} {pad.dtype}")
+    if B and (int(pad.min()) < 0 or s0 + T + SLACK > s_cap):
+        raise ValueError(f"need pad >= 0 and s0 + T + {SLACK} <= S_cap = {s_cap}; got pad min "
+                         f"{int(pad.min())}, s0 + T = {s0 + T}")
+
+
+def _attend_torch(q, kt, v, pad, s0, scale):
+    """The declared attention in torch (fma32 chains), vectorized over all queries."""
+    B, T, nh, hd = q.shape
+    nkv, g = kt.shape[1], nh // kt.shape[1]
+    pos = (s0 + torch.arange(T))[None, :] - pad[:, None]  # [B, T]
+    out = torch.zeros_like(q)
+    n_max = int(pos.max()) + 1 if pos.numel() else 0
+    if n_max <= 0:
+        return out
+    rows = torch.arange(B)[:, None, None]  # [B, 1, 1]
+    slot = pad[:, None] + torch.arange(n_max)[None, :]  # [B, n_max]
+    slot = slot.clamp(max=kt.shape[3] - 1)
+    kh = torch.arange(nh) // g  # [nh]
+    keys = kt[rows, kh[None, :, None], :, slot[:, None, :]]  # [B, nh, n_max, hd]
+    vals = v[rows, kh[None, :, None], slot[:, None, :], :]  # [B, nh, n_max, hd]
+    qq = q.permute(0, 2, 1, 3)  # [B, nh, T, hd]
+    live = torch.arange(n_max)[None, None, :] <= pos[:, :, None]  # [B, T, n_max]
+    live = live[:, None]  # [B, 1, T, n_max]
+    dot = torch.zeros(B, nh, T, n_max)
+    for d in range(hd):
+        dot = fma32(qq[..., d:d + 1], keys[:, :, None, :, d], dot)
+    s = dot * torch.tensor(scale, dtype=torch.float32)
+    m = s.masked_fill(~live, -math.inf).amax(-1, keepdim=True)
+    e = _exp32_torch(s - m)  # [B, nh, T, n_max]
+    den = torch.zeros(B, nh, T)
+    acc = torch.zeros(B, nh, T, hd)
+    for j in range(n_max):
+        lj = live[..., j]  # [B, 1, T]
+        ej = e[..., j]
+        den = torch.where(lj, den + ej, den)
+        acc = torch.where(lj[..., None], fma32(ej[..., None], vals[:, :, None, j, :], acc), acc)
+    o = acc / den[..., None]  # [B, nh, T, hd]
+    o = torch.where((pos >= 0)[:, None, :, None], o, torch.zeros(()))
+    return o.permute(0, 2, 1, 3).contiguous()
+
+
+def attend(q: torch.Tensor, kt: torch.Tensor, v: torch.Tensor, pad: torch.Tensor, *, s0: int,
+           scale: float, backend: str | None = None, threads: int | None = None) -> torch.Tensor:
+    """Causal GQA attention of T new queries at slots s0..s0+T-1 over a left-padded cache.
+
+    q [B, T, nh, 64] fp32 (after rope), kt [B, nkv, 64, S_cap] fp32 keys (after rope),
+    transposed, v [B, nkv, S_cap, 64] fp32, pad [B] int64: key j of row b is slot pad[b]+j,
+    query t of row b has position p = s0 + t - pad[b] and sees keys 0..p (causal; p < 0:
+    a pad query, output +0). Query head h reads KV head h // (nh / nkv). S_cap >= s0 + T
+    + SLACK. Order: attend_decl(p + 1) (one query's chains in position order, nothing
+    from other queries, rows or slots): a query's bytes do not depend on B, T, its row's
+    padding, whether its keys came by prefill or decode, the backend or `threads`
+    (None: torch.get_num_threads()). O(p) scratch per query. Returns [B, T, nh, 64] fp32."""
+    pad = torch.as_tensor(pad)
+    _check_attend(q, kt, v, pad, s0)
+    be = _pick(backend)
+    if be == "torch":
+        return _attend_torch(q, kt, v, pad, s0, scale)
+    B, T, nh, _ = q.shape
+    out = torch.empty_like(q)
+    if out.numel() == 0:
+        return out
+    nthreads = torch.get_num_threads() if threads is None else int(threads)
+    if nthreads < 1:
+        raise ValueError(f"threads must be >= 1; got {nthreads}")
+    pad_c = pad.contiguous()
+    rc = _lib().lmtail_attend(q.data_ptr(), kt.data_ptr(), v.data_ptr(), out.data_ptr(), pad_c.data_ptr(),
+                              B, T, nh, kt.shape[1], kt.shape[3], s0, float(scale), nthreads,
+                              int(be != "avx512"))
+    if rc != 0:
+        raise MemoryError("attend: scratch allocation failed")
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# the model loop's fused glue (internal: the caller has validated shapes and dtypes once)
+# ---------------------------------------------------------------------------------------
+def add_rms_rows(x: torch.Tensor, residual: torch.Tensor, gamma32: torch.Tensor, *, eps: float,
+                 lanes: int):
+    """lmtail.norms.add_rms(bf16(x), residual, gamma, eps=eps, order=orders.strided(lanes)),
+    the same bytes (a NaN's payload aside, as there), in one C pass per row.
+
+    x [N, H] fp32 (rounded once to bf16, as `.to(torch.bfloat16)` does) or bf16, unit column
+    stride; residual [N, H] bf16 C-contiguous; gamma32 [H] fp32 C-contiguous (the exact
+    widening of the norm weight). Returns norms.NormResult(h, y), both [N, H] bf16 (its numerics:
+    h = bf16(x + residual), ssq by strided(lanes) fma chains, IEEE sqrt and division,
+    y = bf16(fl32(h * inv) * gamma)). Row-independent. Without the C library: norms.add_rms."""
+    lib = _lib()
+    if lib is None:
+        return add_rms(x.to(torch.bfloat16), residual, gamma32, eps=eps, order=strided(lanes))
+    N, H = x.shape
+    assert residual.shape == (N, H) and residual.is_contiguous() and residual.dtype == torch.bfloat16
+    assert gamma32.shape == (H,) and gamma32.dtype == torch.float32 and gamma32.is_contiguous()
+    assert x.dtype in (torch.float32, torch.bfloat16) and (N <= 1 or x.stride(1) == 1) and lanes % 32 == 0
+    h = torch.empty(N, H, dtype=torch.bfloat16)  # [N, H]
+    y = torch.empty(N, H, dtype=torch.bfloat16)  # [N, H]
+    ldx = x.stride(0) if N > 1 else H
+    rc = lib.lmtail_add_rms_rows(x.data_ptr(), ldx, int(x.dtype == torch.bfloat16), residual.data_ptr(),
+                                 gamma32.data_ptr(), N, H, float(eps), lanes, h.data_ptr(), y.data_ptr())
+    if rc != 0:
+        raise MemoryError("add_rms_rows: scratch allocation failed")
+    return NormResult(h, y)
+
+
+def rope_qkv(qkv: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor, pos: torch.Tensor,
+             kc: torch.Tensor, vc: torch.Tensor, *, s0: int, nh: int) -> torch.Tensor:
+    """Split the fused q|k|v GEMM output, rope q and k (apply_rope's rounding points), and
+    write keys / values into the cache at slots s0..s0+T-1; returns q [B, T, nh, 64] fp32.
+
+    qkv [B*T, (nh + 2 nkv) 64] fp32 (unit column stride); cos_t, sin_t [P, 32] fp32 (rope_table);
+    pos [B, T] int64 in [0, P); kc [B, nkv, 64, S_cap] and vc [B, nkv, S_cap, 64] fp32
+    C-contiguous, written in place (k transposed). Elementwise: the same bytes as apply_rope on
+    the slices, for every B and T. Without the C library: the torch spelling of the same."""
+    B, T = pos.shape
+    nkv = kc.shape[1]
+    qd, kvd = nh * HD, nkv * HD
+    lib = _lib()
+    if lib is None:
+        cos, sin = cos_t[pos][:, :, None], sin_t[pos][:, :, None]  # [B, T, 1, hd/2]
+        q = apply_rope(qkv[:, :qd].reshape(B, T, nh, HD), cos, sin)  # [B, T, nh, hd]
+        k = apply_rope(qkv[:, qd:qd + kvd].reshape(B, T, nkv, HD), cos, sin)  # [B, T, nkv, hd]
+        kc[:, :, :, s0:s0 + T] = k.permute(0, 2, 3, 1)
+        vc[:, :, s0:s0 + T] = qkv[:, qd + kvd:].reshape(B, T, nkv, HD).transpose(1, 2)
+        return q.contiguous()
+    assert qkv.shape == (B * T, qd + 2 * kvd) and qkv.dtype == torch.float32 and (B * T <= 1 or qkv.stride(1) == 1)
+    assert kc.is_contiguous() and vc.is_contiguous() and kc.shape[3] == vc.shape[2] >= s0 + T
+    assert cos_t.is_contiguous() and sin_t.is_contiguous() and cos_t.shape[1] == HD // 2
+    assert pos.dtype == torch.int64  # the caller guarantees 0 <= pos < P (no per-call scan)
+    pos_c = pos.contiguous()
+    q = torch.empty(B, T, nh, HD, dtype=torch.float32)  # [B, T, nh, hd]
+    ld = qkv.stride(0) if B * T > 1 else qkv.shape[1]
+    lib.lmtail_rope_qkv(qkv.data_ptr(), ld, cos_t.data_ptr(), sin_t.data_ptr(), pos_c.data_ptr(), q.data_ptr(),
+                        kc.data_ptr(), vc.data_ptr(), B, T, nh, nkv, kc.shape[3], s0)
+    return q
+
+
+def silu_mul_bf16(gu: torch.Tensor) -> torch.Tensor:
+    """bf16(silu_mul(gu)): gu [M, 2F] fp32 -> [M, F] bf16, the GEMM input of the down
+    projection; the same bytes as `silu_mul(gu).to(torch.bfloat16)` (NaN payload aside)."""
+    lib = _lib()
+    if lib is None:
+        return silu_mul(gu).to(torch.bfloat16)
+    assert gu.dtype == torch.float32 and gu.dim() == 2 and gu.shape[1] % 2 == 0
+    if gu.stride(1) != 1:
+        gu = gu.contiguous()
+    M, F = gu.shape[0], gu.shape[1] // 2
+    out = torch.empty(M, F, dtype=torch.bfloat16)  # [M, F]
+    if M:
+        lib.lmtail_silu_mul_bf16(gu.data_ptr(), out.data_ptr(), M, F, gu.stride(0) if M > 1 else 2 * F)
+    return out

@@ -1,0 +1,236 @@
+"""lmtail.bench: the A-B-B-A protocol (order, gating check, ratios, wins) and the bitwise /
+tolerance comparisons the benchmarks gate on. Planted variants (a slower arm, a disagreeing
+arm, a flipped bit) show each check can fail."""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+
+from lmtail.bench import (ABBAResult, abba, assert_bitwise, assert_within, check_bitwise,
+                          format_table)
+
+
+def _sleeper(seconds: float, log: list | None = None, name: str = "", value=0):
+    def arm():
+        if log is not None:
+            log.append(name)
+        time.sleep(seconds)
+        return value
+    return arm
+
+
+def test_planted_slower_arm_is_measured_slower_and_loses():
+    res = abba({"fast": _sleeper(0.002), "slow": _sleeper(0.012)}, base="fast", rounds=6,
+               check=check_bitwise)
+    assert res.ratio["slow"] > 2.0, res
+    assert res.wins["slow"] <= 1, res
+    assert res.ratio["fast"] == 1.0 and res.wins["fast"] == 0
+    assert res.median_s["slow"] > res.median_s["fast"]
+    # seen from the other side: the faster arm, measured against the slow base, wins
+    res2 = abba({"slow": _sleeper(0.012), "fast": _sleeper(0.002)}, base="slow", rounds=6,
+                check=check_bitwise)
+    assert res2.ratio["fast"] < 0.5 and res2.wins["fast"] >= 5
+
+
+def test_alternation_order_is_abba_after_one_checked_call_each():
+    log: list[str] = []
+    arms = {n: _sleeper(0.0, log, n) for n in ("A", "B", "C")}
+    res = abba(arms, base="A", rounds=4, check=check_bitwise)
+    assert log[:3] == ["A", "B", "C"]                        # warmup + check
+    assert log[3:] == list("ABC" "CBA" "ABC" "CBA")          # timed rounds, alternating
+    assert res.names == ("A", "B", "C") and res.rounds == 4
+    assert all(len(res.times[n]) == 4 for n in res.names)
+
+
+def test_warmup_and_number_count_calls():
+    log: list[str] = []
+    abba({"A": _sleeper(0.0, log, "A"), "B": _sleeper(0.0, log, "B")}, base="A", rounds=2,
+         warmup=3, number=2, check=check_bitwise)
+    assert log.count("A") == 3 + 2 * 2 and log.count("B") == 3 + 2 * 2
+
+
+def test_disagreeing_arm_raises_before_any_timing():
+    log: list[str] = []
+    arms = {"A": _sleeper(0.0, log, "A", torch.tensor([1.0, 2.0])),
+            "B": _sleeper(0.0, log, "B", torch.tensor([1.0, 2.0000002]))}
+    with pytest.raises(AssertionError, match="1 of 2 elements differ") as ei:
+        abba(arms, base="A", rounds=3, check=check_bitwise)
+    assert any("nothing was timed" in n for n in ei.value.__notes__)
+    assert log == ["A", "B"]                                   # only the checked call
+
+
+def test_check_receives_name_out_and_base_out():
+    seen = []
+    abba({"A": lambda: 1, "B": lambda: 2, "C": lambda: 3}, base="B", rounds=1,
+         check=lambda name, out, base_out: seen.append((name, out, base_out)))
+    assert seen == [("A", 1, 2), ("C", 3, 2)]
+
+
+def test_skip_check_needs_a_reason_and_none_is_refused():
+    arms = {"A": lambda: 0, "B": lambda: 1}
+    with pytest.raises(ValueError, match="check: expected .* got None"):
+        abba(arms, base="A")
+    with pytest.raises(ValueError, match="non-empty reason"):
+        abba(arms, base="A", check="skip:")
+    with pytest.raises(ValueError, match="skip:<reason>"):
+        abba(arms, base="A", check="bitwise")
+    res = abba(arms, base="A", rounds=1, check="skip:outputs are random")
+    assert isinstance(res, ABBAResult)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(base="Z"), "base: expected one of"),
+    (dict(base="A", rounds=0), "rounds: expected an int >= 1"),
+    (dict(base="A", warmup=0), "warmup: expected an int >= 1"),
+    (dict(base="A", number=0), "number: expected an int >= 1"),
+])
+def test_bad_arguments_raise_value_error(kwargs, match):
+    called = []
+    with pytest.raises(ValueError, match=match):
+        abba({"A": lambda: called.append(1)}, check=check_bitwise, **kwargs)
+    assert called == []
+
+
+def test_bad_arms_raise_value_error():
+    with pytest.raises(ValueError, match="arms: expected a non-empty mapping"):
+        abba({}, base="A", check=check_bitwise)
+    with pytest.raises(ValueError, match="non-callable arm"):
+        abba({"A": 3}, base="A", check=check_bitwise)
+
+
+def test_result_is_frozen_and_format_table_lists_every_arm():
+    res = abba({"A": lambda: 0, "B": lambda: 0}, base="A", rounds=3, check=check_bitwise)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        res.rounds = 9
+    table = format_table({"case 1": res, "case 2": res}, title="T")
+    lines = table.splitlines()
+    assert lines[0] == "### T"
+    assert lines[2].startswith("| case | arm | median | ratio vs base | rounds won |")
+    assert sum(l.startswith("| case 1 |") for l in lines) == 2
+    assert "| case 2 | B |" in table and f"{res.wins['B']}/3 |" in table and "1 (base)" in table
+
+
+# ---------------------------------------------------------------- assert_bitwise
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_assert_bitwise_catches_one_flipped_bit(seed, dtype):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(7, 13, generator=g).to(dtype)
+    assert_bitwise(a, a.clone())
+    b = a.clone()
+    ints = b.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[b.element_size()])
+    i = int(torch.randint(0, a.numel(), (1,), generator=g))
+    ints.view(-1)[i] ^= 1                                   # planted: lowest mantissa bit
+    with pytest.raises(AssertionError, match="1 of 91 elements differ"):
+        assert_bitwise(a, b)
+
+
+def test_assert_bitwise_sees_signed_zero_nan_payload_and_non_contiguous():
+    z = torch.tensor([0.0, 1.0])
+    with pytest.raises(AssertionError):
+        assert_bitwise(z, torch.tensor([-0.0, 1.0]))
+    nan1 = torch.tensor([0x7FC00000], dtype=torch.int32).view(torch.float32)
+    nan2 = torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32)
+    assert_bitwise(nan1, nan1.clone())                      # NaN equals itself bitwise
+    with pytest.raises(AssertionError):
+        assert_bitwise(nan1, nan2)
+    with pytest.raises(AssertionError):
+        assert_bitwise(torch.tensor([float("inf")]), torch.tensor([float("-inf")]))
+    m = torch.randn(5, 6)
+    assert_bitwise(m.t(), m.t().contiguous())
+    assert_bitwise(torch.empty(0, 3), torch.empty(0, 3))
+
+
+def test_assert_bitwise_dtype_shape_and_type_mismatches():
+    with pytest.raises(AssertionError, match="torch.float32.*torch.float64"):
+        assert_bitwise(torch.zeros(2), torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(AssertionError, match=r"\[2\].*\[1, 2\]"):
+        assert_bitwise(torch.zeros(2), torch.zeros(1, 2))
+    with pytest.raises(AssertionError, match="tensor vs int"):
+        assert_bitwise(torch.zeros(1), 0)
+    with pytest.raises(AssertionError):
+        assert_bitwise(torch.tensor([True, False]), torch.tensor([True, True]))
+    with pytest.raises(AssertionError):
+        assert_bitwise(torch.tensor([1, 2]), torch.tensor([1, 3]))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Out:
+    tokens: torch.Tensor
+    logits: torch.Tensor | None
+    extra: dict
+
+
+def test_assert_bitwise_walks_tuples_dicts_dataclasses_and_names_the_path():
+    t = torch.arange(6, dtype=torch.int64)
+    lg = torch.randn(2, 3)
+    a = (_Out(t, lg, {"lse": lg.sum(1)}), [1, 2.5])
+    b = (_Out(t.clone(), lg.clone(), {"lse": lg.sum(1)}), [1, 2.5])
+    assert_bitwise(a, b)
+    bad = lg.clone()
+    bad[1, 2] = torch.nextafter(bad[1, 2], torch.tensor(float("inf")))
+    with pytest.raises(AssertionError, match=r"value\[0\]\.logits: 1 of 6 elements differ; first at index \(1, 2\)"):
+        assert_bitwise(a, (_Out(t, bad, {"lse": lg.sum(1)}), [1, 2.5]))
+    with pytest.raises(AssertionError, match=r"\[0\]\.extra\['lse'\]"):
+        assert_bitwise(a, (_Out(t, lg, {"lse": lg.sum(1) + 1}), [1, 2.5]))
+    with pytest.raises(AssertionError, match=r"value\[1\]\[1\]"):
+        assert_bitwise(a, (b[0], [1, -2.5]))
+    with pytest.raises(AssertionError, match="keys"):
+        assert_bitwise({"a": t}, {"b": t})
+    with pytest.raises(AssertionError, match="length"):
+        assert_bitwise((t,), (t, t))
+    with pytest.raises(AssertionError):
+        assert_bitwise(0.0, -0.0)
+    with pytest.raises(AssertionError):
+        assert_bitwise(_Out(t, None, {}), _Out(t, lg, {}))
+
+
+# ---------------------------------------------------------------- assert_within
+
+def test_assert_within_uses_the_stated_tolerance():
+    ref = torch.tensor([1.0, -2.0, 100.0], dtype=torch.float64)
+    got = (ref * (1 + 1e-6)).float()
+    assert_within(got, ref, atol=0.0, rtol=2e-6)
+    with pytest.raises(AssertionError, match="exceeds atol=0 \\+ rtol=1e-07"):
+        assert_within(got, ref, atol=0.0, rtol=1e-7)           # planted: tolerance too tight
+    assert_within(got, ref, atol=1e-3, rtol=0.0)
+
+
+def test_assert_within_special_values():
+    ref = torch.tensor([float("nan"), float("inf"), 1.0], dtype=torch.float64)
+    assert_within(ref.float(), ref, atol=0.0, rtol=0.0)
+    with pytest.raises(AssertionError, match="NaN positions"):
+        assert_within(torch.tensor([0.0, float("inf"), 1.0]), ref, atol=1.0, rtol=1.0)
+    with pytest.raises(AssertionError, match="infinities"):
+        assert_within(torch.tensor([float("nan"), float("-inf"), 1.0]), ref, atol=1.0, rtol=1.0)
+    with pytest.raises(AssertionError, match="infinities"):
+        assert_within(torch.tensor([float("nan"), float("inf"), float("inf")]), ref, atol=1.0, rtol=1.0)
+    with pytest.raises(AssertionError, match="shape"):
+        assert_within(torch.zeros(2), torch.zeros(3), atol=1.0, rtol=1.0)
+    with pytest.raises(TypeError, match="expected tensors"):
+        assert_within([1.0], torch.zeros(1), atol=1.0, rtol=1.0)
+
+
+def test_timer_measures_what_it_is_given():
+    calls = []
+
+    def fake_timer(fn):
+        fn()
+        calls.append(1)
+        return 2.0 if len(calls) % 2 else 1.0      # rounds alternate A B, B A: A gets 2, 1, ...
+
+    res = abba({"A": lambda: 0, "B": lambda: 0}, base="A", rounds=2, number=4, timer=fake_timer,
+               check=check_bitwise)
+    assert res.times == {"A": [0.5, 0.25], "B": [0.25, 0.5]} and res.wins["B"] == 1
+
+
+def test_assert_within_per_element_tolerance():
+    ref = torch.tensor([1.0, 1000.0], dtype=torch.float64)
+    got = ref + torch.tensor([0.5, 0.5], dtype=torch.float64)
+    assert_within(got, ref, atol=torch.tensor([0.6, 0.6]), rtol=0.0)
+    with pytest.raises(AssertionError, match=r"atol=\(per element\)"):
+        assert_within(got, ref, atol=torch.tensor([0.4, 1.0]), rtol=0.0)
