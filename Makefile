@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-all demo demo-synthetic contract bench bench-quick bench-peers clean
+.PHONY: setup test test-all demo demo-synthetic contract bench bench-quick bench-peers fuzz soak receipt-quick clean
 
 $(STAMP): requirements.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -37,6 +37,16 @@ bench-quick: setup
 # Peers (vLLM, HF transformers) in their own benchmark-only venvs, built on first use.
 bench-peers: setup
 	benchmarks/peers/run.sh
+
+# The long hypothesis profile; the 1,000-call two-rank soak (and the kill-the-parent checks).
+fuzz: setup
+	$(PY) -m pytest -q -m slow tests/test_fuzz.py
+
+soak: setup
+	$(PY) -m pytest -q -s -m slow tests/test_soak.py tests/test_hardening.py
+
+receipt-quick: setup
+	$(VENV)/bin/lmtail receipt --quick --out receipt/
 
 contract: setup
 	$(VENV)/bin/lmtail contract

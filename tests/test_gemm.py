@@ -7,6 +7,8 @@ variant (must be caught). Byte equality is compared on int32 views, never allclo
 from __future__ import annotations
 
 import math
+import os
+import time
 
 import numba
 import numpy as np
@@ -733,10 +735,80 @@ def test_amx32_many_rows_few_columns_split_rows_over_threads():
     assert same_bytes(one, amx32_ref(a, w))
 
 
+def test_amx32_few_rows_split_columns_over_threads():
+    """M <= 6 gives each thread at least 2^17 weight elements: 576 x 576 at M = 1 runs as
+    two column halves of 288, 576 x 577 as 320 + 257, 1536 x 290 on three threads as
+    128 + 128 + 34 columns; every thread count, both layouts, special values (NaN, inf,
+    subnormals) give the reference's bytes."""
+    for M, H, V, seed in ((1, 576, 576, 1), (4, 576, 577, 2), (6, 1536, 290, 3)):
+        a, w = special_data(M, H, V, seed, p=0.002)
+        ref = amx32_ref(a, w)
+        for b in EMULATIONS:
+            for threads in (1, 2, 3):
+                for ww in (w, pack_weight(w)):
+                    got = gemm_bf16(a, ww, order="amx32", backend=b, threads=threads)
+                    assert same_bytes(got, ref), (M, H, V, b, threads)
+
+
+def test_amx32_thread_pool_concurrent_callers():
+    """Two Python threads calling at once (the GIL is released): one call holds the pool,
+    the other runs on threads of its own; every result has the reference's bytes."""
+    import threading
+
+    a, w = rand_data(2, 576, 960, 5)
+    ref = amx32_ref(a, w)
+    bad = []
+
+    def loop():
+        for _ in range(30):
+            for b in EMULATIONS:
+                if not same_bytes(gemm_bf16(a, w, order="amx32", backend=b, threads=2), ref):
+                    bad.append(b)
+
+    ts = [threading.Thread(target=loop) for _ in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in ts) and not bad, bad
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="this platform has no os.fork")
+def test_amx32_thread_pool_after_fork():
+    """The pool belongs to its process: a forked child starts with no helper, starts its
+    own on its first 2-thread call and gets the parent's bytes (no hang on a copied lock)."""
+    a, w = rand_data(1, 576, 640, 9)
+    lib = G._amx32_library()
+    want = gemm_bf16(a, w, order="amx32", backend=EMULATIONS[0], threads=2)
+    assert lib.lmtail_amx32_pool_helpers() >= 1  # a 2-thread call made a helper
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report b"1" for "no helper, then one, right bytes"
+        try:
+            before = lib.lmtail_amx32_pool_helpers()
+            got = gemm_bf16(a, w, order="amx32", backend=EMULATIONS[0], threads=2)
+            ok = before == 0 and lib.lmtail_amx32_pool_helpers() == 1 and same_bytes(got, want)
+            os.write(wfd, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(wfd)
+    deadline = time.monotonic() + 60
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung in gemm_bf16")
+        time.sleep(0.01)
+    got = os.read(rfd, 1)
+    os.close(rfd)
+    assert got == b"1"
+
+
 def test_amx32_wide_tiles_for_few_rows():
-    """M <= 6 reads w in tiles of up to 4096 columns (fewer when that leaves < 4 per thread):
-    tile edges, thread counts and both layouts give the reference's bytes. The work
-    (M * Kp * V >= 2^22) is large enough that threads=2 really runs two threads."""
+    """M <= 6 reads w in tiles of up to 4096 columns on one thread (fewer when that leaves
+    < 4 tiles), and in equal 32-column multiples of at most 1024 on several: tile edges,
+    thread counts and both layouts give the reference's bytes. w (Kp * V >= 2^22) is large
+    enough that threads=2 really runs two threads."""
     for M, V in ((1, 40001), (5, 17000)):
         a, w = rand_data(M, 128, V, M)
         ref = amx32_ref(a, w)
@@ -754,7 +826,7 @@ def test_amx32_streamed_strips_every_row_count(M):
     the last columns; M = 5, 6 take the masked path throughout. V = 359 has strips of each
     width plus 7 columns, H = 77 a partial block, H = 96 none; random and
     special values (NaN, inf, +-0, subnormals, flushed results); threads=2 is capped to one
-    thread at this size (M * Kp * V < 2^21), so it must give the same bytes too."""
+    thread at this size (Kp * V < 2^17), so it must give the same bytes too."""
     for maker, H in ((rand_data, 96), (special_data, 77), (underflow_data_ftz, 96)):
         a, w, ref = amx32_case(maker, M, H, 359, M)
         for b in EMULATIONS:

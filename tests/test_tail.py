@@ -244,16 +244,17 @@ def test_declaration_is_pinned(h, ssq_depth):
 
 def test_tail_path_fused_is_the_default_and_gives_the_reference_bytes(monkeypatch):
     """tail_path "fused" (the default) runs the rows_tail kernel, "reference" never does;
-    both give the same bytes (with the kernel's undecided NaN rows finished by the
-    reference sampler). Planted: a kernel whose tokens are off by one is seen by the
-    default path and not by "reference"."""
+    both give the same bytes (NaN lanes under nan_fold=True included; without the fold a
+    NaN row is the NaN policy's ValueError before either path runs). Planted: a kernel
+    whose tokens are off by one is seen by the default path and not by "reference"."""
     from lmtail.kernels import rows_tail as rows_kernel
 
     if not rows_kernel.available_backends():
         pytest.skip("no C compiler: tail_path 'fused' runs the reference path")
     x, gamma, w = problem(9, 11)
     sp = params(9, 11)
-    w[:, 7] = float("nan")  # NaN logits on every row: undecided by the kernel without nan_fold
+    w_nan = w.clone()
+    w_nan[:, 7] = float("nan")  # NaN logits on every row
     real = rows_kernel.rows_tail_fused
     calls = []
 
@@ -264,9 +265,12 @@ def test_tail_path_fused_is_the_default_and_gives_the_reference_bytes(monkeypatc
     monkeypatch.setattr(rows_kernel, "rows_tail_fused", spy)
     ref = decode_tail(x, gamma, w, sampling_params=sp, tail_path="reference", **KW)
     assert calls == []
-    for cfg in (dict(KW), dict(KW, nan_fold=True)):
-        got = decode_tail(x, gamma, w, sampling_params=sp, **cfg)
-        same(got, decode_tail(x, gamma, w, sampling_params=sp, tail_path="reference", **cfg))
+    for ww, cfg in ((w, dict(KW)), (w_nan, dict(KW, nan_fold=True))):
+        got = decode_tail(x, gamma, ww, sampling_params=sp, **cfg)
+        same(got, decode_tail(x, gamma, ww, sampling_params=sp, tail_path="reference", **cfg))
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="NaN in the logits"):
+        decode_tail(x, gamma, w_nan, sampling_params=sp, **KW)
     assert len(calls) == 2
     same(decode_tail(x[:, :], gamma, w, sampling_params=sp, config=TailConfig(**KW)), ref)
 

@@ -11,6 +11,7 @@ Shape legend: H hidden width (gamma's length).
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -22,20 +23,62 @@ def need(cond: bool, msg: str) -> None:
 
 
 def need_tensor(name: str, t, expected: str) -> None:
-    """TypeError unless t is a torch.Tensor; `expected` names its shape and dtype."""
+    """TypeError unless t is a torch.Tensor; `expected` names its shape and dtype.
+    ValueError unless it lives on the CPU (lmtail's kernels read host memory; a meta
+    tensor has no data)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor {expected}; got {type(t).__name__}")
+    need(t.device.type == "cpu", f"{name} must be a CPU tensor; got device {t.device}")
 
 
 def is_int(v) -> bool:
-    """A Python int that is not a bool."""
-    return isinstance(v, int) and not isinstance(v, bool)
+    """An integer (Python or NumPy) that is not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def is_real(v) -> bool:
+    """A real number (Python or NumPy int or float) that is not a bool."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def is_finite_real(v) -> bool:
+    """A real number (not bool) that is finite as a Python float (an int past float's range is not)."""
+    if not is_real(v):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
+
+
+def fp32_value(v: float) -> float:
+    """v rounded once to fp32 (RNE; beyond fp32's range: +-inf), as a Python float."""
+    return torch.tensor(float(v), dtype=torch.float64).to(torch.float32).item()
 
 
 def check_eps(eps) -> None:
-    """eps: a real Python number (not bool), finite, >= 0 (every norm and the tail)."""
-    ok = isinstance(eps, (int, float)) and not isinstance(eps, bool)
-    need(ok and math.isfinite(eps) and eps >= 0, f"eps must be a finite number >= 0; got {eps!r}")
+    """eps: a real number (not bool), >= 0 and finite both as given and rounded to fp32
+    (the value every norm and the tail adds)."""
+    need(is_finite_real(eps) and eps >= 0, f"eps must be a finite number >= 0; got {eps!r}")
+    need(math.isfinite(fp32_value(eps)), f"eps must be a finite number >= 0; got {eps!r}, which is inf in fp32")
+
+
+def check_positive(name: str, v) -> None:
+    """v: a real number (not bool) > 0, finite as given and in fp32."""
+    need(is_finite_real(v) and v > 0, f"{name} must be a finite number > 0; got {v!r}")
+    need(math.isfinite(fp32_value(v)), f"{name} must be a finite number > 0; got {v!r}, which is inf in fp32")
+
+
+def undefined_rows(r: torch.Tensor, eps: float, what: str) -> None:
+    """ValueError naming the rows whose root mean square r [...] is 0 with fp32(eps) = 0:
+    their 1/r is inf and their output undefined (what: the op, for the message)."""
+    if fp32_value(eps) != 0 or not bool((r == 0).any()):
+        return
+    bad = torch.nonzero(r == 0)  # [n, r.dim()]
+    rows = [int(i[0]) if r.dim() == 1 else tuple(int(j) for j in i) for i in bad[:8]]
+    more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
+    raise ValueError(f"eps={eps!r} (0 in fp32) leaves {what} row(s) {rows}{more} undefined: their sum "
+                     "of squares is 0, so 1/sqrt(0) = inf; use eps > 0")
 
 
 def check_k(k, hi: int, what: str) -> None:

@@ -12,6 +12,8 @@ Bounded: the whole run may take `timeout_s`; after the first rank fails the othe
 `grace_s` to report (they normally fail fast: a dead peer resets their connections, a
 hanging one trips the exchange timeout) and are then terminated. Children are spawned
 (never forked), so `fn` and `args` must be picklable (a module-level function).
+Ranks never outlive the launcher (launch's docstring: PR_SET_PDEATHSIG in each rank, a
+SIGTERM handler in the caller while the ranks run).
 Under torchrun, skip this helper: call dist.init_process_group(backend) (env:// init)
 in the script, see docs/exchange.md.
 
@@ -19,8 +21,13 @@ Shape legend: none (processes, not tensors).
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import pickle
+import signal
+import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -30,6 +37,8 @@ from multiprocessing.connection import wait as wait_ready
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from .checks import check_positive, check_threads, is_finite_real, is_int, need
 
 
 @dataclass(frozen=True)
@@ -52,7 +61,23 @@ class LaunchError(RuntimeError):
         self.failures = failures
 
 
-def _child(fn, rank, nprocs, backend, port, args, pg_timeout_s, threads, conn):
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Bind this rank's life to its launcher's: on Linux the kernel SIGKILLs it when the
+    launching process dies, however that dies (prctl PR_SET_PDEATHSIG); and if the
+    launcher is already gone (it died before the prctl), exit now."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _child(fn, rank, nprocs, backend, port, args, pg_timeout_s, threads, conn, parent_pid):
+    _die_with_parent(parent_pid)
     ok = False
     try:
         if threads is not None:
@@ -84,11 +109,55 @@ def launch(fn, nprocs: int, *, backend: str = "gloo", args=(), timeout_s: float 
     failing rank's exception type, message and traceback, the first observed first)
     if any rank raises or dies, or if the run exceeds timeout_s (ranks still running
     are terminated). pg_timeout_s: the process group's own timeout (default timeout_s);
-    threads: torch.set_num_threads in each rank (default: leave torch's choice)."""
-    if not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs must be an int >= 1; got {nprocs!r}")
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0; got {timeout_s}")
+    threads: torch.set_num_threads in each rank (default: leave torch's choice).
+    Lifetime: no rank outlives the caller. On Linux each rank asks the kernel to SIGKILL
+    it when the launching process dies (PR_SET_PDEATHSIG: SIGKILL, SIGTERM, a crash);
+    SIGTERM of the caller's main thread (default handler) raises SystemExit(143) there, so
+    the ranks are terminated and joined before it exits; Ctrl-C (KeyboardInterrupt) too.
+    Bad arguments are a ValueError before any process starts."""
+    _check_launch(fn, nprocs, backend, args, timeout_s, grace_s, pg_timeout_s, threads)
+    with _sigterm_as_exit():
+        return _launch(fn, nprocs, backend, tuple(args), timeout_s, grace_s, pg_timeout_s, threads)
+
+
+def _check_launch(fn, nprocs, backend, args, timeout_s, grace_s, pg_timeout_s, threads) -> None:
+    """ValueError (expected vs got) for anything launch cannot take, before any process starts."""
+    need(callable(fn), f"fn must be callable; got {type(fn).__name__}")
+    need(is_int(nprocs) and nprocs >= 1, f"nprocs must be an int >= 1; got {nprocs!r}")
+    need(isinstance(backend, str), f"backend must be a str (e.g. 'gloo'); got {backend!r}")
+    need(isinstance(args, (tuple, list)), f"args must be a tuple; got {type(args).__name__}")
+    need(is_finite_real(timeout_s) and timeout_s > 0,
+         f"timeout_s must be > 0; got {timeout_s!r} (a finite number of seconds)")
+    need(is_finite_real(grace_s) and grace_s >= 0,
+         f"grace_s must be a finite number >= 0; got {grace_s!r}")
+    if pg_timeout_s is not None:
+        check_positive("pg_timeout_s", pg_timeout_s)
+    check_threads(threads)
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit():
+    """While the ranks run, SIGTERM (a supervisor, `timeout`, a container stop) raises
+    SystemExit(143) in the main thread, so launch's cleanup terminates the ranks before
+    the process goes. Only when SIGTERM has its default action and this is the main thread;
+    the previous handler is restored after."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def on_term(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _launch(fn, nprocs, backend, args, timeout_s, grace_s, pg_timeout_s, threads):
+    """launch's body (arguments checked): spawn, collect, tear down."""
     ctx = mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, nprocs, True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s))  # port 0: the OS picks a free one
@@ -96,8 +165,9 @@ def launch(fn, nprocs: int, *, backend: str = "gloo", args=(), timeout_s: float 
     for rank in range(nprocs):
         recv_end, send_end = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_child, daemon=True,
-                        args=(fn, rank, nprocs, backend, store.port, tuple(args),
-                              timeout_s if pg_timeout_s is None else pg_timeout_s, threads, send_end))
+                        args=(fn, rank, nprocs, backend, store.port, args,
+                              timeout_s if pg_timeout_s is None else pg_timeout_s, threads, send_end,
+                              os.getpid()))
         p.start()
         send_end.close()
         procs.append(p)

@@ -16,6 +16,7 @@ An inf (and no NaN) gives ssq = inf, inv = 0: y is NaN at the inf lanes (inf * 0
 signed zero elsewhere. A row whose squares overflow fp32 (|h| >~ 1.8e19) also gets inv = 0,
 so y = +-0 there. An all-zero row gives inv = fl32(1/sqrt(eps32)) and y = +-0. Tiny and
 subnormal values follow the formula (their squares may underflow to 0 exactly as fp32 does).
+With eps32 = 0 a row (part) whose squares sum to 0 has no inv (1/0): a ValueError naming it.
 
 Shape legend: T rows (tokens), H hidden width, V vocab rows of the table, S expert slots,
 R = S - n_shared routed slots, P part width, G = H / P parts a row.
@@ -26,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from .checks import check_eps, check_threads, gamma32, is_int, need, need_tensor
+from .checks import check_eps, check_threads, gamma32, is_int, need, need_tensor, undefined_rows
 from .kernels import fmachain
 from .numerics import Decl, SumDecl, sqrt_rn32
 from .orders import Order, strided, sum_squares
@@ -67,9 +68,9 @@ def embed_rows(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     ids [T] int (int32/int64, any integer dtype), table [V, H] bf16 -> out [T, H] bf16.
     An id < 0 or >= V is a ValueError naming the first bad position and id.
     """
-    is_int = (isinstance(ids, torch.Tensor) and not ids.is_floating_point() and not ids.is_complex()
-              and ids.dtype != torch.bool)
-    need(is_int, f"ids must be an integer tensor [T]; got {getattr(ids, 'dtype', type(ids).__name__)}")
+    need_tensor("ids", ids, "[T] integer")
+    integral = not ids.is_floating_point() and not ids.is_complex() and ids.dtype != torch.bool
+    need(integral, f"ids must be an integer tensor [T]; got {ids.dtype}")
     need(ids.dim() == 1, f"ids must be [T]; got {tuple(ids.shape)}")
     _check_bf16("table", table, "[V, H]")
     need(table.dim() == 2, f"table must be [V, H]; got {tuple(table.shape)}")
@@ -103,6 +104,7 @@ def inv_rms(h32: torch.Tensor, *, eps: float = _EPS, order: Order = DEFAULT_ORDE
     m = ssq / torch.full_like(ssq, float(n))  # tensor / tensor: a true IEEE division
     d = m + torch.full_like(m, eps)  # eps rounded to fp32 by full_like
     r = sqrt_rn32(d)
+    undefined_rows(r, eps, "the norm's")
     return torch.ones_like(r) / r
 
 
@@ -184,16 +186,17 @@ def moe_add_rms(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gam
     _check_bf16("x", x, "[T, H]")
     need(x.dim() == 2 and x.shape[1] >= 1, f"x must be [T, H] with H >= 1; got {tuple(x.shape)}")
     t, h_ = x.shape
-    need(isinstance(slots, torch.Tensor) and slots.dtype in (torch.bfloat16, torch.float32),
-          f"slots must be bf16 or fp32 [S, T={t}, H={h_}]; got {getattr(slots, 'dtype', type(slots).__name__)}")
+    need_tensor("slots", slots, f"[S, T={t}, H={h_}] bf16 or fp32")
+    need(slots.dtype in (torch.bfloat16, torch.float32),
+         f"slots must be bf16 or fp32 [S, T={t}, H={h_}]; got {slots.dtype}")
     need(slots.dim() == 3 and slots.shape[0] >= 1 and tuple(slots.shape[1:]) == (t, h_),
           f"slots must be [S, T={t}, H={h_}] with S >= 1; got {tuple(slots.shape)}")
     s = slots.shape[0]
     need(is_int(n_shared) and 0 <= n_shared <= s,
           f"n_shared must be an int in [0, S={s}]; got {n_shared!r}")
     r = s - n_shared
-    need(isinstance(weights, torch.Tensor) and weights.dtype == torch.float32,
-          f"weights must be fp32 [T={t}, R={r}]; got {getattr(weights, 'dtype', type(weights).__name__)}")
+    need_tensor("weights", weights, f"[T={t}, R={r}] fp32")
+    need(weights.dtype == torch.float32, f"weights must be fp32 [T={t}, R={r}]; got {weights.dtype}")
     need(tuple(weights.shape) == (t, r), f"weights must be [T, S - n_shared] = [{t}, {r}]; got {tuple(weights.shape)}")
     g32 = gamma32(gamma, h_)
     _check_eps_order(eps, order, backend, threads)

@@ -4,12 +4,11 @@ Shape legend: K logit slices (partial GEMM outputs), T rows (tokens), E experts,
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 
-from .checks import is_int, need, need_tensor
+from .checks import check_positive, is_int, need, need_tensor
 from .numerics import Decl, SumDecl, exp64
 
 GUARD = 1e-20  # the load-bearing zero guard of the weight normalizer (rounded to fp32)
@@ -60,8 +59,7 @@ def router_topk(logit_slices: torch.Tensor, *, k: int, bias: torch.Tensor | None
           f"logit_slices must be [K, T, E] with K, E >= 1; got {tuple(logit_slices.shape)}")
     n_slices, _, e = logit_slices.shape
     need(is_int(k) and 1 <= k <= e, f"k must be an int in [1, E={e}]; got {k!r}")
-    need(isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0,
-          f"scale must be a finite number > 0; got {scale!r}")
+    check_positive("scale", scale)
     if bias is not None:
         need_tensor("bias", bias, f"[E={e}] fp32")
         need(bias.dtype == torch.float32 and tuple(bias.shape) == (e,),

@@ -5,7 +5,8 @@ FULL bf16 row (for normalizers over the whole vocabulary) and (top_k, top_p, tem
 u, min_p):
   1. top-k: 1 <= top_k <= k keeps v >= v[top_k-1] (ties at the threshold survive);
      top_k <= 0 disables it (the filtered set is the whole vocab); top_k > k acts as k
-     and flags `truncated`; so does a threshold tie that continues past the k-th candidate.
+     (however large: clamped before the int64 conversion, never wrapping to "off") and
+     flags `truncated`; so does a threshold tie that continues past the k-th candidate.
   2. greedy: temperature < 1e-5 returns idx[0] (the lowest id among equal maxima).
   3. p = softmax(v / T) over the filtered set; when top-k is disabled the normalizer is
      the log-sum-exp over all V lanes of the row.
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .checks import is_int, is_real, need, need_tensor
 from .kernels.rowmass import row_mass, shifted_exp, sum64
 from .numerics import draw_u, log64
 
@@ -66,38 +68,69 @@ class SamplingParams:
 
 
 def sampling_tensor(params: list[SamplingParams], positions=None) -> torch.Tensor:
-    """[R] SamplingParams (+ decode positions when seeds are used) -> [R, 5] fp32."""
+    """[R] SamplingParams (+ decode positions when seeds are used) -> [R, 5] fp32.
+
+    Each field must be a real number (not bool); the fp32 tensor is then checked with the
+    tail's own rules (`param_problems`), so a value that passes in Python but not after
+    the fp32 rounding (u = 0.99999999 -> 1.0) is a ValueError naming the request."""
     if positions is None:
         positions = [0] * len(params)
     if len(positions) != len(params):
         raise ValueError(f"positions must have one entry per request ({len(params)}); got {len(positions)}")
-    rows = []
-    for p, pos in zip(params, positions):
-        if p.seed is not None and p.u is not None:
-            raise ValueError("give either seed (+ position) or u, not both")
-        u = float(draw_u(p.seed, pos)) if p.seed is not None else (DEFAULT_U if p.u is None else p.u)
-        rows.append([float(p.top_k), p.top_p, p.temperature, u, p.min_p])
-    return torch.tensor(rows, dtype=torch.float32).reshape(len(params), 5)
+    rows = [_request_row(i, p, pos) for i, (p, pos) in enumerate(zip(params, positions))]
+    sp = torch.tensor(rows, dtype=torch.float32).reshape(len(params), 5)  # [R, 5]
+    for bad, what in param_problems(sp):
+        if bool(bad.any()):
+            i = int(torch.nonzero(bad)[0])
+            raise ValueError(f"request {i}: {what}; got {params[i]}, which is {sp[i].tolist()} in fp32")
+    return sp
 
 
-def validate_params(sp: torch.Tensor, rows: int) -> None:
-    """ValueError (naming the row) unless sp is a valid [rows, 3|4|5] fp32 tensor."""
-    if not isinstance(sp, torch.Tensor) or sp.dtype != torch.float32:
-        got = sp.dtype if isinstance(sp, torch.Tensor) else type(sp).__name__
-        raise ValueError(f"sampling_params must be a float32 tensor; got {got}")
-    if sp.dim() != 2 or sp.shape[0] != rows or sp.shape[1] not in (3, 4, 5):
-        raise ValueError(f"sampling_params must be [R={rows}, 3|4|5]; got {tuple(sp.shape)}")
+def _request_row(i: int, p, pos) -> list[float]:
+    """One request's [top_k, top_p, temperature, u, min_p] as Python floats (not yet fp32)."""
+    if not isinstance(p, SamplingParams):
+        raise ValueError(f"request {i}: params must be a SamplingParams; got {type(p).__name__}")
+    if p.seed is not None and p.u is not None:
+        raise ValueError(f"request {i}: give either seed (+ position) or u, not both")
+    if p.seed is not None and not is_int(p.seed):
+        raise ValueError(f"request {i}: seed must be an int or None; got {p.seed!r}")
+    fields = {"top_k": p.top_k, "top_p": p.top_p, "temperature": p.temperature, "min_p": p.min_p,
+              "u": DEFAULT_U if p.u is None else p.u}
+    for name, v in fields.items():
+        if not is_real(v):
+            raise ValueError(f"request {i}: {name} must be a real number (not bool); got {v!r}")
+    u = float(draw_u(p.seed, pos)) if p.seed is not None else float(fields["u"])
+    try:
+        return [float(p.top_k), float(p.top_p), float(p.temperature), u, float(p.min_p)]
+    except OverflowError:
+        raise ValueError(f"request {i}: a field is too large for fp32; got {p}") from None
+
+
+def param_problems(sp: torch.Tensor) -> list[tuple[torch.Tensor, str]]:
+    """The parameter rules on a [R, 3|4|5] fp32 tensor: (bad rows [R] bool, what) per rule."""
     checks = [
         (torch.isnan(sp).any(dim=1), "has NaN"),
+        (torch.isinf(sp[:, 0]), "top_k must be finite (<= 0 disables top-k, > k caps it at k)"),
         (sp[:, 0] != torch.round(sp[:, 0]), "top_k must be a whole number"),
         ((sp[:, 1] <= 0) | (sp[:, 1] > 1), "top_p must be in (0, 1]"),
         (sp[:, 2] < 0, "temperature must be >= 0"),
+        (torch.isinf(sp[:, 2]), "temperature must be finite"),
     ]
     if sp.shape[1] >= 4:
         checks.append(((sp[:, 3] < 0) | (sp[:, 3] >= 1), "u must be in [0, 1)"))
     if sp.shape[1] >= 5:
         checks.append(((sp[:, 4] < 0) | (sp[:, 4] > 1), "min_p must be in [0, 1]"))
-    for bad, what in checks:
+    return checks
+
+
+def validate_params(sp: torch.Tensor, rows: int) -> None:
+    """ValueError (naming the row) unless sp is a valid [rows, 3|4|5] fp32 CPU tensor;
+    TypeError if it is not a tensor."""
+    need_tensor("sampling_params", sp, f"[R={rows}, 3|4|5] float32")
+    need(sp.dtype == torch.float32, f"sampling_params must be a float32 tensor; got {sp.dtype}")
+    if sp.dim() != 2 or sp.shape[0] != rows or sp.shape[1] not in (3, 4, 5):
+        raise ValueError(f"sampling_params must be [R={rows}, 3|4|5]; got {tuple(sp.shape)}")
+    for bad, what in param_problems(sp):
         if bad.any():
             i = int(torch.nonzero(bad)[0])
             raise ValueError(f"sampling_params row {i}: {what}; got {sp[i].tolist()}")
@@ -130,7 +163,7 @@ def sampling_plan(cand_values, full_rows, sampling_params, *, nan_fold=False) ->
     """
     r, k = cand_values.shape
     sp = sampling_params.double()
-    top_k = sp[:, 0].to(torch.int64)
+    top_k = sp[:, 0].clamp(min=-1.0, max=2.0**62).to(torch.int64)  # any top_k > k caps at k; 2**62 fits int64
     top_p, temp = sp[:, 1], sp[:, 2]
     u = sp[:, 3] if sp.shape[1] >= 4 else torch.full((r,), DEFAULT_U, dtype=torch.float64)
     min_p = sp[:, 4] if sp.shape[1] >= 5 else torch.zeros(r, dtype=torch.float64)

@@ -43,7 +43,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from . import exchange
-from .checks import check_eps, check_k, gamma32, is_int, need, need_tensor
+from .checks import check_eps, check_k, fp32_value, gamma32, is_int, need, need_tensor, undefined_rows
 from .config import TailConfig
 from .kernels.gemm import ORDERS as GEMM_ORDERS
 from .kernels.gemm import gemm_bf16, gemm_decl
@@ -123,8 +123,14 @@ def validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, sampling_params
     h_u = h if cfg.hidden_actual is None else cfg.hidden_actual
     need(is_int(h_u) and 1 <= h_u <= h, f"hidden_actual must be an int in [1, H={h}]; got {cfg.hidden_actual!r}")
     need(not (cfg.zero_interleaved_pad and h_u != h and (h % 4 or (h - h_u) % 4)),
-         f"interleaved padding needs H and H - H_u divisible by 4; got H={h}, H_u={h_u}")
+         f"hidden_actual: interleaved padding needs H and H - H_u divisible by 4; got H={h}, H_u={h_u}")
+    for flag in ("zero_interleaved_pad", "deferred_rms", "nan_fold", "emit_logits", "debug_taps"):
+        need(isinstance(getattr(cfg, flag), bool), f"{flag} must be a bool; got {getattr(cfg, flag)!r}")
     check_eps(cfg.eps)
+    if fp32_value(cfg.eps) == 0:  # then a row whose real lanes square to 0 has no rms
+        x = torch.where(pad_mask(h, h_u, cfg.zero_interleaved_pad), x.to(torch.float32),
+                        torch.zeros((), dtype=torch.float32))
+        undefined_rows(sum_squares(x, SSQ_ORDER) / torch.tensor(float(h_u)), cfg.eps, "hidden_states")
     check_k(cfg.k, vocab_size, f"V={vocab_size}")
     need(cfg.gemm_order in GEMM_ORDERS, f"gemm_order must be one of {GEMM_ORDERS}; got {cfg.gemm_order!r}")
     need(cfg.tail_path in TAIL_PATHS, f"tail_path must be one of {TAIL_PATHS}; got {cfg.tail_path!r}")
@@ -214,7 +220,34 @@ def _rows_tail_reference(rows_bf16, k, sampling_params, nan_fold, debug_taps, ch
     return TailOutput(topk_values=vals, topk_indices=ids, tokens=tok, logprobs=lp, truncated=tr, taps=taps)
 
 
+def check_nan_rows(rows_bf16: torch.Tensor, *, nan_fold: bool) -> None:
+    """The sampler's NaN policy on rows [R, V] bf16: a row holding NaN is a ValueError
+    naming the rows unless nan_fold (then its NaN lanes carry no mass); a row of NaN only
+    has no distribution at all and is a ValueError either way. Never a silent change of a
+    row's sampling mode."""
+    nan = torch.isnan(rows_bf16)  # [R, V]
+    bad = nan.any(dim=1)  # [R]
+    if not bool(bad.any()):
+        return
+    if not nan_fold:
+        raise ValueError(f"decode_tail: NaN in the logits of rows {_first_rows(bad)} (from a NaN or inf "
+                         "input or weight); nan_fold=False samples only NaN-free rows: fix the input or "
+                         "pass nan_fold=True to give NaN lanes no probability")
+    empty = nan.all(dim=1)
+    if bool(empty.any()):
+        raise ValueError(f"decode_tail: the logits of rows {_first_rows(empty)} are all NaN: no lane "
+                         "has a probability to sample from")
+
+
+def _first_rows(bad: torch.Tensor, n: int = 8) -> str:
+    idx = torch.nonzero(bad)[:, 0].tolist()
+    return str(idx[:n]) + (f" and {len(idx) - n} more" if len(idx) > n else "")
+
+
 def _owned_tail(rows_bf16, sampling_params, cfg: TailConfig, logits) -> TailOutput:
+    """The owned rows' tail: the sampler's NaN policy (check_nan_rows), then rows_tail."""
+    if sampling_params is not None:
+        check_nan_rows(rows_bf16, nan_fold=cfg.nan_fold)
     out = rows_tail(rows_bf16, k=cfg.k, sampling_params=sampling_params, nan_fold=cfg.nan_fold,
                     debug_taps=cfg.debug_taps, path=cfg.tail_path)
     return replace(out, logits=logits if cfg.emit_logits else None)
@@ -252,7 +285,10 @@ def decode_tail(hidden_states, gamma, lm_head_weight_t, *, eps: float = 1e-5,
     truncated [R] (with sampling_params), taps (debug_taps). Numerics in the module
     docstring. Deterministic: a row's outputs depend only on that row's inputs (any batch,
     thread count, rank layout). Bad inputs raise ValueError (TypeError for a non-tensor)
-    on every rank of the group, before any byte moves.
+    on every rank of the group, before any byte moves; so does eps = 0 with a row whose
+    real lanes square to 0 (no rms). NaN policy (docs/errors.md), with sampling_params:
+    a NaN in an owned row's logits is a ValueError naming the rows unless nan_fold (then
+    NaN lanes carry no mass); an all-NaN row is a ValueError either way.
     """
     given = TailConfig(eps=eps, hidden_actual=hidden_actual, zero_interleaved_pad=zero_interleaved_pad,
                        k=k, deferred_rms=deferred_rms, nan_fold=nan_fold, emit_logits=emit_logits,

@@ -22,6 +22,8 @@ docs/gemm.md) that every backend reproduces bit for bit. Per output element:
 Both store a NaN result as the canonical quiet NaN 0x7FC00000; inf follows IEEE.
 Byte for byte, a row's result does not depend on M or the other rows, the thread count,
 the backend, repeats, the weight layout (plain or packed), or column slicing.
+amx32 threads come from a per-process pool (kernels/gemm_amx32.c; a forked child starts
+its own); with M <= 6 a call splits the columns once w holds 2^17 elements per thread.
 
 Backends (`available_backends(order)`, fastest first, all bit-equal):
   chain : "avx512", "c" (kernels/gemm_chain.c), "numba" (no C compiler)
@@ -190,6 +192,7 @@ def _amx32_library():
     lib.lmtail_amx32_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                       ctypes.c_int64, ctypes.c_void_p]
     lib.lmtail_amx32_pack.restype = None
+    lib.lmtail_amx32_pool_helpers.restype = ctypes.c_int
     fn = lib.lmtail_amx32_gemm
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                     ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2)

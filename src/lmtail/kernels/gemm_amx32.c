@@ -29,17 +29,18 @@
 #include <stdlib.h>
 #include <string.h>
 #include <pthread.h>
+#include <time.h>
+#include <unistd.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #include <cpuid.h>
-#include <unistd.h>
 #include <sys/syscall.h>
 #endif
 
 enum { ISA_C = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AMX = 3 };
-/* Blocking: column tiles of NC (for at most MR512 rows: 4096 down to 1024 (256 with several
- * threads), the widest that leaves 4 tiles per thread, so rows of w are read in long runs;
- * AMX: NCA) taken by threads,
+/* Blocking: column tiles of NC (for at most MR512 rows: on one thread 4096 down to 1024, the
+ * widest that leaves 4 tiles, so rows of w are read in long runs; on n threads q*n equal
+ * tiles of a multiple of 32 columns, at most 1024; AMX: NCA) taken by threads,
  * split in row chunks when there are few tiles; per tile, k blocks of KC lanes (KC_SMALL for
  * few rows) widened once into an fp32 panel (rows >= H and columns >= the tile's width are
  * 0): strip-major for the vector paths, row-major [kc, ldp] for plain C. AVX-512 and AVX2
@@ -49,7 +50,11 @@ enum { ISA_C = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AMX = 3 };
  * registers leave no room for 3 rows). */
 enum { NC = 256, KC = 128, WMAX = 4096, KC_SMALL = 32, MR512 = 6, MR2 = 2, NCA = 32, MAXT = 64 };
 enum { STREAM_MR = 4 }; /* the most rows stream_512 takes; 5 and 6 are faster on direct_512 */
-enum { MIN_WORK = 1 << 21 }; /* multiply-adds per thread at least (about 70 us at M = 1) */
+/* Threads per call: a pool thread costs a handoff (about a microsecond while it spins, tens
+ * when it sleeps), so each thread gets at least MIN_WORK multiply-adds, or, with at most
+ * MR512 rows (where reading w is the cost), MIN_WEIGHT weight elements (256 KiB). */
+enum { MIN_WORK = 1 << 20, MIN_WEIGHT = 1 << 17 };
+enum { SPIN_NS = 200000 }; /* a pool thread spins this long for the next call, then sleeps */
 
 #define F32_MIN_BITS 0x00800000u
 
@@ -913,6 +918,138 @@ static void *worker(void *arg) {
     return NULL;
 }
 
+/* ---------------------------------------------------------------- the thread pool */
+/* Helper threads live for the process (created on first need, grown on demand); a call
+ * hands them its job_t by a generation number: the helpers spin SPIN_NS on it, then sleep on
+ * a condition variable. Helper i (1-based) joins the job when i < want and the caller has
+ * not closed it yet (the caller closes it when it finds no unit left, so a helper that wakes
+ * late costs nothing); the caller then waits only for the helpers that joined. One call
+ * uses the pool at a time (`call`); a concurrent call, or a helper that cannot be created,
+ * falls back to threads created for that call. A forked child starts with an empty pool
+ * (pthread_atfork, and a pid check). Which thread computes an element never changes it. */
+typedef struct {
+    pthread_mutex_t mu, call;
+    pthread_cond_t go, done;
+    pid_t pid;
+    int nhelpers, sleepers, main_sleeps;
+    uint64_t gen;    /* written under mu, read by spinning helpers (atomic) */
+    job_t *job;      /* this generation's job while open (NULL once closed) */
+    int want;        /* helpers 1..want-1 may join it */
+    int active;      /* helpers that joined and are still running (atomic) */
+    uint64_t born[MAXT]; /* helper i was created at generation born[i] */
+} pool_t;
+
+static pool_t pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .call = PTHREAD_MUTEX_INITIALIZER,
+                      .go = PTHREAD_COND_INITIALIZER, .done = PTHREAD_COND_INITIALIZER};
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+
+static void pool_reset(void) { /* a fresh process: no helpers, nothing locked */
+    pthread_mutex_init(&pool.mu, NULL);
+    pthread_mutex_init(&pool.call, NULL);
+    pthread_cond_init(&pool.go, NULL);
+    pthread_cond_init(&pool.done, NULL);
+    pool.pid = getpid();
+    pool.nhelpers = pool.sleepers = pool.main_sleeps = pool.want = pool.active = 0;
+    pool.gen = 0;
+    pool.job = NULL;
+}
+
+static void pool_init(void) {
+    pool.pid = getpid();
+    pthread_atfork(NULL, NULL, pool_reset);
+}
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__)
+    _mm_pause();
+#endif
+}
+
+static void *pool_helper(void *arg) {
+    const int idx = (int)(intptr_t)arg;
+    uint64_t seen = pool.born[idx]; /* the generation before the first one it may run */
+    for (;;) {
+        const int64_t until = now_ns() + SPIN_NS;
+        for (int n = 0; __atomic_load_n(&pool.gen, __ATOMIC_ACQUIRE) == seen; ++n) {
+            cpu_relax();
+            if ((n & 63) == 63 && now_ns() > until) break;
+        }
+        pthread_mutex_lock(&pool.mu);
+        while (pool.gen == seen) {
+            ++pool.sleepers;
+            pthread_cond_wait(&pool.go, &pool.mu);
+            --pool.sleepers;
+        }
+        seen = pool.gen;
+        job_t *j = pool.job;
+        const int mine = j != NULL && idx < pool.want;
+        if (mine) __atomic_add_fetch(&pool.active, 1, __ATOMIC_RELAXED);
+        pthread_mutex_unlock(&pool.mu);
+        if (!mine) continue;
+        worker(j);
+        if (__atomic_sub_fetch(&pool.active, 1, __ATOMIC_ACQ_REL) == 0) {
+            pthread_mutex_lock(&pool.mu);
+            if (pool.main_sleeps) pthread_cond_signal(&pool.done);
+            pthread_mutex_unlock(&pool.mu);
+        }
+    }
+    return NULL;
+}
+
+/* Runs worker(j) on nthreads threads: the caller and nthreads-1 pool helpers. Returns 0, or
+ * -1 when the pool is busy or cannot grow to nthreads-1 helpers (nothing run then). */
+static int pool_run(job_t *j, int nthreads) {
+    pthread_once(&pool_once, pool_init);
+    if (pool.pid != getpid()) pool_reset();
+    if (pthread_mutex_trylock(&pool.call)) return -1;
+    while (pool.nhelpers < nthreads - 1) {
+        pthread_t t;
+        pthread_attr_t at;
+        pthread_attr_init(&at);
+        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+        pool.born[pool.nhelpers + 1] = pool.gen; /* gen changes only under `call` */
+        const int bad = pthread_create(&t, &at, pool_helper, (void *)(intptr_t)(pool.nhelpers + 1));
+        pthread_attr_destroy(&at);
+        if (bad) break;
+        ++pool.nhelpers;
+    }
+    if (pool.nhelpers < nthreads - 1) {
+        pthread_mutex_unlock(&pool.call);
+        return -1;
+    }
+    pthread_mutex_lock(&pool.mu);
+    pool.job = j;
+    pool.want = nthreads;
+    __atomic_store_n(&pool.active, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool.gen, pool.gen + 1, __ATOMIC_RELEASE);
+    if (pool.sleepers) pthread_cond_broadcast(&pool.go);
+    pthread_mutex_unlock(&pool.mu);
+    worker(j); /* returns when no unit is left to take */
+    pthread_mutex_lock(&pool.mu);
+    pool.job = NULL; /* closed: later helpers skip it; `active` counts the ones inside */
+    pthread_mutex_unlock(&pool.mu);
+    const int64_t until = now_ns() + SPIN_NS;
+    for (int n = 0; __atomic_load_n(&pool.active, __ATOMIC_ACQUIRE) != 0; ++n) {
+        cpu_relax();
+        if ((n & 63) == 63 && now_ns() > until) break;
+    }
+    pthread_mutex_lock(&pool.mu);
+    while (__atomic_load_n(&pool.active, __ATOMIC_ACQUIRE) != 0) {
+        pool.main_sleeps = 1;
+        pthread_cond_wait(&pool.done, &pool.mu);
+    }
+    pool.main_sleeps = 0;
+    pthread_mutex_unlock(&pool.mu);
+    pthread_mutex_unlock(&pool.call);
+    return 0;
+}
+
 /* ---------------------------------------------------------------- exported */
 /* 1 if this CPU (and OS) runs `isa`. */
 int lmtail_amx32_has(int isa) {
@@ -926,6 +1063,12 @@ int lmtail_amx32_has(int isa) {
     if (isa == ISA_AMX) return avx512 && amx_ok();
 #endif
     return 0;
+}
+
+/* The pool helpers this process has started (a forked child starts with none). */
+int lmtail_amx32_pool_helpers(void) {
+    pthread_once(&pool_once, pool_init);
+    return pool.pid == getpid() ? __atomic_load_n(&pool.nhelpers, __ATOMIC_RELAXED) : 0;
 }
 
 /* wp[Kp/2, Vp, 2] from w[H, V] (rows ldw apart): VNNI pairs, DAZ applied, zero padded. */
@@ -967,15 +1110,18 @@ int lmtail_amx32_gemm(const uint16_t *a, int64_t lda, const uint16_t *w, int64_t
     }
     if (nthreads < 1) nthreads = 1;
     if (nthreads > MAXT) nthreads = MAXT;
-    /* a thread costs a create and a join: each one gets at least MIN_WORK multiply-adds */
-    const int64_t work = M * Kp * V / MIN_WORK;
-    if (nthreads > work) nthreads = work < 1 ? 1 : (int)work;
     j.small = isa != ISA_AMX && M <= MR512;
+    /* each thread gets at least MIN_WORK multiply-adds (few rows: MIN_WEIGHT of w) */
+    const int64_t work = j.small ? Kp * V / MIN_WEIGHT : M * Kp * V / MIN_WORK;
+    if (nthreads > work) nthreads = work < 1 ? 1 : (int)work;
     j.width = isa == ISA_AMX ? NCA : NC;
-    if (j.small)
-        for (j.width = WMAX; j.width > (nthreads > 1 ? 256 : 1024) &&
-                             (V + j.width - 1) / j.width < 4 * nthreads;)
-            j.width /= 2;
+    if (j.small && nthreads == 1)
+        for (j.width = WMAX; j.width > 1024 && (V + j.width - 1) / j.width < 4;) j.width /= 2;
+    if (j.small && nthreads > 1) /* q tiles per thread of equal 32-column (64 B) multiples */
+        for (int64_t q = 1;; ++q) {
+            j.width = ((V + nthreads * q - 1) / (nthreads * q) + 31) / 32 * 32;
+            if (j.width <= 1024) break;
+        }
     j.ntiles = (V + j.width - 1) / j.width;
     /* few column tiles: split rows too (a multiple of the register tile, AMX: 32) */
     const int64_t quantum = isa == ISA_AMX ? 32 : isa == ISA_AVX2 ? MR2 : MR512;
@@ -988,12 +1134,16 @@ int lmtail_amx32_gemm(const uint16_t *a, int64_t lda, const uint16_t *w, int64_t
     j.nrc = (M + j.rows - 1) / j.rows;
     const int64_t units = j.nrc * j.ntiles;
     if (nthreads > units) nthreads = (int)units;
-    pthread_t tid[MAXT];
-    int started = 0;
-    for (int t = 1; t < nthreads; ++t, ++started)
-        if (pthread_create(&tid[t], NULL, worker, &j)) break;
-    worker(&j);
-    for (int t = 1; t <= started; ++t) pthread_join(tid[t], NULL);
+    if (nthreads == 1)
+        worker(&j);
+    else if (pool_run(&j, nthreads)) { /* the pool is busy: threads of this call */
+        pthread_t tid[MAXT];
+        int started = 0;
+        for (int t = 1; t < nthreads; ++t, ++started)
+            if (pthread_create(&tid[t], NULL, worker, &j)) break;
+        worker(&j);
+        for (int t = 1; t <= started; ++t) pthread_join(tid[t], NULL);
+    }
     free(aw);
     free(ab);
     return j.done == units ? 0 : -2;

@@ -172,7 +172,7 @@ def _param_columns(sp: torch.Tensor):
     widenings and defaults as sampler.sampling_plan."""
     spd = sp.double()  # [R, P]
     r = spd.shape[0]
-    top_k = spd[:, 0].to(torch.int64).contiguous()  # [R]
+    top_k = spd[:, 0].clamp(min=-1.0, max=2.0**62).to(torch.int64).contiguous()  # [R]; > k caps, never wraps
     u = spd[:, 3] if spd.shape[1] >= 4 else torch.full((r,), DEFAULT_U, dtype=torch.float64)
     min_p = spd[:, 4] if spd.shape[1] >= 5 else torch.zeros(r, dtype=torch.float64)
     return top_k, torch.stack([spd[:, 1], spd[:, 2], u, min_p], dim=1).contiguous()  # [R, 4]

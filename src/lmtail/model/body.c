@@ -45,7 +45,7 @@
 #define CLONES
 #endif
 
-enum { HD = 64, JB = 64, QB = 3 };
+enum { HD = 64, JB = 64, QB = 3, UP = 2 }; /* UP: positions per work unit */
 
 /* Constants as exact hex floats (model/body.py spells the same bits): */
 static const float LOG2E = 0x1.715476p+0f;    /* fp32(log2 e) */
@@ -131,7 +131,7 @@ typedef struct {
     const int64_t *pad;
     int64_t B, T, nh, nkv, S_cap, s0;
     float scale;
-    float *scratch; /* per thread: 2 QB * (S_cap + JB) floats */
+    float *scratch; /* per thread: UP QB * (S_cap + JB) floats */
     int64_t nunits, next;
     int avx512; /* use the AVX-512 register-tile micro-kernels (same chains, same bits) */
 } attn_job;
@@ -141,32 +141,33 @@ typedef struct {
  * accumulators held in zmm registers (3 queries x 64 keys, or 3 queries x 64 dims). */
 #define AVX512 __attribute__((target("avx512f")))
 static inline __attribute__((always_inline)) AVX512 void
-scores512(const int NQ, const float *const *qs, const float *kt, int64_t S_cap, int64_t nmax,
-          float scale, float *const *sc) {
+scores512(const int NQ, const int W, const float *const *qs, const float *kt, int64_t S_cap,
+          int64_t nmax, float scale, float *const *sc) {
     const __m512 vs = _mm512_set1_ps(scale);
-    for (int64_t j0 = 0; j0 < nmax; j0 += JB) {
-        __m512 acc[2 * QB][4];
-#pragma GCC unroll 6
+    for (int64_t j0 = 0; j0 < nmax; j0 += 16 * W) {
+        __m512 acc[UP * QB][4];
+#pragma GCC unroll 12
         for (int i = 0; i < NQ; ++i)
 #pragma GCC unroll 4
-            for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_ps();
+            for (int c = 0; c < W; ++c) acc[i][c] = _mm512_setzero_ps();
         for (int d = 0; d < HD; ++d) {
             const float *kr = kt + (int64_t)d * S_cap + j0;
-            const __m512 k0 = _mm512_loadu_ps(kr), k1 = _mm512_loadu_ps(kr + 16);
-            const __m512 k2 = _mm512_loadu_ps(kr + 32), k3 = _mm512_loadu_ps(kr + 48);
-#pragma GCC unroll 6
+#pragma GCC unroll 4
+            for (int c = 0; c < W; ++c) _mm_prefetch((const char *)(kr + 16 * W + 16 * c), _MM_HINT_T0);
+            __m512 kv[4];
+#pragma GCC unroll 4
+            for (int c = 0; c < W; ++c) kv[c] = _mm512_loadu_ps(kr + 16 * c);
+#pragma GCC unroll 12
             for (int i = 0; i < NQ; ++i) {
                 const __m512 qd = _mm512_set1_ps(qs[i][d]);
-                acc[i][0] = _mm512_fmadd_ps(qd, k0, acc[i][0]);
-                acc[i][1] = _mm512_fmadd_ps(qd, k1, acc[i][1]);
-                acc[i][2] = _mm512_fmadd_ps(qd, k2, acc[i][2]);
-                acc[i][3] = _mm512_fmadd_ps(qd, k3, acc[i][3]);
+#pragma GCC unroll 4
+                for (int c = 0; c < W; ++c) acc[i][c] = _mm512_fmadd_ps(qd, kv[c], acc[i][c]);
             }
         }
-#pragma GCC unroll 6
+#pragma GCC unroll 12
         for (int i = 0; i < NQ; ++i)
 #pragma GCC unroll 4
-            for (int c = 0; c < 4; ++c) _mm512_storeu_ps(sc[i] + j0 + 16 * c, _mm512_mul_ps(acc[i][c], vs));
+            for (int c = 0; c < W; ++c) _mm512_storeu_ps(sc[i] + j0 + 16 * c, _mm512_mul_ps(acc[i][c], vs));
     }
 }
 
@@ -203,10 +204,25 @@ pv512(const int NQ, float *const *e, const float *v, int64_t n, float *const *ou
     }
 }
 
+/* exp32 on 16 lanes all in [X_LO, X_HI] (so not NaN): the scalar exp32's arithmetic with
+ * its selects dropped, as they pass x through unchanged there. */
+static inline __attribute__((always_inline)) AVX512 __m512 exp32_512_in(__m512 xc) {
+    const __m512 rnd = _mm512_set1_ps(RND);
+    const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(xc, _mm512_set1_ps(LOG2E)), rnd), rnd);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+    __m512 p = _mm512_set1_ps(C[7]);
+    for (int k = 6; k >= 0; --k) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(C[k]));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
 /* exp32 on 16 lanes: the scalar exp32's operations one for one (compare + blend for its
  * selects, fnmadd(n, c, x) = fma(-n, c, x)), so the same bits lane by lane. */
 static inline __attribute__((always_inline)) AVX512 __m512 exp32_512(__m512 x) {
     const __m512 hi = _mm512_set1_ps(X_HI), lo = _mm512_set1_ps(X_LO);
+    const __mmask16 in = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(x, hi, _CMP_LE_OQ);
+    if (in == (__mmask16)0xFFFF) return exp32_512_in(x); /* every lane in range: no selects */
     __m512 xc = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), x, hi);
     xc = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(xc, lo, _CMP_LT_OQ), xc, lo);
     xc = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(xc, xc, _CMP_UNORD_Q), xc, _mm512_setzero_ps());
@@ -246,44 +262,55 @@ static AVX512 void softmax512(float *sc, int64_t n) {
 static AVX512 void attend512(int nq, const float *const *qs, const float *kt, const float *v,
                              int64_t S_cap, int64_t n, float scale, float *const *sc,
                              float *const *outs, void (*num)(float *, int64_t)) {
-    if (nq == 3) scores512(3, qs, kt, S_cap, n, scale, sc);
-    else if (nq == 2) scores512(2, qs, kt, S_cap, n, scale, sc);
-    else scores512(1, qs, kt, S_cap, n, scale, sc);
+    if (nq == 3) scores512(3, 4, qs, kt, S_cap, n, scale, sc);
+    else if (nq == 2) scores512(2, 4, qs, kt, S_cap, n, scale, sc);
+    else scores512(1, 4, qs, kt, S_cap, n, scale, sc);
     for (int i = 0; i < nq; ++i) num(sc[i], n);
     if (nq == 3) pv512(3, sc, v, n, outs);
     else if (nq == 2) pv512(2, sc, v, n, outs);
     else pv512(1, sc, v, n, outs);
 }
 
-/* pv512 for NQ = 2 nq queries: the first nq over keys j < n, the last nq over j < n + 1,
- * sharing each value row's loads; dims in two halves of 32 (each element's chain and each
- * den are the same sequential chains over j as in pv512; den is run in the first half). */
+/* pv512 for NQ = P nq queries of P adjacent positions (query i is position i / nq, with
+ * n + i / nq keys), sharing each value row's loads; dims in two halves of 32 (each
+ * element's chain and each den are the same sequential chains over j as in pv512; the
+ * dens run first, in a pass of their own). */
 static inline __attribute__((always_inline)) AVX512 void
-pv512_pair(const int NQ, float *const *e, const float *v, int64_t n, float *const *outs) {
-    float den[2 * QB];
+pv512_multi(const int NQ, const int P, float *const *e, const float *v, int64_t n,
+            float *const *outs) {
+    const int nq = NQ / P;
+    float den[UP * QB];
+#pragma GCC unroll 12
+    for (int i = 0; i < NQ; ++i) den[i] = 0.0f;
+    for (int64_t j = 0; j < n + P - 1; ++j) { /* the dens, in their own pass (registers) */
+        const int64_t first = j < n ? 0 : (j - n + 1) * nq;
+#pragma GCC unroll 12
+        for (int i = 0; i < NQ; ++i)
+            if (i >= first) den[i] = den[i] + e[i][j];
+    }
 #pragma GCC unroll 2
     for (int half = 0; half < 2; ++half) {
-        __m512 acc[2 * QB][2];
-#pragma GCC unroll 6
+        __m512 acc[UP * QB][2];
+#pragma GCC unroll 12
         for (int i = 0; i < NQ; ++i) {
-            if (half == 0) den[i] = 0.0f;
             acc[i][0] = _mm512_setzero_ps();
             acc[i][1] = _mm512_setzero_ps();
         }
-        for (int64_t j = 0; j <= n; ++j) {
+        for (int64_t j = 0; j < n + P - 1; ++j) {
             const float *vr = v + j * HD + 32 * half;
+            _mm_prefetch((const char *)(vr + 8 * HD), _MM_HINT_T0);
+            _mm_prefetch((const char *)(vr + 8 * HD + 16), _MM_HINT_T0);
             const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16);
-#pragma GCC unroll 6
+            const int64_t first = j < n ? 0 : (j - n + 1) * nq; /* queries with key j */
+#pragma GCC unroll 12
             for (int i = 0; i < NQ; ++i) {
-                if (j == n && i < NQ / 2) continue; /* the first position has n keys */
-                const float ej = e[i][j];
-                if (half == 0) den[i] = den[i] + ej;
-                const __m512 eb = _mm512_set1_ps(ej);
+                if (i < first) continue;
+                const __m512 eb = _mm512_set1_ps(e[i][j]);
                 acc[i][0] = _mm512_fmadd_ps(eb, v0, acc[i][0]);
                 acc[i][1] = _mm512_fmadd_ps(eb, v1, acc[i][1]);
             }
         }
-#pragma GCC unroll 6
+#pragma GCC unroll 12
         for (int i = 0; i < NQ; ++i) {
             const __m512 dv = _mm512_set1_ps(den[i]);
             _mm512_storeu_ps(outs[i] + 32 * half, _mm512_div_ps(acc[i][0], dv));
@@ -292,19 +319,19 @@ pv512_pair(const int NQ, float *const *e, const float *v, int64_t n, float *cons
     }
 }
 
-/* Two adjacent positions (n and n + 1 keys) of the same nq heads: one pass over the keys
- * for all 2 nq scores (qs, sc, outs: the first position's nq, then the second's), then
- * each query's own softmax and value chain over its own n. The same chains as attend512. */
-static AVX512 void attend512_pair(int nq, const float *const *qs, const float *kt, const float *v,
-                                  int64_t S_cap, int64_t n, float scale, float *const *sc,
-                                  float *const *outs) {
-    if (nq == 3) scores512(6, qs, kt, S_cap, n + 1, scale, sc);
-    else if (nq == 2) scores512(4, qs, kt, S_cap, n + 1, scale, sc);
-    else scores512(2, qs, kt, S_cap, n + 1, scale, sc);
-    for (int i = 0; i < 2 * nq; ++i) softmax512(sc[i], i < nq ? n : n + 1);
-    if (nq == 3) pv512_pair(6, sc, v, n, outs);
-    else if (nq == 2) pv512_pair(4, sc, v, n, outs);
-    else pv512_pair(2, sc, v, n, outs);
+/* P adjacent positions (n, n + 1, ... keys) of the same nq heads: one pass over the keys
+ * for all P nq scores (qs, sc, outs: position-major, nq heads each), then each query's own
+ * softmax and value chain over its own keys. The same chains as attend512. */
+static AVX512 void attend512_multi(int nq, int P, const float *const *qs, const float *kt,
+                                   const float *v, int64_t S_cap, int64_t n, float scale,
+                                   float *const *sc, float *const *outs) {
+    if (nq == 3) scores512(3 * P, 4, qs, kt, S_cap, n + P - 1, scale, sc);
+    else if (nq == 2) scores512(2 * P, 4, qs, kt, S_cap, n + P - 1, scale, sc);
+    else scores512(P, 4, qs, kt, S_cap, n + P - 1, scale, sc);
+    for (int i = 0; i < nq * P; ++i) softmax512(sc[i], n + i / nq);
+    if (nq == 3) pv512_multi(3 * P, P, sc, v, n, outs);
+    else if (nq == 2) pv512_multi(2 * P, P, sc, v, n, outs);
+    else pv512_multi(P, P, sc, v, n, outs);
 }
 #endif
 
@@ -395,40 +422,45 @@ CLONES static void attn_pos(const attn_job *jb, int64_t b, int64_t kh, int64_t t
 }
 
 #if defined(__x86_64__)
-/* Positions t and t + 1 (both real queries) of row b, KV head kh on the AVX-512 kernels:
- * each group of nq heads shares one pass over the keys (attend512_pair). */
-static AVX512 void attn_pair512(const attn_job *jb, int64_t b, int64_t kh, int64_t t, float *scratch) {
+/* Positions t .. t + P - 1 (P <= UP, all real queries) of row b, KV head kh on the
+ * AVX-512 kernels: each group of nq heads shares one pass over the keys (attend512_multi). */
+static AVX512 void attn_multi512(const attn_job *jb, int64_t b, int64_t kh, int64_t t, int P,
+                                 float *scratch) {
     const int64_t T = jb->T, g = jb->nh / jb->nkv;
     const int64_t n = jb->s0 + t - jb->pad[b] + 1;
     const float *kt = jb->kt + ((b * jb->nkv + kh) * HD) * jb->S_cap + jb->pad[b];
     const float *v = jb->v + ((b * jb->nkv + kh) * jb->S_cap + jb->pad[b]) * HD;
     for (int64_t h0 = 0; h0 < g; h0 += QB) {
         const int nq = (int)(g - h0 < QB ? g - h0 : QB);
-        const float *qs[2 * QB];
-        float *outs[2 * QB], *sc[2 * QB];
-        for (int k = 0; k < 2 * nq; ++k) {
+        const float *qs[UP * QB];
+        float *outs[UP * QB], *sc[UP * QB];
+        for (int k = 0; k < P * nq; ++k) {
             const int64_t tt = t + k / nq, h = kh * g + h0 + k % nq;
             qs[k] = jb->q + ((b * T + tt) * jb->nh + h) * HD;
             outs[k] = jb->out + ((b * T + tt) * jb->nh + h) * HD;
             sc[k] = scratch + (int64_t)k * (jb->S_cap + JB);
         }
-        attend512_pair(nq, qs, kt, v, jb->S_cap, n, jb->scale, sc, outs);
+        attend512_multi(nq, P, qs, kt, v, jb->S_cap, n, jb->scale, sc, outs);
     }
 }
 #endif
 
-/* One unit: row b, KV head kh, positions 2u and 2u + 1 (the last unit of an odd T: one). */
+/* One unit: row b, KV head kh, positions UP u .. UP u + UP - 1 (fewer in the last unit). */
 static void attn_unit(const attn_job *jb, int64_t unit, float *scratch) {
-    const int64_t T = jb->T, tp = (T + 1) / 2;
-    const int64_t b = unit / (jb->nkv * tp), kh = (unit / tp) % jb->nkv, t = 2 * (unit % tp);
+    const int64_t T = jb->T, tp = (T + UP - 1) / UP;
+    const int64_t b = unit / (jb->nkv * tp), kh = (unit / tp) % jb->nkv, t0 = UP * (unit % tp);
+    const int64_t t1 = t0 + UP < T ? t0 + UP : T;
+    for (int64_t t = t0; t < t1;) {
 #if defined(__x86_64__)
-    if (jb->avx512 && t + 1 < T && jb->s0 + t - jb->pad[b] >= 0) {
-        attn_pair512(jb, b, kh, t, scratch);
-        return;
-    }
+        if (jb->avx512 && jb->s0 + t - jb->pad[b] >= 0 && t + UP <= t1) {
+            attn_multi512(jb, b, kh, t, UP, scratch);
+            t += UP;
+            continue;
+        }
 #endif
-    attn_pos(jb, b, kh, t, scratch);
-    if (t + 1 < T) attn_pos(jb, b, kh, t + 1, scratch);
+        attn_pos(jb, b, kh, t, scratch);
+        t += 1;
+    }
 }
 
 typedef struct {
@@ -453,14 +485,14 @@ static void *attn_worker(void *arg) {
 int lmtail_attend(const float *q, const float *kt, const float *v, float *out, const int64_t *pad,
                   int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t S_cap, int64_t s0,
                   float scale, int threads, int no_avx512) {
-    attn_job job = {q, kt, v, out, pad, B, T, nh, nkv, S_cap, s0, scale, NULL, B * nkv * ((T + 1) / 2), 0, 0};
+    attn_job job = {q, kt, v, out, pad, B, T, nh, nkv, S_cap, s0, scale, NULL, B * nkv * ((T + UP - 1) / UP), 0, 0};
 #if defined(__x86_64__)
     __builtin_cpu_init();
     job.avx512 = __builtin_cpu_supports("avx512f") && !no_avx512;
 #endif
     if (threads < 1) threads = 1;
     if (threads > job.nunits) threads = (int)(job.nunits > 0 ? job.nunits : 1);
-    const size_t per = (size_t)(2 * QB) * (size_t)(S_cap + JB);
+    const size_t per = (size_t)(UP * QB) * (size_t)(S_cap + JB);
     float *scratch = (float *)malloc(per * sizeof(float) * (size_t)threads);
     if (!scratch) return -1;
     worker_arg args[64];

@@ -30,6 +30,7 @@ from ..orders import strided
 
 HD = 64  # the head dim the C attention kernel is built for
 SLACK = 64  # key-cache slots past capacity: the kernel reads whole 64-key blocks
+ATTEND_MIN_WORK = 1 << 21  # attention multiply-adds per worker thread at least (~0.3 ms)
 
 # exp32's constants, bit for bit as in body.c
 _F = np.float32
@@ -318,7 +319,8 @@ def attend(q: torch.Tensor, kt: torch.Tensor, v: torch.Tensor, pad: torch.Tensor
     + SLACK. Order: attend_decl(p + 1) (one query's chains in position order, nothing
     from other queries, rows or slots): a query's bytes do not depend on B, T, its row's
     padding, whether its keys came by prefill or decode, the backend or `threads`
-    (None: torch.get_num_threads()). O(p) scratch per query. Returns [B, T, nh, 64] fp32."""
+    (None: torch.get_num_threads(), at most one worker per ATTEND_MIN_WORK multiply-adds).
+    O(p) scratch per query. Returns [B, T, nh, 64] fp32."""
     pad = torch.as_tensor(pad)
     _check_attend(q, kt, v, pad, s0)
     be = _pick(backend)
@@ -328,7 +330,11 @@ def attend(q: torch.Tensor, kt: torch.Tensor, v: torch.Tensor, pad: torch.Tensor
     out = torch.empty_like(q)
     if out.numel() == 0:
         return out
-    nthreads = torch.get_num_threads() if threads is None else int(threads)
+    if threads is None:  # a thread costs a create + join: one per ATTEND_MIN_WORK multiply-adds
+        work = B * T * nh * (s0 + T) * 2 * HD  # an upper bound
+        nthreads = max(1, min(torch.get_num_threads(), work // ATTEND_MIN_WORK))
+    else:
+        nthreads = int(threads)
     if nthreads < 1:
         raise ValueError(f"threads must be >= 1; got {nthreads}")
     pad_c = pad.contiguous()

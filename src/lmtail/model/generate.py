@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import sys
 import threading
 import time
@@ -59,7 +60,7 @@ import numpy as np
 import torch
 
 from ..numerics import draw_u
-from ..sampler import DEFAULT_U, SamplingParams
+from ..sampler import DEFAULT_U, SamplingParams, sampling_tensor
 from ..tail import decode_tail
 from .gguf_loader import LayerWeights, Linears16, ModelBundle, load_model
 from .llama import Ops, forward, lmtail_ops, new_cache, prefill
@@ -107,17 +108,24 @@ def check_request(i: int, p: SamplingParams) -> None:
     """ValueError naming request i unless p is a valid SamplingParams."""
     if not isinstance(p, SamplingParams):
         raise ValueError(f"request {i}: params must be a SamplingParams; got {type(p).__name__}")
-    checks = [
-        (p.temperature >= 0, f"temperature must be >= 0; got {p.temperature}"),
-        (0 < p.top_p <= 1, f"top_p must be in (0, 1]; got {p.top_p}"),
-        (0 <= p.min_p <= 1, f"min_p must be in [0, 1]; got {p.min_p}"),
-        (int(p.top_k) == p.top_k, f"top_k must be an integer; got {p.top_k}"),
-        (p.seed is None or p.u is None, "give either seed or u, not both"),
-        (p.u is None or 0 <= p.u < 1, f"u must be in [0, 1); got {p.u}"),
-    ]
+    try:
+        checks = [
+            (p.temperature >= 0, f"temperature must be >= 0; got {p.temperature}"),
+            (0 < p.top_p <= 1, f"top_p must be in (0, 1]; got {p.top_p}"),
+            (0 <= p.min_p <= 1, f"min_p must be in [0, 1]; got {p.min_p}"),
+            (int(p.top_k) == p.top_k, f"top_k must be an integer; got {p.top_k}"),
+            (p.seed is None or p.u is None, "give either seed or u, not both"),
+            (p.u is None or 0 <= p.u < 1, f"u must be in [0, 1); got {p.u}"),
+        ]
+    except (TypeError, OverflowError):  # not numbers (or inf top_k): sampling_tensor names the field
+        checks = []
     for ok, msg in checks:
         if not ok:
             raise ValueError(f"request {i}: {msg}")
+    try:
+        sampling_tensor([p])  # the tail's rules on the fp32 values it will see (u=0.99999999 is 1.0)
+    except ValueError as e:
+        raise ValueError(f"request {i}: {str(e).removeprefix('request 0: ')}") from None
 
 
 def request_params(n: int, *, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0) -> list[SamplingParams]:
@@ -421,8 +429,27 @@ def main(argv: list[str] | None = None) -> int:
     return run(ap.parse_args(argv))
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """ValueError naming the flag, expected vs got, for any flag value generate cannot take:
+    run before the model loads (what needs the model, e.g. --ranks dividing the vocab,
+    is checked by generate())."""
+    rules = [
+        ("--threads", args.threads, args.threads >= 0, ">= 0 (0: torch's default)"),
+        ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, ">= 1"),
+        ("--ranks", args.ranks, args.ranks >= 1, ">= 1"),
+        ("--temperature", args.temperature, math.isfinite(args.temperature) and args.temperature >= 0,
+         "a finite number >= 0 (< 1e-5: greedy)"),
+        ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
+        ("--min-p", args.min_p, 0 <= args.min_p <= 1, "in [0, 1]"),
+    ]
+    for flag, value, ok, expected in rules:
+        if not ok:
+            raise ValueError(f"{flag}: {flag[2:].replace('-', '_')} must be {expected}; got {value}")
+
+
 def run(args: argparse.Namespace) -> int:
-    """Stream row 0's text as it decodes, show progress, print tokens/s.
+    """Check every flag (check_args), then stream row 0's text as it decodes, show
+    progress, print tokens/s. Exit 2 on a bad flag, before the model loads.
 
     On a terminal a rich Live view shows the growing text above a progress bar; otherwise
     the text is streamed raw to stdout. Timing goes to stderr."""
@@ -431,6 +458,11 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.text import Text
 
+    try:
+        check_args(args)
+    except ValueError as e:
+        print(f"lmtail generate: error: {e}", file=sys.stderr)
+        return 2
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     out, err = Console(), Console(stderr=True)
@@ -445,7 +477,10 @@ def run(args: argparse.Namespace) -> int:
     live = Live(Group(text, progress), console=out, auto_refresh=False) if out.is_terminal else None
 
     def on_prefill(done, total):
-        if live is not None:
+        if live is None:  # not a terminal: one line per prefill chunk, so a long prompt is never silent
+            sys.stderr.write(f"prefill {done}/{total} tokens\n")
+            sys.stderr.flush()
+        else:
             progress.update(pre_task, completed=done, total=total)
             live.refresh()
 
