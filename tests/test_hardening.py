@@ -33,24 +33,10 @@ import numpy as np
 import pytest
 import torch
 
-import lmtail
 
 
-def api(name: str, module: str):
-    """The public name from `import lmtail`, else from the module that defines it today."""
-    return getattr(lmtail, name, None) or getattr(importlib.import_module(module), name)
-
-
-decode_tail = api("decode_tail", "lmtail.tail")
-SamplingParams = api("SamplingParams", "lmtail.sampler")
-sampling_tensor = api("sampling_tensor", "lmtail.sampler")
-add_rms = api("add_rms", "lmtail.norms")
-moe_add_rms = api("moe_add_rms", "lmtail.norms")
-rms_parts = api("rms_parts", "lmtail.norms")
-embed_rows = api("embed_rows", "lmtail.norms")
-router_topk = api("router_topk", "lmtail.router")
-owned_rows = api("owned_rows", "lmtail.layout")
-launch = api("launch", "lmtail.launch")
+from lmtail import (SamplingParams, add_rms, decode_tail, embed_rows, launch, moe_add_rms,  # the public API
+                    owned_rows, rms_parts, router_topk, sampling_tensor)
 
 H, V, K = 16, 40, 5
 BF = torch.bfloat16

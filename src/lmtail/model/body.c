@@ -141,10 +141,11 @@ typedef struct {
  * accumulators held in zmm registers (3 queries x 64 keys, or 3 queries x 64 dims). */
 #define AVX512 __attribute__((target("avx512f")))
 static inline __attribute__((always_inline)) AVX512 void
-scores512(const int NQ, const int W, const float *const *qs, const float *kt, int64_t S_cap,
-          int64_t nmax, float scale, float *const *sc) {
+scores512(const int NQ, const float *const *qs, const float *kt, int64_t S_cap, int64_t nmax,
+          float scale, float *const *sc) {
+    enum { W = JB / 16 }; /* zmm per query per key block */
     const __m512 vs = _mm512_set1_ps(scale);
-    for (int64_t j0 = 0; j0 < nmax; j0 += 16 * W) {
+    for (int64_t j0 = 0; j0 < nmax; j0 += JB) {
         __m512 acc[UP * QB][4];
 #pragma GCC unroll 12
         for (int i = 0; i < NQ; ++i)
@@ -153,7 +154,7 @@ scores512(const int NQ, const int W, const float *const *qs, const float *kt, in
         for (int d = 0; d < HD; ++d) {
             const float *kr = kt + (int64_t)d * S_cap + j0;
 #pragma GCC unroll 4
-            for (int c = 0; c < W; ++c) _mm_prefetch((const char *)(kr + 16 * W + 16 * c), _MM_HINT_T0);
+            for (int c = 0; c < W; ++c) _mm_prefetch((const char *)(kr + JB + 16 * c), _MM_HINT_T0); /* next block */
             __m512 kv[4];
 #pragma GCC unroll 4
             for (int c = 0; c < W; ++c) kv[c] = _mm512_loadu_ps(kr + 16 * c);
@@ -247,7 +248,7 @@ static AVX512 void softmax512(float *sc, int64_t n) {
     for (int64_t j = 0; j < n; j += 16) {
         const __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1u);
         const __m512 x = _mm512_maskz_loadu_ps(k, sc + j);
-        m = _mm512_mask_blend_ps(_mm512_mask_cmp_ps_mask(k, x, m, _CMP_GT_OQ), m, x);
+        m = _mm512_mask_max_ps(m, k, x, m); /* vmaxps(x, m) = x > m ? x : m, exactly */
     }
     float lanes[16], mx = sc[0];
     _mm512_storeu_ps(lanes, m);
@@ -262,9 +263,9 @@ static AVX512 void softmax512(float *sc, int64_t n) {
 static AVX512 void attend512(int nq, const float *const *qs, const float *kt, const float *v,
                              int64_t S_cap, int64_t n, float scale, float *const *sc,
                              float *const *outs, void (*num)(float *, int64_t)) {
-    if (nq == 3) scores512(3, 4, qs, kt, S_cap, n, scale, sc);
-    else if (nq == 2) scores512(2, 4, qs, kt, S_cap, n, scale, sc);
-    else scores512(1, 4, qs, kt, S_cap, n, scale, sc);
+    if (nq == 3) scores512(3, qs, kt, S_cap, n, scale, sc);
+    else if (nq == 2) scores512(2, qs, kt, S_cap, n, scale, sc);
+    else scores512(1, qs, kt, S_cap, n, scale, sc);
     for (int i = 0; i < nq; ++i) num(sc[i], n);
     if (nq == 3) pv512(3, sc, v, n, outs);
     else if (nq == 2) pv512(2, sc, v, n, outs);
@@ -298,7 +299,7 @@ pv512_multi(const int NQ, const int P, float *const *e, const float *v, int64_t 
         }
         for (int64_t j = 0; j < n + P - 1; ++j) {
             const float *vr = v + j * HD + 32 * half;
-            _mm_prefetch((const char *)(vr + 8 * HD), _MM_HINT_T0);
+            _mm_prefetch((const char *)(vr + 8 * HD), _MM_HINT_T0); /* 8 rows ahead */
             _mm_prefetch((const char *)(vr + 8 * HD + 16), _MM_HINT_T0);
             const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16);
             const int64_t first = j < n ? 0 : (j - n + 1) * nq; /* queries with key j */
@@ -325,9 +326,9 @@ pv512_multi(const int NQ, const int P, float *const *e, const float *v, int64_t 
 static AVX512 void attend512_multi(int nq, int P, const float *const *qs, const float *kt,
                                    const float *v, int64_t S_cap, int64_t n, float scale,
                                    float *const *sc, float *const *outs) {
-    if (nq == 3) scores512(3 * P, 4, qs, kt, S_cap, n + P - 1, scale, sc);
-    else if (nq == 2) scores512(2 * P, 4, qs, kt, S_cap, n + P - 1, scale, sc);
-    else scores512(P, 4, qs, kt, S_cap, n + P - 1, scale, sc);
+    if (nq == 3) scores512(3 * P, qs, kt, S_cap, n + P - 1, scale, sc);
+    else if (nq == 2) scores512(2 * P, qs, kt, S_cap, n + P - 1, scale, sc);
+    else scores512(P, qs, kt, S_cap, n + P - 1, scale, sc);
     for (int i = 0; i < nq * P; ++i) softmax512(sc[i], n + i / nq);
     if (nq == 3) pv512_multi(3 * P, P, sc, v, n, outs);
     else if (nq == 2) pv512_multi(2 * P, P, sc, v, n, outs);

@@ -275,7 +275,7 @@ def _check_attend(q, kt, v, pad, s0):
 def _attend_torch(q, kt, v, pad, s0, scale):
     """The declared attention in torch (fma32 chains), vectorized over all queries."""
     B, T, nh, hd = q.shape
-    nkv, g = kt.shape[1], nh // kt.shape[1]
+    g = nh // kt.shape[1]  # query heads per kv head
     pos = (s0 + torch.arange(T))[None, :] - pad[:, None]  # [B, T]
     out = torch.zeros_like(q)
     n_max = int(pos.max()) + 1 if pos.numel() else 0

@@ -17,7 +17,6 @@ Both store a NaN as 0x7FC00000.
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import torch
