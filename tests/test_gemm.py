@@ -1,4 +1,5 @@
-"""gemm_bf16_chain: bit-equal to the declared fp32 fma chain, and byte-invariant.
+"""gemm_bf16 in both declared orders ("chain": one fp32 fma chain; "amx32": AMX's block order):
+every backend bit-equal to its reference emulation, and byte-invariant.
 
 Shape legend: a [M, H] bf16, w [H, V] bf16 (C-contiguous), out [M, V] fp32.
 Each property is a `check_*` function run on the kernel (must hold) and on a planted wrong
@@ -9,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from fractions import Fraction
 
 import numba
 import numpy as np
@@ -16,8 +18,10 @@ import pytest
 import torch
 
 from lmtail.kernels import gemm as G
-from lmtail.kernels.gemm import gemm_bf16_chain, gemm_bf16_chain_reference
+from lmtail.kernels.gemm import gemm_bf16, gemm_bf16_chain, pack_weight
 from lmtail.numerics import U, gamma
+from lmtail.reference import gemm as R
+from lmtail.reference.gemm import gemm_chain_emulation
 
 BACKENDS = G.available_backends()
 SEEDS = (0, 1, 2)
@@ -126,7 +130,7 @@ def bf16_output(a, w):
 # property checks (each returns True when the property holds)
 # ---------------------------------------------------------------------------------------
 def check_matches_reference(impl, a, w, ref=None) -> bool:
-    return same_bytes(impl(a, w), gemm_bf16_chain_reference(a, w) if ref is None else ref)
+    return same_bytes(impl(a, w), gemm_chain_emulation(a, w) if ref is None else ref)
 
 
 def check_batch_invariant(impl, a, w, Ms=(1, 2, 3, 4, 7, 8, 64, 128)) -> bool:
@@ -189,7 +193,7 @@ def cached_case(maker, M, H, V, seed):
     key = (maker.__name__, M, H, V, seed)
     if key not in _REFS:
         a, w = maker(M, H, V, seed)
-        _REFS[key] = (a, w, gemm_bf16_chain_reference(a, w))
+        _REFS[key] = (a, w, gemm_chain_emulation(a, w))
     return _REFS[key]
 
 
@@ -261,7 +265,7 @@ def test_hand_computed_chains(backend, case):
     got = _u32(backend_impl(backend)(a, w))
     if want is None:  # exact by construction: the float64 product, which fits in fp32
         want = _u32(torch.tensor([a.double().item() * w.double().item()]).float())
-    assert got == want == _u32(gemm_bf16_chain_reference(a, w)), (hex(got), hex(want))
+    assert got == want == _u32(gemm_chain_emulation(a, w)), (hex(got), hex(want))
 
 
 def test_hand_cases_separate_fma_from_mul_add():
@@ -283,7 +287,7 @@ def test_reference_is_the_float64_emulation():
                 acc = (acc.astype(np.float64) + a64[:, h:h + 1] * w64[h:h + 1]).astype(
                     np.float32)
         acc[np.isnan(acc)] = np.float32(np.nan)
-        ref = gemm_bf16_chain_reference(a, w).numpy()
+        ref = gemm_chain_emulation(a, w).numpy()
         assert np.array_equal(acc.view(np.uint32), ref.view(np.uint32))
 
 
@@ -371,7 +375,7 @@ def test_numba_fallback_when_c_kernel_unavailable(monkeypatch):
     a, w = special_data(7, 50, 130, 6)
     monkeypatch.setattr(G, "_c_library", lambda: None)
     assert G.available_backends() == ("numba",)
-    assert same_bytes(gemm_bf16_chain(a, w), gemm_bf16_chain_reference(a, w))
+    assert same_bytes(gemm_bf16_chain(a, w), gemm_chain_emulation(a, w))
 
 
 def test_empty_and_zero_depth():
@@ -454,7 +458,7 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("fn", [gemm_bf16_chain, gemm_bf16_chain_reference])
+@pytest.mark.parametrize("fn", [gemm_bf16_chain])
 @pytest.mark.parametrize("case", range(len(BAD)))
 def test_bad_inputs(fn, case):
     make, msg = BAD[case]
@@ -463,7 +467,7 @@ def test_bad_inputs(fn, case):
         fn(*make(a, w))
 
 
-@pytest.mark.parametrize("fn", [gemm_bf16_chain, gemm_bf16_chain_reference])
+@pytest.mark.parametrize("fn", [gemm_bf16_chain])
 def test_non_tensor_is_a_type_error(fn):
     a, w = rand_data(3, 8, 5, 0)
     with pytest.raises(TypeError, match="a must be a torch.Tensor"):
@@ -492,10 +496,7 @@ def test_bad_out_writes_nothing(out, msg):
 # order "amx32": per 32-lane block, even and odd fma chains from +0, acc = acc + (e + o);
 # DAZ inputs, FTZ results. Every backend == the reference emulation == AMX, byte for byte.
 # =======================================================================================
-from fractions import Fraction  # noqa: E402
 
-from lmtail.kernels.gemm import gemm_bf16, pack_weight  # noqa: E402
-from lmtail.reference import gemm as R  # noqa: E402
 
 AMX32 = G.available_backends("amx32")
 EMULATIONS = tuple(b for b in AMX32 if b != "amx")

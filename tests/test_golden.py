@@ -2,7 +2,8 @@
 bit views, and inputs placed on bf16 rounding boundaries so a one-ulp fp32 change in a
 declared order flips a bf16 output.
 
-Nothing here imports an op's order constant or its emulation's: the goldens were taken
+No golden digest depends on an op's order constant (the boundary tests build their inputs
+from a literal strided(256) and the independent scalar emulation): the goldens were taken
 from the ops as declared (the tail: ssq in strided(256), the GEMM in both declared orders,
 named explicitly: "chain" (the sequential fp32 chain) and "amx32" (AMX's block order, the
 default); the norms: strided(256); the router: slice order, sum in the returned order), so

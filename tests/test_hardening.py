@@ -1,4 +1,4 @@
-"""Hardening: every case found by probing lmtail as a demanding user would, one test each.
+"""Hardening: odd inputs, wrong types, NaN rows, killed parents and CLI flags, one test each.
 
 1. orphaned ranks: a launch() parent (and `lmtail generate --ranks 2`) killed by SIGTERM,
    SIGINT or SIGKILL takes its rank processes with it, within a bounded time;
@@ -216,8 +216,8 @@ def test_infinite_top_k_is_an_error(top_k):
 
 
 def test_huge_top_k_caps_at_k_like_1e9():
-    """top_k > k means "cap at k, flag truncated" however large it is (2**63 and fp32's max
-    used to wrap through int64 into "top-k off", which samples differently)."""
+    """top_k > k means "cap at k, flag truncated" however large it is: 2**63 and fp32's max
+    behave like 1e9 (no wrap through int64 into "top-k off")."""
     x, gamma, w = problem(b=64, seed=3)
     outs = {tk: decode_tail(x, gamma, w, k=K, sampling_params=sp_rows(64, tk, top_p=0.6))
             for tk in (0, K + 1, 1e9, 2.0**40, 2.0**63, 2.0**64, float(np.finfo(np.float32).max))}
@@ -285,7 +285,7 @@ def test_u_that_rounds_to_one_in_fp32_is_caught_by_sampling_tensor():
 ])
 def test_generate_checks_requests_on_their_fp32_values(params, match):
     """generate() checks each request before the model runs, with the tail's own rules on
-    the fp32 values (they used to pass here and fail inside the first decode step)."""
+    the fp32 values, so nothing that passes here fails inside a decode step."""
     check_request = importlib.import_module("lmtail.model.generate").check_request
     with pytest.raises(ValueError, match=match):
         check_request(3, params)
@@ -403,8 +403,8 @@ def test_bad_input_mutates_nothing():
 # 4. the NaN policy
 # =======================================================================================
 def test_nan_logit_without_fold_is_an_error_naming_the_rows():
-    """nan_fold=False: a NaN in a row's logits used to turn its sampled draw greedy and its
-    logprob NaN, silently. Now the call raises, naming the rows."""
+    """nan_fold=False: a NaN in a sampled row's logits is a ValueError naming the rows (never a
+    silently greedy draw or a NaN logprob)."""
     x, gamma, w = problem(b=4, seed=5)
     x[2, 3] = math.nan  # row 2's ssq is NaN: the whole row is NaN
     with pytest.raises(ValueError, match=r"NaN.*rows? \[2\]"):
@@ -494,7 +494,7 @@ class FakeTokenizer:
 
 
 def test_cli_long_prefill_shows_progress(monkeypatch, capsys):
-    """A long prompt used to run for minutes with nothing printed: the CLI reports prefill
+    """A long prompt is never silent: the CLI reports prefill
     progress (tokens done of total) as the prefill runs, also when stdout is not a terminal."""
     gen = importlib.import_module("lmtail.model.generate")
     monkeypatch.setattr(gen, "load_model", lambda *a, **k: types.SimpleNamespace(tokenizer=FakeTokenizer()))

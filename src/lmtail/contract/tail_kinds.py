@@ -42,14 +42,26 @@ import torch
 
 from ..config import TailConfig
 from ..kernels.gemm import ORDERS as GEMM_ORDERS
-from ..kernels.gemm import gemm_bf16, gemm_bf16_chain_reference
+from ..kernels.gemm import gemm_bf16
 from ..numerics import Decl, SumDecl, U, sqrt_rn32
 from ..orders import sum_squares
-from ..reference.contract import logprob_ref, range_margin, sample_decision, sampler_slack
-from ..reference.gemm import gemm_amx32_emulation
+from ..reference.contract import (
+    logprob_ref,
+    range_margin,
+    sample_decision,
+    sampler_slack,
+)
+from ..reference.gemm import gemm_amx32_emulation, gemm_chain_emulation
 from ..reference.tail import as_np, logits_range, mirror_range, topk_ref
 from ..sampler import draw, sampling_plan, validate_params
-from ..tail import SSQ_ORDER, decode_tail, pad_mask, rows_tail, tail_decl, validate_tail_inputs
+from ..tail import (
+    SSQ_ORDER,
+    decode_tail,
+    pad_mask,
+    rows_tail,
+    tail_decl,
+    validate_tail_inputs,
+)
 from ..topk import exact_topk, row_keys, split_keys
 from .harness import Case, Control, Kind, Verdict, diff_outputs
 
@@ -230,7 +242,7 @@ def _gemm_variant(a, w, defect, order):
     if defect == "other_order":  # the other declared order posing as this one
         return gemm_bf16(a, w, order=next(o for o in GEMM_ORDERS if o != order))
     if defect == "emulate":  # not a defect: the declared order, one exact rounding a step
-        return gemm_bf16_chain_reference(a, w) if order == "chain" else gemm_amx32_emulation(a, w)
+        return gemm_chain_emulation(a, w) if order == "chain" else gemm_amx32_emulation(a, w)
     return gemm_bf16(a, w, order=order)
 
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +43,7 @@ import numba
 import numpy as np
 import torch
 
-from lmtail.numerics import Decl, SumDecl, fma32
+from lmtail.numerics import Decl, SumDecl
 
 ORDERS = ("chain", "amx32")
 _ISA = {"c": 0, "avx512": 2}  # the chain library's ISA codes
@@ -342,18 +341,3 @@ def gemm_bf16_chain(a: torch.Tensor, w: torch.Tensor, *,
     """`gemm_bf16(a, w, order="chain", out=out)`: the sequential fp32 fma chain over h."""
     return gemm_bf16(a, w, order="chain", out=out)
 
-
-def gemm_bf16_chain_reference(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The declared chain, obviously: a loop over h, vectorized over [M, V].
-
-    Each step is `numerics.fma32` (an exact fp32 fma emulated in float64), so the result
-    is the contract by construction. Slow (about 20 float64 ops per step and element):
-    for tests on small shapes. Same validation and result as `gemm_bf16_chain`.
-    """
-    _validate(a, w, None)
-    M, H = a.shape
-    a32, w32 = a.float(), w.float()  # exact widening
-    acc = torch.zeros(M, w.shape[1], dtype=torch.float32)  # [M, V], +0.0
-    for h in range(H):
-        acc = fma32(a32[:, h:h + 1], w32[h:h + 1, :], acc)  # [M, 1] * [1, V] + [M, V]
-    return torch.where(torch.isnan(acc), torch.full_like(acc, math.nan), acc)

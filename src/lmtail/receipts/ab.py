@@ -38,7 +38,7 @@ from typing import Callable
 from .stats import sign_test
 
 HIGHER_SUFFIXES = ("per_s", "tok_s", "throughput")
-DEFAULT_TOL = 0.02  # a ratio within 2% is level: this 2-core shared machine's run-to-run noise
+DEFAULT_TOL = 0.02  # a paired ratio within 2% of 1 counts as level (neither arm wins the round)
 
 
 @dataclass(frozen=True)
