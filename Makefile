@@ -1,9 +1,11 @@
-# Every target sets itself up on a fresh machine: the venv is built on first use.
+# Every target sets itself up on a fresh machine: the venv is built on first use, from the
+# dev lock requirements.txt (exact pins), so `make test` / `make demo` are the same from any
+# clone; pyproject.toml itself declares ranges + extras (`pip install .[model]` etc.).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-all demo demo-synthetic contract bench bench-quick bench-peers fuzz soak receipt-quick clean
+.PHONY: serve setup test test-all test-install demo demo-synthetic contract bench bench-quick bench-peers fuzz soak receipt-quick clean
 
 $(STAMP): requirements.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -21,13 +23,18 @@ test: setup
 test-all: setup
 	$(PY) -m pytest -q -m ''
 
+# A fresh venv with torch first, then `pip install .`: torch is kept (tests/test_install.py).
+test-install: setup
+	$(PY) -m pytest -q -m slow tests/test_install.py
+
 demo: setup
 	$(VENV)/bin/lmtail demo
 
 demo-synthetic: setup
 	$(VENV)/bin/lmtail demo --synthetic
 
-# Every benchmarks/bench_<name>.py (arms checked, then timed A-B-B-A); `lmtail bench --only NAME`.
+# Every shipped benchmark (src/lmtail/benchmarks/bench_<name>.py: arms checked, then timed
+# A-B-B-A); `lmtail bench --only NAME`, `--markdown` for stamped tables.
 bench: setup
 	$(VENV)/bin/lmtail bench
 
@@ -47,6 +54,10 @@ soak: setup
 
 receipt-quick: setup
 	$(VENV)/bin/lmtail receipt --quick --out receipt/
+
+# OpenAI-compatible server on 127.0.0.1:8000 (docs/serve.md)
+serve: setup
+	$(VENV)/bin/lmtail serve
 
 contract: setup
 	$(VENV)/bin/lmtail contract

@@ -146,20 +146,71 @@ def test_non_tensor_gamma_is_a_type_error_everywhere():
 
 def test_multi_output_results_are_typed():
     """add_rms / moe_add_rms -> NormResult(h, y); router_topk -> Routing(ids, weights);
-    decode_tail -> the frozen TailOutput. All unpack or read by field name."""
+    owned_row_block -> RowBlock; decode_tail -> TailOutput: one family, frozen dataclasses
+    that unpack in field order or read by field name, and refuse assignment."""
+    def names(obj):
+        return tuple(f.name for f in dataclasses.fields(obj))
+
     g = torch.ones(H)
     calls = _gamma_calls(g)
     for name in ("add_rms", "moe_add_rms"):
         out = calls[name]()
-        assert isinstance(out, lmtail.NormResult) and out._fields == ("h", "y")
+        assert isinstance(out, lmtail.NormResult) and names(out) == ("h", "y")
         h, y = out
         assert h is out.h and y is out.y
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            out.h = None
     r = lmtail.router_topk(torch.randn(1, 3, 8), k=2)
-    assert isinstance(r, lmtail.Routing) and r._fields == ("ids", "weights")
+    assert isinstance(r, lmtail.Routing) and names(r) == ("ids", "weights")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.ids = None
+    blk = lmtail.owned_row_block(1, 2, 4)
+    assert blk == lmtail.RowBlock(2, 2) and tuple(blk) == (2, 2)
     t = calls["decode_tail"]()
     assert isinstance(t, lmtail.TailOutput) and dataclasses.is_dataclass(t)
     with pytest.raises(dataclasses.FrozenInstanceError):
         t.tokens = None
+
+
+# ---------------------------------------------------------------------------------------
+# the op registry (lmtail.ops): every public op has a record
+# ---------------------------------------------------------------------------------------
+# public functions of lmtail.model.body that are not ops (helpers of ops that are)
+BODY_HELPERS = {"available_backends", "cos_sin64", "attend_threads"}
+
+
+def public_ops() -> dict[str, object]:
+    """name -> function of every public op: the tensor ops at `import lmtail`, the tail's
+    stages and kernels, and every public function of lmtail.model.body (found, not
+    listed: a new body op must be registered) other than declarations and BODY_HELPERS."""
+    from lmtail import tail
+    from lmtail.kernels.gemm import gemm_bf16
+    from lmtail.kernels.rowmass import row_mass
+    from lmtail.model import body
+    from lmtail.topk import exact_topk
+
+    out = {n: getattr(lmtail, n) for n in TENSOR_OPS}
+    out.update(rows_tail=tail.rows_tail, row_mass=row_mass, gemm_bf16=gemm_bf16, exact_topk=exact_topk)
+    for n, fn in vars(body).items():
+        if (inspect.isfunction(fn) and fn.__module__ == body.__name__ and not n.startswith("_")
+                and not n.endswith("_decl") and n not in BODY_HELPERS):
+            out[f"body.{n}"] = fn
+    return out
+
+
+def unregistered(public: dict[str, object], records) -> list[str]:
+    """The public ops no record's function is."""
+    have = {id(spec.function()) for spec in records}
+    return sorted(n for n, fn in public.items() if id(fn) not in have)
+
+
+def test_every_public_op_is_registered():
+    from lmtail import ops
+
+    public = public_ops()
+    assert len(public) >= 17 and "body.attend" in public and "add_rms" in public
+    assert unregistered(public, ops.OPS) == []
+    assert unregistered(public, [s for s in ops.OPS if s.name not in ("add_rms", "attend")]) == ["add_rms", "body.attend"]
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,16 +1,25 @@
 """lmtail.bench: the A-B-B-A protocol (order, gating check, ratios, wins) and the bitwise /
 tolerance comparisons the benchmarks gate on. Planted variants (a slower arm, a disagreeing
-arm, a flipped bit) show each check can fail."""
+arm, a flipped bit) show each check can fail. lmtail.benchmarks: the scripts ship in the
+package (found without the checkout) and --markdown stamps where the figures came from."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import importlib.resources
+import os
+import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from lmtail.bench import (ABBAResult, abba, assert_bitwise, assert_within, check_bitwise,
                           format_table)
+from lmtail.benchmarks import cpu_info, default_bench_dir, find_benchmarks, machine_stamp
 
 
 def _sleeper(seconds: float, log: list | None = None, name: str = "", value=0):
@@ -234,3 +243,100 @@ def test_assert_within_per_element_tolerance():
     assert_within(got, ref, atol=torch.tensor([0.6, 0.6]), rtol=0.0)
     with pytest.raises(AssertionError, match=r"atol=\(per element\)"):
         assert_within(got, ref, atol=torch.tensor([0.4, 1.0]), rtol=0.0)
+
+
+# ---------------------------------------------------------------- `lmtail bench`: shipped scripts, stamped figures
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_every_benchmark_ships_in_the_package():
+    """Every checkout benchmarks/bench_<name>.py is a pointer to its script in lmtail.benchmarks
+    (what a wheel installs, found through importlib.resources): a benchmark written only in
+    benchmarks/ would be missing from `lmtail bench` and from the wheel."""
+    shipped = {p.name for p in importlib.resources.files("lmtail.benchmarks").iterdir()
+               if p.name.startswith("bench_") and p.name.endswith(".py")}
+    in_checkout = {p.name: p.read_text() for p in (REPO / "benchmarks").glob("bench_*.py")}
+    not_pointers = [n for n, text in in_checkout.items()
+                    if f'runpy.run_module("lmtail.benchmarks.{n[:-3]}"' not in text]
+    assert not not_pointers, f"move these into src/lmtail/benchmarks/ (leave a pointer): {not_pointers}"
+    assert in_checkout and set(in_checkout) <= shipped, sorted(set(in_checkout) - shipped)
+    assert set(find_benchmarks(default_bench_dir())) == {n[len("bench_"):-len(".py")] for n in shipped}
+
+
+def test_bench_lists_every_benchmark_without_the_checkout(tmp_path):
+    """A copy of the package alone (no checkout around it, as in site-packages): `lmtail bench
+    --list` finds every shipped benchmark inside that copy."""
+    site = tmp_path / "site"
+    shutil.copytree(REPO / "src" / "lmtail", site / "lmtail",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    r = subprocess.run([sys.executable, "-m", "lmtail.cli", "bench", "--list"], capture_output=True, text=True,
+                       cwd=tmp_path, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    listed = dict(line.split(None, 1) for line in r.stdout.splitlines())
+    assert set(listed) == set(find_benchmarks(default_bench_dir())) and len(listed) >= 7
+    assert all(Path(p).parent == site / "lmtail" / "benchmarks" for p in listed.values()), listed
+
+
+CPUINFO = """processor\t: 0
+model name\t: Planted CPU 9000
+flags\t\t: fpu sse2 avx2 fma avx512f amx_tile
+"""
+
+
+def test_cpu_info_and_stamp_name_flags_present_and_absent():
+    model, flags = cpu_info(CPUINFO)
+    assert model == "Planted CPU 9000"
+    assert flags == {"avx2": True, "fma": True, "avx512f": True, "avx512_bf16": False, "amx_tile": True,
+                     "amx_bf16": False}
+    when = datetime.datetime(2026, 12, 1, tzinfo=datetime.timezone.utc)
+    stamp = machine_stamp(threads=3, torch_version="9.9", when=when, cpuinfo=CPUINFO)
+    assert ("Measured on Planted CPU 9000; ISA flags: avx2 fma avx512f amx_tile (absent: avx512_bf16 amx_bf16); "
+            "3 torch threads") in stamp
+    assert "torch 9.9; 2026-12-01 (UTC)" in stamp and "run `make bench` for your machine's" in stamp
+    planted = machine_stamp(threads=3, torch_version="9.9", when=when, cpuinfo=CPUINFO.replace(" avx512f", ""))
+    assert "(absent: avx512f avx512_bf16 amx_bf16)" in planted  # a CPU without AVX-512 says so
+
+
+def test_markdown_stamps_each_benchmark(tmp_path, capfd):
+    """`lmtail bench --markdown` on a tiny benchmark: a heading, this machine's stamp, then the
+    script's own table."""
+    from lmtail import cli
+
+    (tmp_path / "bench_tiny.py").write_text("print('| arm | ratio |\\n|---|---|\\n| a | 1.00 |')\n")
+    assert cli.main(["bench", "--dir", str(tmp_path), "--markdown"]) == 0
+    out = capfd.readouterr().out
+    model, _ = cpu_info()
+    stamp = f"_Measured on {model}; ISA flags: "
+    assert out.startswith("### tiny\n\n" + stamp), out
+    assert f"{torch.get_num_threads()} torch threads" in out and f"torch {torch.__version__};" in out
+    assert f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d} (UTC)" in out
+    assert "run `make bench` for your machine's" in out and out.rstrip().endswith("| a | 1.00 |")
+    assert cli.main(["bench", "--dir", str(tmp_path)]) == 0
+    assert stamp not in capfd.readouterr().out  # only with --markdown
+
+
+def quick_flags_missing(name: str, script_text: str) -> list[str]:
+    """The flags `lmtail bench --quick` passes this script that its source never declares."""
+    from lmtail.benchmarks import QUICK_ARGS
+
+    flags = [a for a in QUICK_ARGS.get(name, ("--quick",)) if a.startswith("--")]
+    return [f for f in flags if f'"{f}"' not in script_text]
+
+
+def test_quick_args_name_flags_each_script_has():
+    """`lmtail bench --quick` passes every shipped script flags it declares. Planted: a script
+    without --quick is caught."""
+    found = find_benchmarks(default_bench_dir())
+    assert {n: quick_flags_missing(n, p.read_text()) for n, p in found.items()} == {n: [] for n in found}
+    assert quick_flags_missing("planted", "ap.add_argument('--rounds')") == ["--quick"]
+
+
+def test_checkout_pointer_runs_the_shipped_script():
+    """`python benchmarks/bench_tail.py --help` runs lmtail/benchmarks/bench_tail.py (its own
+    options and description)."""
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_tail.py"), "--help"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert "--rounds" in r.stdout and "--quick" in r.stdout

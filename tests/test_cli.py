@@ -1,6 +1,7 @@
 """The `lmtail` command line: every subcommand's help names its options, bad input exits 2
-with a message, a missing command module says so, and the synthetic demo prints its
-checks (and fails them when a planted tail breaks them)."""
+with one line naming the subcommand, only the invoked command's module is imported, and the
+synthetic demo prints its checks (and fails them when a planted tail breaks them). Each bad
+flag of issue 21 in a real process: tests/test_cli_errors.py."""
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,7 @@ EXPECTED_OPTIONS = {
     "generate": ["--prompt", "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--min-p",
                  "--seed", "--ranks", "--raw", "--threads"],
     "contract": ["--kinds", "--json", "--fast", "--ranks", "--decl"],
-    "bench": ["--only", "--quick", "--list", "--dir"],
+    "bench": ["--only", "--quick", "--list", "--markdown", "--dir"],
 }
 SMALL_DEMO = ["demo", "--synthetic", "--gbs", "2", "--vocab", "2048"]
 
@@ -50,39 +51,48 @@ def test_top_level_help_lists_every_command(capsys):
 def test_subcommand_help_names_its_options(capsys, name):
     out = _help(capsys, name)
     assert out.startswith(f"usage: lmtail {name}")
-    module = cli.COMMANDS[name][0]
-    try:
-        opts = _module_options(module)
-    except ModuleNotFoundError:
-        assert f"not available: module {module} not found" in out
-        return
+    opts = _module_options(cli.COMMANDS[name][0])
     assert set(EXPECTED_OPTIONS.get(name, [])) <= set(opts), name
     for opt in opts:
         assert opt in out, (name, opt)
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["demo", "--bogus"], "unrecognized arguments: --bogus"),
-    (["bench", "--quick=3"], "ignored explicit argument"),
-    (["contract", "--ranks", "four"], "invalid int value: 'four'"),
-    (["nosuchcommand"], "invalid choice: 'nosuchcommand'"),
-    ([], "the following arguments are required: <command>"),
+    (["demo", "--bogus"], "lmtail demo: error: unrecognized arguments: --bogus"),
+    (["demo", "--synthetic", "extra"], "lmtail demo: error: unrecognized arguments: extra"),
+    (["bench", "--quick=3"], "lmtail bench: error: argument --quick: ignored explicit argument '3'"),
+    (["contract", "--ranks", "four"], "lmtail contract: error: argument --ranks: invalid int value: 'four'"),
+    (["generate"], "lmtail generate: error: the following arguments are required: --prompt"),
+    (["nosuchcommand"], "lmtail: error: argument <command>: invalid choice: 'nosuchcommand'"),
+    ([], "lmtail: error: the following arguments are required: <command>"),
 ])
-def test_bad_input_exits_2_with_a_message(capsys, argv, message):
+def test_bad_input_exits_2_with_one_line(capsys, argv, message):
+    """argparse's errors: one line naming the (sub)command, no usage dump, exit 2."""
     with pytest.raises(SystemExit) as ei:
         cli.main(argv)
     assert ei.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("argv, message", [
     (["demo", "--synthetic", "--ranks", "2"], "--ranks not accepted by the synthetic demo"),
     (["demo", "--gbs", "2", "--seed", "1"], "--gbs, --seed not accepted by the model demo"),
-    (["demo", "--synthetic", "--vocab", "100"], "expected --vocab >= 256 and --gbs >= 1, got --vocab 100"),
+    (["demo", "--synthetic", "--vocab", "100"], "--vocab: expected >= 256, got 100"),
+    (["demo", "--synthetic", "--gbs", "0"], "--gbs: expected >= 1, got 0"),
+    (["demo", "--ranks", "5"], "--ranks: expected an int >= 1 dividing the vocab 49152, got 5"),
 ])
-def test_demo_refuses_the_other_demos_options(capsys, argv, message):
+def test_demo_refuses_bad_options(capsys, argv, message):
     assert cli.main(argv) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err == f"lmtail demo: error: {message}\n", err
+
+
+def test_demo_constants_match_the_demos():
+    """The light command module's copies of the demos' shapes (it imports no torch)."""
+    import lmtail.demo as demo
+
+    assert (demo.SYNTHETIC_K, demo.SYNTHETIC_V) == (synthetic.K, synthetic.V)
 
 
 def test_installed_entry_point_exit_codes():
@@ -94,25 +104,28 @@ def test_installed_entry_point_exit_codes():
     assert ok.returncode == 0 and "--only" in ok.stdout
 
 
-# ---------------------------------------------------------------- missing / broken modules
+# ---------------------------------------------------------------- only the invoked command is imported
 
-def test_missing_command_module_says_so_and_exits_2(monkeypatch, capsys):
-    monkeypatch.setitem(cli.COMMANDS, "later", ("lmtail.no_such_module", "arrives later"))
-    assert cli.main(["later", "--any", "flags"]) == 2
-    assert ("lmtail later: not available in this checkout (module lmtail.no_such_module not found)"
-            in capsys.readouterr().err)
-    assert "[not available: module lmtail.no_such_module not found]" in " ".join(_help(capsys).split())
-
-
-def test_broken_command_module_fails_only_its_own_command(monkeypatch, tmp_path, capsys):
-    """A module that exists but imports something missing is a bug, not 'not available':
-    invoking it re-raises; the other commands still parse."""
-    (tmp_path / "lmtail_cli_broken_mod.py").write_text("import no_such_dependency_xyz\n")
+def test_only_the_invoked_commands_module_is_imported(monkeypatch, tmp_path, capsys):
+    """Planted: a command whose module fails on import. Every other command (and the top-level
+    help) still works, so none of them imported it; invoking it raises its import error."""
+    (tmp_path / "lmtail_cli_tripwire.py").write_text("raise ImportError('tripwire: imported')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(cli.COMMANDS, "broken", ("lmtail_cli_broken_mod", "has a bug"))
-    with pytest.raises(ModuleNotFoundError, match="no_such_dependency_xyz"):
-        cli.main(["broken"])
+    monkeypatch.setitem(cli.COMMANDS, "tripwire", ("lmtail_cli_tripwire", "imports nothing good"))
+    assert "    tripwire " in _help(capsys)
     assert "--only" in _help(capsys, "bench")
+    assert cli.main(["demo", "--ranks", "0"]) == 2
+    with pytest.raises(ImportError, match="tripwire: imported"):
+        cli.main(["tripwire"])
+
+
+def test_check_runs_before_run(monkeypatch, capsys):
+    """A command's check refuses before its run is called (the tripwire run never fires)."""
+    import lmtail.demo as demo
+
+    monkeypatch.setattr(demo, "run", lambda args: pytest.fail("run called after a refused check"))
+    assert cli.main(["demo", "--threads", "0"]) == 2
+    assert capsys.readouterr().err == "lmtail demo: error: --threads: expected >= 1, got 0\n"
 
 
 # ---------------------------------------------------------------- lmtail bench
@@ -135,7 +148,7 @@ def test_bench_runs_each_script_and_reports_failures(tmp_path, capfd):
     out, err = capfd.readouterr()
     assert "ok ran []" in out and "lmtail bench: bad exited 3" in err and "failed: bad" in err
     assert cli.main(["bench", "--dir", d, "--only", "helper"]) == 2
-    assert "--only: expected one of ['bad', 'ok'], got ['helper']" in capfd.readouterr().err
+    assert capfd.readouterr().err == "lmtail bench: error: --only: expected one of ['bad', 'ok'], got ['helper']\n"
 
 
 # ---------------------------------------------------------------- the synthetic demo
@@ -192,3 +205,19 @@ def test_module_docstring_usage_names_real_options():
     usage = textwrap.dedent(demo.__doc__)
     for opt in EXPECTED_OPTIONS["demo"]:
         assert opt in usage, opt
+
+
+def test_contract_ranks_are_the_worlds_the_harness_lays_out():
+    """`lmtail contract --ranks` accepts exactly the world sizes whose every rank layout tiles
+    the world (rank_layouts: each VTP group of consecutive ranks divides it); 0 skips the gate.
+    Planted: a world of 3 or 6 does not tile (VTP 2 / 4 groups would name ranks past the end)."""
+    from lmtail.contract.cli import RANKS
+    from lmtail.contract.tail_kinds import rank_layouts
+
+    def tiles(world):
+        lays = rank_layouts(world)
+        return bool(lays) and all(world % vtp == 0 for _, vtp, *_ in lays)
+
+    assert RANKS[0] == 0 and all(tiles(w) for w in RANKS[1:])
+    assert [w for w in range(1, 9) if tiles(w)] == list(RANKS[1:])  # exactly these up to 8
+    assert not tiles(3) and not tiles(6)

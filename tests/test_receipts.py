@@ -343,3 +343,11 @@ def test_unavailable_arm_is_listed_and_its_comparisons_dropped(tmp_path):
     assert status["future"][1] == "not available: not built here"
     assert status["future vs chain"][1].startswith("skipped")
     assert hf.status(tmp_path / "no-python").startswith("no interpreter at")  # the HF arm skips cleanly
+
+
+def test_builtin_arm_names_match_the_registry():
+    """`lmtail receipt` checks arm names without importing torch, against BUILTIN_ARMS: the
+    names default_arms() registers, in order."""
+    from lmtail.receipts.receipt import BUILTIN_ARMS, DEFAULT_ARMS
+
+    assert default_arms().names() == BUILTIN_ARMS and set(DEFAULT_ARMS) <= set(BUILTIN_ARMS)

@@ -13,6 +13,7 @@ import ctypes
 import ctypes.util
 import functools
 import math
+import struct
 
 import pytest
 import torch
@@ -256,7 +257,7 @@ def test_variant_builder_is_the_reference():
 
 def test_has_c_backends():
     assert C_BACKENDS, "the C kernel did not build"
-    assert RM.exp64_constants().tolist()[3:] == numerics._EXP_C
+    assert RM.exp64_constants().tolist() == list(numerics.exp64_constants())
 
 
 @pytest.mark.parametrize("backend", C_BACKENDS)
@@ -460,3 +461,17 @@ def test_planted_thread_and_row_variants_are_caught():
 def test_bad_inputs_raise(row, scale, kw, match):
     with pytest.raises(ValueError, match=match):
         row_mass(row, scale, **kw)
+
+
+def f64_bits(xs) -> list[int]:
+    return [struct.unpack("<q", struct.pack("<d", float(x)))[0] for x in xs]
+
+
+def test_exp64_constants_handed_to_c_are_numerics():
+    """The packer hands C numerics' exp64 constants (public accessor), in K[17]'s order, and
+    they are the fdlibm split of ln 2 and 1/k!."""
+    k = RM.exp64_constants()
+    assert f64_bits(k) == f64_bits(numerics.exp64_constants())
+    assert f64_bits(k[:3]) == f64_bits([1.44269504088896338700e00, 6.93147180369123816490e-01,
+                                        1.90821492927058770002e-10])
+    assert f64_bits(k[3:]) == f64_bits([1.0 / math.factorial(i) for i in range(14)])

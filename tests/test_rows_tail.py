@@ -6,14 +6,18 @@ checked against rows_tail(path="reference"). Every comparison is on bit views. P
 wrong variants are source mutations of rows_tail.c, compiled on the fly; each must make
 the same comparison fail.
 """
+import struct
 from pathlib import Path
 
 import pytest
 import torch
 
+from lmtail import numerics
+from lmtail.kernels import cpu
+from lmtail.kernels import rowmass as RM
 from lmtail.kernels import rows_tail as rt
 from lmtail.kernels.rows_tail import available_backends, rows_tail_fused
-from lmtail.sampler import sample_rows
+from lmtail.sampler import GREEDY_TEMPERATURE, sample_rows
 from lmtail.tail import rows_tail
 from lmtail.topk import exact_topk
 
@@ -49,7 +53,8 @@ def bit_diff(out, ref) -> list[str]:
 
 def backend_or_skip(backend):
     if backend not in available_backends():
-        why = "no C compiler" if available_backends() == () else f"CPU lacks {backend}"
+        need = {"avx512": ("avx512f", "avx512bw"), "avx2": ("avx2",)}.get(backend, ())
+        why = "no C compiler" if available_backends() == () else cpu.missing(*need)
         pytest.skip(f"backend {backend!r} unavailable: {why}")
 
 
@@ -274,7 +279,7 @@ PLANTS = {  # name -> source edits (old, new), each old text found exactly once
 def planted_libs(tmp_path_factory):
     if "c" not in available_backends():
         pytest.skip("no C compiler: the planted variants are C source mutations")
-    from lmtail.kernels._cc import load_c_library
+    from lmtail.kernels._cc import bind, load_c_library
 
     src = Path(rt.__file__).with_name("rows_tail.c").read_text()
     libs = {}
@@ -285,7 +290,7 @@ def planted_libs(tmp_path_factory):
             text = text.replace(old, new)
         path = tmp_path_factory.mktemp(name) / "rows_tail.c"
         path.write_text(text)
-        libs[name] = rt._bind(load_c_library(path))
+        libs[name] = bind(load_c_library(path), rt.SIGNATURES)
     return libs
 
 
@@ -366,3 +371,65 @@ def test_errors_name_the_argument():
             rows_tail_fused(rows, k=1, sampling_params=bad.double())
         with pytest.raises(TypeError, match="sampling_params must be a torch.Tensor"):
             rows_tail_fused(rows, k=1, sampling_params=[[1, 0.5, 1.0]] * 2)
+
+
+# ---------------------------------------------------------------------------------------
+# the fused kernel's float64 normalizer and log-normalizer vs row_mass (debug export), and
+# the constants rows_tail.c holds vs numerics / the sampler
+# ---------------------------------------------------------------------------------------
+def f64_bits(xs) -> list[int]:
+    return [struct.unpack("<q", struct.pack("<d", float(x)))[0] for x in xs]
+
+
+def _rows(seed: int, r: int, v: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(r, v, generator=g) * torch.linspace(0.5, 12.0, r)[:, None]  # [R, V]
+    x[0, :: 7] = -60.0  # terms deep in the tail
+    x[-1, v // 2] = 40.0  # one dominant lane: most terms underflow or are subnormal
+    if seed % 2:  # few distinct values: the kernel's pattern-table pass
+        x[1:] = torch.round(x[1:] * 4) / 4
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("backend", ["avx512", "avx2", "c"])
+@pytest.mark.parametrize("seed, r, v", [(0, 5, 1), (1, 4, 255), (2, 6, 257), (3, 3, 4099), (4, 2, 50001),
+                                         (5, 3, 50001)])
+def test_debug_mass_equals_row_mass_bitwise(backend, seed, r, v):
+    """Per sampled row, the kernel's S at T = 1 is row_mass's S, its nz row_mass's nz, and its
+    lse1 is vmax + log64(S), bit for bit (odd V: partial passes of the 256 lane chains; both
+    the per-lane pass and the pattern-table pass, which rows of few values pick). The
+    reference is row_mass's "torch" backend (numerics.exp64 and sum64 as torch ops), which
+    shares no code with the C kernels; every row_mass backend must agree with it too."""
+    if backend not in rt.available_backends():
+        pytest.skip(f"backend {backend!r}: " + (cpu.missing(*{"avx512": ("avx512f", "avx512bw"),
+                                                             "avx2": ("avx2",)}.get(backend, ()))
+                                                 or "no C compiler"))
+    rows = _rows(seed, r, v)
+    sp = torch.tensor([[0.0, 1.0, 0.7, 0.5, 0.0]] * r, dtype=torch.float32)  # sampled, top-k off
+    out = rt.rows_tail_fused(rows, k=1, sampling_params=sp, backend=backend, debug_mass=True)
+    assert not out.undecided.any()
+    m, S, nz = RM.row_mass(rows.double(), torch.ones(r, dtype=torch.float64), backend="torch")
+    for b in RM.available_backends():
+        assert f64_bits(RM.row_mass(rows.double(), torch.ones(r, dtype=torch.float64), backend=b)[1]) == f64_bits(S), b
+    assert f64_bits(out.debug_mass[:, 0]) == f64_bits(S)
+    assert out.debug_mass[:, 2].tolist() == nz.double().tolist()
+    lse1 = m + numerics.log64(S)  # [R]
+    assert f64_bits(out.debug_mass[:, 1]) == f64_bits(lse1)
+    assert torch.equal(out.logprobs, (out.topk_values[:, 0].double() - lse1).float())
+
+
+def test_debug_mass_boundary():
+    rows = _rows(0, 2, 300)
+    with pytest.raises(ValueError, match="debug_mass=True needs sampling_params"):
+        rt.rows_tail_fused(rows, k=3, debug_mass=True)
+    with pytest.raises(ValueError, match="debug_mass must be a bool; got 1"):
+        rt.rows_tail_fused(rows, k=3, debug_mass=1)
+    assert rt.rows_tail_fused(rows, k=3).debug_mass is None
+
+
+def test_rows_tail_c_constants_equal_numerics_and_sampler():
+    if not rt.available_backends():
+        pytest.skip("no C compiler: rows_tail.c was not built")
+    got = rt.c_constants().tolist()
+    assert f64_bits(got[:1]) == f64_bits([GREEDY_TEMPERATURE])
+    assert f64_bits(got[1:]) == f64_bits(numerics.log64_constants())

@@ -179,7 +179,54 @@ def test_seeded_draws_are_pinned_bits():
     t = sampling_tensor([SamplingParams(top_k=5, seed=9), SamplingParams(u=0.25)], positions=[3, 0])
     assert t.shape == (2, 5) and t[0, 3].item() == draw_u(9, 3).item() and t[1, 3].item() == 0.25
     with pytest.raises(ValueError, match="either seed"):
-        sampling_tensor([SamplingParams(seed=1, u=0.5)])
+        sampling_tensor([SamplingParams(seed=1, u=0.5)], positions=[0])
+
+
+# ---------------------------------------------------------------------------------------
+# no silent traps (issue 21): seeds in uint64, a draw for every sampled request, positions
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", [-1, 2**64, 2**70, True, 1.0, "7", np.float64(3.0)])
+def test_seed_outside_uint64_is_a_value_error_naming_seed(seed):
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*64\) or None; got"):
+        SamplingParams(seed=seed)
+
+
+def test_seed_covers_all_of_uint64_with_the_same_bits():
+    """2**64 - 1 draws what its int64 twin -1 draws (the same 64 bits); 2**63 - 1 and 0 work."""
+    t = sampling_tensor([SamplingParams(seed=s) for s in (0, 2**63 - 1, 2**63, 2**64 - 1)], positions=[5] * 4)
+    want = [draw_u(0, 5), draw_u(2**63 - 1, 5), draw_u(-2**63, 5), draw_u(-1, 5)]
+    assert t[:, 3].tolist() == [float(w) for w in want]
+    assert t[0, 3] != t[3, 3]  # planted: distinct seeds draw distinct u here
+
+
+@pytest.mark.parametrize("params", [
+    [SamplingParams()],  # temperature 1.0 by default
+    [SamplingParams(temperature=0.0), SamplingParams(top_p=0.9, temperature=0.7)],
+])
+def test_sampled_request_without_seed_or_u_is_a_value_error_naming_it(params):
+    i = len(params) - 1
+    with pytest.raises(ValueError, match=rf"request {i}: a sampled request .* needs a seed \(\+ positions\) or an "
+                                         r"explicit u; got neither"):
+        sampling_tensor(params)
+
+
+def test_greedy_and_explicit_u_need_no_seed():
+    """Greedy requests (temperature < 1e-5 in fp32) need no draw; u=0.5 keeps the fixed draw."""
+    t = sampling_tensor([SamplingParams(temperature=0.0), SamplingParams(temperature=1e-6),
+                         SamplingParams(u=0.5), SamplingParams(top_k=3, u=0.25)])
+    assert t[:, 3].tolist() == [0.5, 0.5, 0.5, 0.25]
+
+
+def test_seeded_request_without_positions_is_a_value_error():
+    with pytest.raises(ValueError, match=r"positions must be given .* request 1 seeded"):
+        sampling_tensor([SamplingParams(u=0.3), SamplingParams(seed=4)])
+    with pytest.raises(ValueError, match=r"positions\[0\] must be an int in \[0, 2\*\*63\) .*got -1"):
+        sampling_tensor([SamplingParams(seed=4)], positions=[-1])
+    with pytest.raises(ValueError, match=r"positions must have one entry per request \(1\); got 2"):
+        sampling_tensor([SamplingParams(seed=4)], positions=[0, 1])
+    # the draw follows the position (what a missing one would have frozen)
+    a, b = (sampling_tensor([SamplingParams(seed=4)], positions=[p])[0, 3] for p in (0, 1))
+    assert a != b
 
 
 def test_declared_sums_follow_their_order():

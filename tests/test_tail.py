@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import bits
 from lmtail.reference.tail import logits_range, logits_ref, mirror_range
 from lmtail.config import TailConfig
 from lmtail.tail import TailOutput, decode_tail, pad_mask, shard_logits, tail_decl
@@ -23,10 +24,6 @@ def params(gbs, seed=0):
     g = torch.Generator().manual_seed(seed + 100)
     return torch.stack([torch.randint(0, 40, (gbs,), generator=g).float(), 0.5 + 0.5 * torch.rand(gbs, generator=g),
                         torch.rand(gbs, generator=g) * 1.5, torch.rand(gbs, generator=g) * 0.999], 1)
-
-
-def bits(t):
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32) if t.dtype == torch.float32 else t
 
 
 def same(a: TailOutput, b: TailOutput, rows=slice(None)):
@@ -203,6 +200,89 @@ def test_bad_inputs_are_value_errors(change, match):
         decode_tail(kw.pop("hidden_states"), kw.pop("gamma"), kw.pop("lm_head_weight_t"), **kw)
 
 
+def test_k_above_the_vocab_says_so_and_is_never_clamped():
+    x, gamma, w = problem(1, 0, v=100)
+    with pytest.raises(ValueError, match=r"k must be an int in \[1, V=100\]; got 256 \(k candidates per row "
+                                         r"cannot exceed the vocabulary width .* never clamped: pass k=min\(256, V\)"):
+        decode_tail(x, gamma, w, hidden_actual=H_U)  # the default k=256
+    assert decode_tail(x, gamma, w, hidden_actual=H_U, k=100).topk_values.shape == (1, 100)
+
+
+def _count_calls(monkeypatch, module, names):
+    """Wrap module.<name> for each name to count its calls; returns the counts dict."""
+    import importlib
+
+    mod = importlib.import_module(module)
+    counts = dict.fromkeys(names, 0)
+    for n in names:
+        fn = getattr(mod, n)
+
+        def counted(*a, _fn=fn, _n=n, **kw):
+            counts[_n] += 1
+            return _fn(*a, **kw)
+        monkeypatch.setattr(mod, n, counted)
+    return counts
+
+
+@pytest.mark.parametrize("tail_path", ["fused", "reference"])
+@pytest.mark.parametrize("eps", [1e-5, 0.0])
+def test_validation_runs_once_per_call(monkeypatch, tail_path, eps):
+    """decode_tail checks its inputs once at the boundary (validate_tail_inputs, with the
+    sampling_params rules once) and runs one sum of squares, also with eps=0 (its zero-row
+    rule rides on the norm's own pass); the internal halves do not re-check.
+    Planted: the public rows_tail on the same rows runs the params rules again."""
+    x, gamma, w = problem(3, 4)
+    sp = params(3)
+    tail_calls = _count_calls(monkeypatch, "lmtail.tail", ["validate_tail_inputs", "validate_params", "sum_squares"])
+    sampler_calls = _count_calls(monkeypatch, "lmtail.sampler", ["validate_params"])
+    out = decode_tail(x, gamma, w, k=8, hidden_actual=H_U, sampling_params=sp, eps=eps, tail_path=tail_path)
+    assert out.tokens.shape == (3,)
+    assert tail_calls == {"validate_tail_inputs": 1, "validate_params": 1, "sum_squares": 1}
+    assert sampler_calls == {"validate_params": 0}
+    from lmtail.tail import rows_tail
+
+    rows_tail(out.logits.to(torch.bfloat16), k=8, sampling_params=sp, path=tail_path)
+    assert tail_calls["validate_params"] + sampler_calls["validate_params"] == 2  # planted: a second check counts
+
+
+def test_eps0_zero_row_is_refused_before_the_gemm(monkeypatch):
+    """eps=0 with a row whose real lanes square to 0 (all-zero, or squares that underflow)
+    is a ValueError naming the rows, from the norm's own sum of squares, before the GEMM."""
+    x, gamma, w = problem(4, 5)
+    x[1] = 0.0
+    x[3] = 1e-30  # squares underflow to 0 in fp32: no rms either
+    x[3, H_U:] = 1.0  # pad lanes do not count
+    calls = _count_calls(monkeypatch, "lmtail.tail", ["gemm_bf16"])
+    with pytest.raises(ValueError, match=r"eps=0.0 \(0 in fp32\) leaves hidden_states row\(s\) \[1, 3\] undefined"):
+        decode_tail(x, gamma, w, k=8, hidden_actual=H_U, zero_interleaved_pad=False, eps=0.0)
+    assert calls["gemm_bf16"] == 0
+    ok = decode_tail(x[[0, 2]], gamma, w, k=8, hidden_actual=H_U, zero_interleaved_pad=False, eps=0.0)
+    assert calls["gemm_bf16"] == 1 and ok.topk_values.shape == (2, 8)
+    with pytest.raises(ValueError, match=r"leaves hidden_states row\(s\) \[1\] undefined"):
+        decode_tail(x[:2], gamma, w, k=8, hidden_actual=H_U, eps=1e-46)  # 0 in fp32 too
+
+
+@pytest.mark.parametrize("nan_fold", [False, True])
+def test_nan_policy_names_the_same_rows_on_both_paths(nan_fold):
+    """The fused path scans only the rows its kernel flags (undecided, or an all-NaN first
+    candidate) and must name exactly the rows the reference path's full scan names.
+    Planted: a scan that skips the flagged rows raises nothing."""
+    from lmtail import tail as tail_mod
+
+    x, gamma, w = problem(12, 3)
+    x[[2, 5, 9, 10, 11]] = torch.tensor(float("nan"))  # whole rows NaN
+    x[7, :3] = torch.tensor(float("inf"))  # an inf lane: rms = 0, inf * 0 -> a NaN row too
+    sp = params(12, 3)
+    msgs = []
+    for path in ("fused", "reference"):
+        with pytest.raises(ValueError, match=r"all NaN" if nan_fold else r"NaN in the logits of rows") as e:
+            decode_tail(x, gamma, w, sampling_params=sp, tail_path=path, nan_fold=nan_fold, **KW)
+        msgs.append(str(e.value))
+    assert msgs[0] == msgs[1] and "rows [2, 5, 7, 9, 10, 11]" in msgs[0]
+    none = torch.zeros(0, dtype=torch.int64)
+    tail_mod.check_nan_rows(torch.full((1, 4), float("nan"), dtype=torch.bfloat16), nan_fold=nan_fold, only=none)
+
+
 def test_non_tensors_are_type_errors():
     x, gamma, w = problem(2, 0)
     for args, name in (((x.tolist(), gamma, w), "hidden_states"), ((x, None, w), "gamma"),
@@ -245,7 +325,8 @@ def test_declaration_is_pinned(h, ssq_depth):
 def test_tail_path_fused_is_the_default_and_gives_the_reference_bytes(monkeypatch):
     """tail_path "fused" (the default) runs the rows_tail kernel, "reference" never does;
     both give the same bytes (NaN lanes under nan_fold=True included; without the fold a
-    NaN row is the NaN policy's ValueError before either path runs). Planted: a kernel
+    NaN row is the NaN policy's ValueError, on the fused path read off the kernel's
+    undecided rows, so the kernel has run once more). Planted: a kernel
     whose tokens are off by one is seen by the default path and not by "reference"."""
     from lmtail.kernels import rows_tail as rows_kernel
 
@@ -271,7 +352,7 @@ def test_tail_path_fused_is_the_default_and_gives_the_reference_bytes(monkeypatc
     assert len(calls) == 2
     with pytest.raises(ValueError, match="NaN in the logits"):
         decode_tail(x, gamma, w_nan, sampling_params=sp, **KW)
-    assert len(calls) == 2
+    assert len(calls) == 3
     same(decode_tail(x[:, :], gamma, w, sampling_params=sp, config=TailConfig(**KW)), ref)
 
     def off_by_one(*a, **kw):

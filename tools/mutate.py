@@ -9,8 +9,14 @@ files the mutant names run with the copy first on PYTHONPATH. A mutant is
     survived   every test passed: a hole in the suite (or an equivalent edit)
     stale      its `old` text is not in the file any more (the source moved on: update it)
 
+A mutant names its file by a path hint; when the hint is gone or no longer holds `old`
+exactly once (kernels move), the file is found by searching src/ for the one file that
+holds `old` exactly once (and `anchor`, a name it defines, when `old` is not unique).
+
     .venv/bin/python tools/mutate.py                    # every mutant
     .venv/bin/python tools/mutate.py --only tail.       # names containing "tail."
+    .venv/bin/python tools/mutate.py --only 'body.*,rows_tail.c.*' --keep test_golden.py --keep test_contract.py
+                                                        # a quick subset: fnmatch patterns, two files
     .venv/bin/python tools/mutate.py --drop test_golden.py   # without a test file: what it adds
     .venv/bin/python tools/mutate.py --keep test_golden.py   # only that file
     .venv/bin/python tools/mutate.py --list
@@ -44,9 +50,30 @@ class Mutant:
     new: str
     tests: tuple[str, ...]  # test files under tests/
     what: str
+    anchor: str = ""  # text the file must also hold (disambiguates an `old` several files share)
+
+
+def locate(m: Mutant) -> tuple[str | None, str]:
+    """(the repository-relative path the mutant edits, or None; why not). The hint m.path
+    when it holds `old` exactly once (and the anchor), else the one file under src/ that does."""
+    def fits(p: Path) -> bool:
+        try:
+            t = p.read_text()
+        except (OSError, UnicodeDecodeError):
+            return False
+        return t.count(m.old) == 1 and m.anchor in t
+
+    hint = ROOT / m.path
+    if hint.is_file() and fits(hint):
+        return m.path, ""
+    hits = [p for p in sorted((ROOT / "src").rglob("*" + hint.suffix)) if "__pycache__" not in p.parts and fits(p)]
+    if len(hits) == 1:
+        return str(hits[0].relative_to(ROOT)), ""
+    return None, f"`old` found once (with anchor {m.anchor!r}) in {len(hits)} files under src/, not 1"
 
 
 K = ("test_golden.py",)
+KC = K + ("test_contract.py",)
 MUTANTS = (
     Mutant("tail.ssq_order", "src/lmtail/tail.py", "SSQ_ORDER = strided(256)", "SSQ_ORDER = strided(128)",
            K + ("test_tail.py",), "the tail's declared ssq order: 256 -> 128 lanes"),
@@ -76,7 +103,7 @@ MUTANTS = (
     Mutant("topk.ties_high", "src/lmtail/topk.py", "local = (local.view(r, n, chunk) << 14) | ((chunk - 1) - pos)",
            "local = (local.view(r, n, chunk) << 14) | pos", K + ("test_topk.py",),
            "stage-1 ties to the higher lane"),
-    Mutant("sampler.greedy_1e-4", "src/lmtail/sampler.py", "GREEDY_TEMPERATURE = 1e-5", "GREEDY_TEMPERATURE = 1e-4",
+    Mutant("sampler.greedy_1e-4", "src/lmtail/sampler.py", "GREEDY_TEMPERATURE = 1e-5  #", "GREEDY_TEMPERATURE = 1e-4  #",
            K + ("test_sampler.py",), "greedy threshold moved"),
     Mutant("numerics.fma_tie", "src/lmtail/numerics.py", "torch.where(e > 0, above, below)",
            "torch.where(e > 0, below, above)", K + ("test_numerics.py",), "fma32 breaks float64 midpoints the wrong way"),
@@ -96,7 +123,98 @@ MUTANTS = (
            "                    s[u] = _mm512_fmadd_ps(x, y, s[u]);\n                }",
            "                    s[u] = _mm512_add_ps(_mm512_mul_ps(x, y), s[u]);\n                }",
            K + ("test_fmachain.py", "test_norms.py"), "AVX-512 strided ssq chain as multiply + add"),
+    # issue 17's four holes: the fused kernel's float64 mass, the rope table, body.c's constants
+    Mutant("rows_tail.c.exp_coef", "src/lmtail/kernels/rows_tail.c", "p[u] = _mm256_mul_pd(r[u], KV[K_C0 + 13]);",
+           "p[u] = _mm256_mul_pd(r[u], KV[K_C0 + 12]);", KC + ("test_rows_tail.py",),
+           "fused kernel's AVX2 exp64: the degree-13 coefficient read as 1/12!", anchor="lmtail_rows_tail"),
+    Mutant("rows_tail.c.lanes_128", "src/lmtail/kernels/rows_tail.c", "LANES = 256", "LANES = 128",
+           KC + ("test_rows_tail.py",), "fused kernel's full-row mass in 128 lane chains", anchor="lmtail_rows_tail("),
+    Mutant("rope.p1_ulp", "src/lmtail/model/body.py", "_P1 = 1.57079632673412561417e+00", "_P1 = 1.5707963267341258",
+           KC + ("test_model.py",), "rope table's pi/2 high part one ulp up (3 table entries move by an ulp)"),
+    Mutant("body.c.exp32_coef", "src/lmtail/kernels/body.c", "0x1.111112p-7f", "0x1.111114p-7f",
+           KC + ("test_model.py",), "body.c's exp32 fp32(1/5!) one ulp up (body.py keeps it)", anchor="lmtail_exp32"),
+    # the new contract kinds (body ops, the row mass)
+    Mutant("rowmass.c.lanes_128", "src/lmtail/kernels/rowmass.c", "LANES = 256", "LANES = 128",
+           KC + ("test_rowmass.py",), "row_mass's sum64 in 128 lane chains", anchor="lmtail_row_mass("),
+    Mutant("rows_tail.decl_depth", "src/lmtail/kernels/rows_tail.py", "depth=-(-V // LANES) + 8",
+           "depth=-(-V // LANES) + 4", KC + ("test_rows_tail.py",), "rows_tail_decl's S depth: tree of 4 levels"),
+    Mutant("body.exp32_torch_ln2lo", "src/lmtail/model/body.py", 'LN2_LO = _F(float.fromhex("-0x1.bd0106p-13"))',
+           'LN2_LO = _F(float.fromhex("-0x1.bd0108p-13"))', KC + ("test_model.py",),
+           "body.py's exp32 LN2_LO one ulp off (body.c keeps it)"),
+    Mutant("body.silu_recip", "src/lmtail/model/body.py", "s = gate / (1.0 + _exp32_torch(-gate))",
+           "s = gate * (1.0 / (1.0 + _exp32_torch(-gate)))", KC + ("test_model.py",),
+           "torch silu: the sigmoid rounded first"),
+    Mutant("body.attend_den_reversed", "src/lmtail/model/body.py",
+           "    for j in range(n_max):\n        lj = live[..., j]",
+           "    for j in reversed(range(n_max)):\n        lj = live[..., j]", KC + ("test_model.py",),
+           "torch attention: keys summed last to first"),
+    Mutant("body.apply_rope_fused", "src/lmtail/model/body.py",
+           "torch.stack((xe * cos - xo * sin, xe * sin + xo * cos), dim=-1)",
+           "torch.stack(((xe.double() * cos - xo.double() * sin).float(), xe * sin + xo * cos), dim=-1)",
+           KC + ("test_model.py",), "apply_rope's even lane rounded once (float64 inside)"),
+    Mutant("body.add_rms_rows_lanes", "src/lmtail/model/body.py",
+           "return NormResult(*kbody.add_rms_rows(x, residual, gamma32, eps, lanes))",
+           "return NormResult(*kbody.add_rms_rows(x, residual, gamma32, eps, lanes // 2))",
+           KC + ("test_model.py",), "add_rms_rows runs half the lane chains it is asked for"),
+    # the fused kernel's float64 mass and log (rows_tail.c), the shared exp64 (lmtail_kernels.h),
+    # the constant packer: seen by the sampler kind's mass comparison and the debug_mass tests
+    Mutant("rows_tail.c.tree_pairs", "src/lmtail/kernels/rows_tail.c",
+           "for (int t = 0; t < w; ++t) acc[t] = acc[t] + acc[t + w];",
+           "for (int t = 0; t < w; ++t) acc[t] = acc[2 * t] + acc[2 * t + 1];", KC + ("test_rows_tail.py",),
+           "fused kernel's 256 -> 1 tree by adjacent pairs instead of halves", anchor="lmtail_rows_tail("),
+    Mutant("rows_tail.c.avx2_c0_c2", "src/lmtail/kernels/rows_tail.c", "p[u] = _mm256_add_pd(p[u], KV[K_C0]);",
+           "p[u] = _mm256_add_pd(p[u], KV[K_C0 + 2]);", KC + ("test_rows_tail.py",),
+           "fused kernel's AVX2 exp64: the constant term C0 read as C2", anchor="lmtail_rows_tail("),
+    Mutant("rows_tail.c.log_c29", "src/lmtail/kernels/rows_tail.c", "1.0 / 27, 1.0 / 29};", "1.0 / 27, 1.0 / 31};",
+           KC + ("test_rows_tail.py",), "fused kernel's log64 series: 1/29 -> 1/31", anchor="lmtail_rows_tail("),
+    Mutant("rows_tail.c.sqrt2_digit", "src/lmtail/kernels/rows_tail.c", "SQRT2 = 1.4142135623730951;",
+           "SQRT2 = 1.4142135623730950;", KC + ("test_rows_tail.py",),
+           "fused kernel's log64 SQRT2 split: last digit 1 -> 0 (one double down)", anchor="lmtail_rows_tail("),
+    Mutant("numerics.log64_c29", "src/lmtail/numerics.py", "_LOG_C = tuple(1.0 / (2 * i + 1) for i in range(15))",
+           "_LOG_C = tuple(1.0 / (2 * i + 1) for i in range(14)) + (1.0 / 31,)",
+           K + ("test_numerics.py", "test_rows_tail.py"),
+           "numerics.log64's series: 1/29 -> 1/31 (rows_tail.c keeps 1/29)"),
+    Mutant("kernels_h.exp64_horner_c13", "src/lmtail/kernels/lmtail_kernels.h", "double p = r * K[K_C0 + 13];",
+           "double p = r * 0.0;", ("test_rowmass.py", "test_rows_tail.py", "test_kernels.py"),
+           "the shared scalar exp64 (plain-C backends): Horner without its degree-13 coefficient"),
+    Mutant("rowmass.constants_drop", "src/lmtail/kernels/rowmass.py", "c = numerics.exp64_constants()\n",
+           "c = numerics.exp64_constants()[:16] + (0.0,)\n", KC + ("test_rowmass.py", "test_rows_tail.py"),
+           "the exp64 constant packer drops C13 (0 in its place; every C kernel gets it)"),
+    Mutant("body.c.exp32_c7", "src/lmtail/kernels/body.c", "0x1.a01a02p-13f", "0x1.a01a04p-13f",
+           KC + ("test_model.py",), "body.c's exp32 C7 = fp32(1/7!) last digit 2 -> 4", anchor="lmtail_exp32"),
+    Mutant("body.c.ln2_lo", "src/lmtail/kernels/body.c", "LN2_LO = -0x1.bd0106p-13f;", "LN2_LO = -0x1.bd0108p-13f;",
+           KC + ("test_model.py",), "body.c's exp32 LN2_LO last digit 6 -> 8", anchor="lmtail_exp32"),
+    # gemm_q (GGUF Q8_0 / Q4_1)
+    Mutant("gemm_q.c.nibbles_avx2", "src/lmtail/kernels/gemm_q.c",
+           "{_mm256_and_si256(x0, f), _mm256_and_si256(x1, f), _mm256_srli_epi32(x0, 4),\n"
+           "                          _mm256_srli_epi32(x1, 4)};",
+           "{_mm256_srli_epi32(x0, 4), _mm256_srli_epi32(x1, 4), _mm256_and_si256(x0, f),\n"
+           "                          _mm256_and_si256(x1, f)};", KC + ("test_quant.py",),
+           "AVX2 Q4_1 dequantization: high nibbles first", anchor="lmtail_gemm_q("),
+    Mutant("gemm_q.c.nibbles_c", "src/lmtail/kernels/gemm_q.c", "v[j] = d * (float)(blk[4 + j] & 15) + m;",
+           "v[j] = d * (float)(blk[4 + j] >> 4) + m;", ("test_quant.py",),
+           "plain-C Q4_1 dequantization: weight j from the high nibble", anchor="lmtail_gemm_q("),
+    Mutant("gemm_q.c.lanes_16_c", "src/lmtail/kernels/gemm_q.c",
+           "for (int i = 0; i < QK; ++i) l[i] = fma_rn(am[QK * b + i], wrow[QK * b + i], l[i]);",
+           "for (int i = 0; i < QK; ++i) l[i % 16] = fma_rn(am[QK * b + i], wrow[QK * b + i], l[i % 16]);",
+           ("test_quant.py",), "plain-C gemm_q in 16 lane chains", anchor="lmtail_gemm_q("),
+    Mutant("gemm_q.c.lanes_16_avx2", "src/lmtail/kernels/gemm_q.c",
+           "acc[c][i] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + 8 * i), v[i], acc[c][i]);",
+           "acc[c][i & 1] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + 8 * i), v[i], acc[c][i & 1]);",
+           ("test_contract.py", "test_quant.py"), "AVX2 gemm_q at M = 1 (decode) in 16 lane chains",
+           anchor="lmtail_gemm_q("),
+    Mutant("quant.decl_depth", "src/lmtail/kernels/quant.py", "depth=nb + 5,", "depth=nb // 2 + 5,",
+           ("test_contract.py", "test_quant.py"), "gemm_q_decl's depth: half the lane chain"),
 )
+
+
+def select(mutants, pattern: str | None) -> list:
+    """The mutants whose name matches one of the comma-separated fnmatch patterns (or
+    contains it as a substring); all when pattern is None."""
+    from fnmatch import fnmatch
+
+    pats = [p.strip() for p in (pattern or "").split(",") if p.strip()]
+    return [m for m in mutants if not pats or any(fnmatch(m.name, p) or p in m.name for p in pats)]
 
 
 def _copy_tree(dst: Path) -> None:
@@ -120,33 +238,36 @@ def _pytest(tree: Path, tests, timeout: float) -> tuple[str, float, str]:
 
 
 def run_mutant(m: Mutant, drop: set, timeout: float) -> dict:
-    src = (ROOT / m.path).read_text()
-    if src.count(m.old) != 1:
-        return dict(name=m.name, status="stale", seconds=0.0, detail=f"`old` occurs {src.count(m.old)}x in {m.path}")
+    path, why = locate(m)
+    if path is None:
+        return dict(name=m.name, status="stale", seconds=0.0, detail=why)
+    src = (ROOT / path).read_text()
     tests = [t for t in m.tests if t not in drop]
     if not tests:
         return dict(name=m.name, status="untested", seconds=0.0, detail="every test file it names is left out")
     with tempfile.TemporaryDirectory(prefix="lmtail-mut-") as d:
         tree = Path(d)
         _copy_tree(tree)
-        (tree / m.path).write_text(src.replace(m.old, m.new))
+        (tree / path).write_text(src.replace(m.old, m.new))
         outcome, secs, last = _pytest(tree, tests, timeout)
     status = "survived" if outcome == "pass" else "killed"
-    return dict(name=m.name, status=status, seconds=secs, detail=f"{outcome}: {last}", tests=tests)
+    return dict(name=m.name, status=status, seconds=secs, detail=f"{outcome}: {last}", tests=tests, path=path)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", default=None, help="run mutants whose name contains this")
+    p.add_argument("--only", default=None,
+                   help="comma-separated fnmatch patterns or substrings of mutant names (default: all)")
     p.add_argument("--drop", action="append", default=[], help="a test file to leave out (repeatable)")
     p.add_argument("--keep", action="append", default=[], help="run only these test files (repeatable)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant")
     p.add_argument("--list", action="store_true")
     args = p.parse_args(argv)
-    muts = [m for m in MUTANTS if not args.only or args.only in m.name]
+    muts = select(MUTANTS, args.only)
     if args.list:
         for m in muts:
-            print(f"{m.name:<24} {m.path:<36} {m.what}")
+            path, why = locate(m)
+            print(f"{m.name:<28} {path or 'STALE: ' + why:<40} {m.what}")
         return 0
     drop = set(args.drop)
     base_tests = sorted({t for m in muts for t in m.tests if t not in drop})
@@ -165,7 +286,7 @@ def main(argv=None) -> int:
     rows = [run_mutant(m, drop, args.timeout) for m in muts]
     print("\n| mutant | file | what | tests | result | s |\n|---|---|---|---|---|---|")
     for m, r in zip(muts, rows):
-        print(f"| {m.name} | {m.path.removeprefix('src/lmtail/')} | {m.what} | "
+        print(f"| {m.name} | {r.get('path', m.path).removeprefix('src/lmtail/')} | {m.what} | "
               f"{', '.join(r.get('tests', [])) or '-'} | {r['status']} ({r['detail']}) | {r['seconds']:.0f} |")
     killed = sum(r["status"] == "killed" for r in rows)
     survived = [r["name"] for r in rows if r["status"] == "survived"]

@@ -1,4 +1,5 @@
-"""Paired A-B-B-A timing, the agreement checks that gate it, and the `lmtail bench` command.
+"""Paired A-B-B-A timing and the agreement checks that gate it (the benchmarks' library; the
+`lmtail bench` command and the benchmark scripts are lmtail.benchmarks).
 
     abba(arms, base=..., check=...)   -> ABBAResult   one case: arms timed side by side
     format_table({case: ABBAResult})  -> str          a markdown table of several cases
@@ -21,21 +22,16 @@ This module depends on the standard library and torch only (nothing else of lmta
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import struct
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 
 import torch
 
 __all__ = [
     "ABBAResult", "abba", "wall_time", "format_table", "assert_bitwise", "assert_within", "check_bitwise",
-    "QUICK_ARGS", "find_benchmarks", "default_bench_dir", "configure", "run",
 ]
 
 Check = Callable[[str, object, object], None]
@@ -252,64 +248,3 @@ def assert_within(got: torch.Tensor, ref: torch.Tensor, *, atol: float | torch.T
         raise AssertionError(f"{what}: error {err[worst].item():.3g} exceeds atol={atol_s} + "
                              f"rtol={rtol:g}*|ref| (= {lim[worst].item():.3g}) in "
                              f"{int((err > lim).sum())} of {err.numel()} elements")
-
-
-# ---------------------------------------------------------------- `lmtail bench`
-
-# The suite is every benchmarks/bench_<name>.py; `--quick` passes each script its smoke-run
-# arguments: "--quick" unless listed here (scripts whose own flags give a short run).
-QUICK_ARGS: dict[str, tuple[str, ...]] = {
-    "model": ("--rows", "2", "--steps", "2", "--rounds", "2"),
-}
-
-
-def default_bench_dir() -> Path:
-    """The checkout's benchmarks/ folder (next to src/)."""
-    return Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def find_benchmarks(bench_dir: Path) -> dict[str, Path]:
-    """name -> script for every bench_<name>.py in bench_dir, sorted by name."""
-    return {p.stem[len("bench_"):]: p for p in sorted(bench_dir.glob("bench_*.py"))}
-
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    """The `lmtail bench` options, added to `parser`."""
-    parser.description = ("Run lmtail's benchmark suite (every benchmarks/bench_<name>.py): each "
-                          "times its arms A-B-B-A in one process after checking they agree, and "
-                          "prints a table of median paired ratios and rounds won.")
-    names = ", ".join(find_benchmarks(default_bench_dir())) or "none found"
-    parser.add_argument("--only", action="append", metavar="NAME",
-                        help=f"run only this benchmark (repeatable); here: {names}")
-    parser.add_argument("--quick", action="store_true",
-                        help="small shapes and few rounds (a smoke run; ratios are not meaningful)")
-    parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
-    parser.add_argument("--dir", type=Path, default=None,
-                        help="folder holding the bench_<name>.py scripts (default: the checkout's benchmarks/)")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run the selected benchmark scripts one after another with this interpreter; 0 when
-    all succeeded, 1 when one failed, 2 for an unknown --only name."""
-    found = find_benchmarks(args.dir or default_bench_dir())
-    unknown = [n for n in args.only or () if n not in found]
-    if unknown:
-        print(f"lmtail bench: --only: expected one of {sorted(found)}, got {unknown}", file=sys.stderr)
-        return 2
-    names = args.only or list(found)
-    if args.list:
-        for name in names:
-            print(f"{name:<12} {found[name]}")
-        return 0
-    failed = []
-    for name in names:
-        extra = QUICK_ARGS.get(name, ("--quick",)) if args.quick else ()
-        print(f"== lmtail bench {name}: {found[name].name} {' '.join(extra)}".rstrip(), flush=True)
-        rc = subprocess.run([sys.executable, str(found[name]), *extra], check=False).returncode
-        if rc != 0:
-            print(f"lmtail bench: {name} exited {rc}", file=sys.stderr)
-            failed.append(name)
-    if failed:
-        print(f"lmtail bench: failed: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0

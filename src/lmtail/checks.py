@@ -101,6 +101,8 @@ def check_threads(threads) -> None:
 
 
 def pick_backend(backend, have: tuple[str, ...]) -> str:
-    """backend None -> the fastest of `have`; else it must be one of `have`."""
+    """backend None -> the first of `have`; else it must be one of `have`. Superseded by
+    lmtail.kernels._backend.Dispatch (every kernel op's one dispatch); kept only for
+    kernels/quant.py until it moves there, then to be deleted."""
     need(backend is None or backend in have, f"backend must be one of {have}; got {backend!r}")
     return have[0] if backend is None else backend

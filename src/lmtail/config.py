@@ -12,25 +12,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .kernels.gemm import DEFAULT_ORDER
+
 
 @dataclass(frozen=True)
 class TailConfig:
     """Options of one decode-tail call.
 
-    eps: added to ssq / H_u (finite, >= 0; rounded to fp32 once).
-    hidden_actual: H_u, the real lanes (None: H).
-    zero_interleaved_pad: pad lanes are the last (H-H_u)/4 of each of 4 groups (True) or
-        the tail [H_u:] (False).
-    k: top-k candidates per row, 1 <= k <= V.
-    deferred_rms: logits = fp32(gemm(bf16(x*gamma)) * rms) (True) or
+    Every field with its default:
+    eps (1e-5): added to ssq / H_u (finite, >= 0; rounded to fp32 once).
+    hidden_actual (None: H): H_u, the real lanes.
+    zero_interleaved_pad (True): pad lanes are the last (H-H_u)/4 of each of 4 groups
+        (True) or the tail [H_u:] (False).
+    k (256): top-k candidates per row, 1 <= k <= V (V = V_s x ranks); a k above V is a
+        ValueError that says so, never clamped (a shard narrower than 256 needs k <= V).
+    deferred_rms (True): logits = fp32(gemm(bf16(x*gamma)) * rms) (True) or
         gemm(bf16((x*rms)*gamma)) (False).
-    nan_fold: NaN lanes rank below -inf in top-k and carry no mass in the sampler.
-    emit_logits: return the fp32 shard logits [gbs, V_s].
-    debug_taps: return top-k stage taps.
+    nan_fold (False): NaN lanes rank below -inf in top-k and carry no mass in the sampler.
+    emit_logits (True): return the fp32 shard logits [gbs, V_s].
+    debug_taps (False): return top-k stage taps.
     gemm_order: the lm_head GEMM's declared order, one of kernels.gemm.ORDERS: "amx32"
-        (AMX's block order, FTZ/DAZ; the default) or "chain" (the sequential fp32 chain).
-    tail_path: how the owned rows' top-k + sampler run, one of tail.TAIL_PATHS: "fused"
-        (the default: the one-pass C kernel kernels.rows_tail) or "reference"
+        (AMX's block order, FTZ/DAZ) or "chain" (the sequential fp32 chain); default
+        kernels.gemm.DEFAULT_ORDER ("amx32"), the one default of every GEMM in lmtail.
+    tail_path ("fused"): how the owned rows' top-k + sampler run, one of tail.TAIL_PATHS:
+        "fused" (the one-pass C kernel kernels.rows_tail) or "reference"
         (topk.exact_topk + sampler.sample_rows); the same bytes either way.
     """
 
@@ -42,5 +47,5 @@ class TailConfig:
     nan_fold: bool = False
     emit_logits: bool = True
     debug_taps: bool = False
-    gemm_order: str = "amx32"
+    gemm_order: str = DEFAULT_ORDER
     tail_path: str = "fused"

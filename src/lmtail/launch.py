@@ -11,7 +11,10 @@
 Bounded: the whole run may take `timeout_s`; after the first rank fails the others get
 `grace_s` to report (they normally fail fast: a dead peer resets their connections, a
 hanging one trips the exchange timeout) and are then terminated. Children are spawned
-(never forked), so `fn` and `args` must be picklable (a module-level function).
+(never forked), so `fn` and `args` must be picklable: fn a module-level function of a module
+the ranks can import (a lambda, a nested function or a function of an interactive
+`__main__` is a ValueError saying so, before any rank starts); a script that calls launch
+needs an `if __name__ == "__main__":` guard (each rank re-imports it).
 Ranks never outlive the launcher (launch's docstring: PR_SET_PDEATHSIG in each rank, a
 SIGTERM handler in the caller while the ranks run).
 Under torchrun, skip this helper: call dist.init_process_group(backend) (env:// init)
@@ -123,6 +126,7 @@ def launch(fn, nprocs: int, *, backend: str = "gloo", args=(), timeout_s: float 
 def _check_launch(fn, nprocs, backend, args, timeout_s, grace_s, pg_timeout_s, threads) -> None:
     """ValueError (expected vs got) for anything launch cannot take, before any process starts."""
     need(callable(fn), f"fn must be callable; got {type(fn).__name__}")
+    _check_spawnable(fn)
     need(is_int(nprocs) and nprocs >= 1, f"nprocs must be an int >= 1; got {nprocs!r}")
     need(isinstance(backend, str), f"backend must be a str (e.g. 'gloo'); got {backend!r}")
     need(isinstance(args, (tuple, list)), f"args must be a tuple; got {type(args).__name__}")
@@ -133,6 +137,26 @@ def _check_launch(fn, nprocs, backend, args, timeout_s, grace_s, pg_timeout_s, t
     if pg_timeout_s is not None:
         check_positive("pg_timeout_s", pg_timeout_s)
     check_threads(threads)
+
+
+def _check_spawnable(fn) -> None:
+    """ValueError saying why, unless a spawned rank can receive fn: pickle must be able to
+    write it (a lambda or a function defined inside another cannot be), and a function of
+    `__main__` needs a main script the rank can re-import (not `python -c`, stdin or an
+    interactive session). Pickling a module-level function writes only its name."""
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+    try:
+        pickle.dumps(fn)
+    except Exception as e:  # PicklingError, AttributeError, TypeError: all mean "cannot reach a rank"
+        raise ValueError(f"fn must be picklable (a function defined at module level of an importable module: "
+                         f"the ranks are spawned processes); got {name!r}, which cannot be pickled "
+                         f"({type(e).__name__}: {e})") from None
+    module = getattr(fn, "__module__", None)
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if module == "__main__" and main_file is None:
+        raise ValueError(f"fn must be importable by the spawned ranks; got {name!r} defined in __main__ of "
+                         "an interactive session, `python -c` or stdin, which a rank cannot re-import "
+                         "(define it in a module or a script file with an `if __name__ == \"__main__\":` guard)")
 
 
 @contextlib.contextmanager
@@ -213,8 +237,10 @@ def _collect(procs, conns, timeout_s, grace_s):
                 msg = pickle.loads(conn.recv_bytes())
             except EOFError:
                 procs[rank].join(5)
-                msg = ("err", "exit", f"process exited with code {procs[rank].exitcode} "
-                       "without reporting", "", None)
+                msg = ("err", "exit", f"process exited with code {procs[rank].exitcode} without "
+                       "reporting (it died before fn ran or could report: e.g. fn or args could not be "
+                       "unpickled in the rank, or a script calling launch without an `if __name__ == "
+                       "\"__main__\":` guard; the rank's stderr says which)", "", None)
             if msg[0] == "ok":
                 results[rank] = msg[1]
                 continue

@@ -27,7 +27,20 @@ R = gbs / VTP rows a rank owns, G batch groups, h_t hop sizes.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from math import prod
+
+
+@dataclass(frozen=True)
+class RowBlock:
+    """owned_row_block's result, a frozen dataclass like every lmtail result (read by
+    field name; also unpacks as `start, rows = ...`, in field order)."""
+
+    start: int  # the first global row the rank owns
+    rows: int  # R = gbs / VTP rows, contiguous
+
+    def __iter__(self):
+        return iter((self.start, self.rows))
 
 
 def _norm_hops(vtp: int, hops) -> tuple[int, ...]:
@@ -106,11 +119,11 @@ def hop_digits(rank: int, vtp: int, hops=None) -> tuple[int, ...]:
     return tuple(digits)
 
 
-def owned_row_block(rank: int, vtp: int, gbs: int, hops=None) -> tuple[int, int]:
-    """(row_start, n_rows) of the contiguous row block rank owns after all hops (G = 1).
+def owned_row_block(rank: int, vtp: int, gbs: int, hops=None) -> RowBlock:
+    """RowBlock(start, rows) of the contiguous row block rank owns after all hops (G = 1).
 
     span = gbs; start = 0; for each hop h (digit d): span //= h; start += d * span.
-    A single hop gives (rank * R, R).
+    A single hop gives RowBlock(rank * R, R). hops default None: one hop of size vtp.
     """
     hops = validate_layout(vtp, gbs, hops)
     _check_rank(rank, vtp)
@@ -118,7 +131,7 @@ def owned_row_block(rank: int, vtp: int, gbs: int, hops=None) -> tuple[int, int]
     for d, h in zip(hop_digits(rank, vtp, hops), hops):
         span //= h
         start += d * span
-    return start, gbs // vtp
+    return RowBlock(start, gbs // vtp)
 
 
 def owned_rows(rank: int, vtp: int, gbs: int, hops=None, batch_groups: int = 1) -> list[int]:

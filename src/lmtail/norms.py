@@ -23,7 +23,7 @@ R = S - n_shared routed slots, P part width, G = H / P parts a row.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 
@@ -36,11 +36,16 @@ DEFAULT_ORDER = strided(256)
 _EPS = 1e-5
 
 
-class NormResult(NamedTuple):
-    """add_rms / moe_add_rms result (unpacks as `h, y = ...`)."""
+@dataclass(frozen=True)
+class NormResult:
+    """add_rms / moe_add_rms result, a frozen dataclass like every lmtail result (read by
+    field name; also unpacks as `h, y = ...`, in field order)."""
 
     h: torch.Tensor  # [..., H] bf16, the new residual stream
     y: torch.Tensor  # [..., H] bf16, the normalized row
+
+    def __iter__(self):
+        return iter((self.h, self.y))
 
 
 # ---------------------------------------------------------------------------------------

@@ -163,6 +163,13 @@ _INV_LN2 = 1.44269504088896338700e00
 _EXP_C = [1.0 / math.factorial(k) for k in range(14)]
 
 
+def exp64_constants() -> tuple[float, ...]:
+    """exp64's 17 float64 constants in the order the C kernels take them (their K[17]):
+    INV_LN2, LN2_HI, LN2_LO, then the Horner coefficients C[0..13] = 1/k!. The one source:
+    kernels.rowmass and kernels.rows_tail hand exactly these to C (no C file holds its own)."""
+    return (_INV_LN2, _LN2_HI, _LN2_LO, *_EXP_C)
+
+
 def _pow2(n: torch.Tensor) -> torch.Tensor:
     """2**n for integer-valued float64 n in [-1022, 1023], built from the exponent bits."""
     return ((n.to(torch.int64) + 1023) << 52).view(torch.float64)
@@ -192,6 +199,16 @@ def exp64(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(x), x, y)
 
 
+_SQRT2 = math.sqrt(2.0)  # log64's mantissa split
+_LOG_C = tuple(1.0 / (2 * i + 1) for i in range(15))  # log64's atanh series: 1/1, 1/3, ..., 1/29
+
+
+def log64_constants() -> tuple[float, ...]:
+    """log64's 16 float64 constants: SQRT2, then the series coefficients 1/(2i+1), i = 0..14
+    (kernels/rows_tail.c holds its own copy; a test compares the two bit for bit)."""
+    return (_SQRT2, *_LOG_C)
+
+
 def log64(x: torch.Tensor) -> torch.Tensor:
     """log(x) in float64 from basic ops, for x > 0 finite (the sums the sampler takes
     logs of are >= 1). x = m * 2**e with m in [sqrt(1/2), sqrt(2)); log(m) = 2 atanh(s),
@@ -201,14 +218,14 @@ def log64(x: torch.Tensor) -> torch.Tensor:
     bits = x.view(torch.int64)
     e = ((bits >> 52) & 0x7FF) - 1023
     m = ((bits & ((1 << 52) - 1)) | (1023 << 52)).view(torch.float64)  # [1, 2)
-    big = m > math.sqrt(2.0)
+    big = m > _SQRT2
     m = torch.where(big, m * 0.5, m)
     e = torch.where(big, e + 1, e).double()
     s = (m - 1.0) / (m + 1.0)
     s2 = s * s
-    p = torch.full_like(s, 1.0 / 29)
-    for k in range(27, 0, -2):
-        p = p * s2 + 1.0 / k
+    p = torch.full_like(s, _LOG_C[14])
+    for i in range(13, -1, -1):  # 1/27, 1/25, ..., 1/1
+        p = p * s2 + _LOG_C[i]
     y = 2.0 * s * p + e * _LN2_LO + e * _LN2_HI
     ok = (x > 0) & torch.isfinite(x) & (x >= 2.2250738585072014e-308)
     y = torch.where(ok, y, torch.full_like(y, math.nan))
@@ -226,6 +243,9 @@ def _splitmix64(z: np.ndarray) -> np.ndarray:
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         return z ^ (z >> np.uint64(31))
+
+
+DEFAULT_U = 0.5  # the draw of a sampled row given neither a seed nor u (sampler, rows_tail)
 
 
 def draw_u(seed, position) -> np.ndarray:

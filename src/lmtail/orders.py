@@ -25,7 +25,6 @@ import torch
 
 from .kernels import fmachain
 
-_BUTTERFLY = (16, 8, 4, 2, 1)
 
 
 @dataclass(frozen=True)
@@ -57,7 +56,7 @@ class Order:
 
     def depth(self, n: int) -> int:
         """Most roundings any term of an n-element sum goes through."""
-        return self.chain_len(n) + len(_BUTTERFLY) + (self.lanes // 32 - 1)
+        return self.chain_len(n) + len(fmachain.BUTTERFLY) + (self.lanes // 32 - 1)
 
     def describe(self, n: int) -> str:
         fold = "1,2,4,8,16" if self.reverse_butterfly else "16,8,4,2,1"

@@ -4,7 +4,7 @@ Shape legend: K logit slices (partial GEMM outputs), T rows (tokens), E experts,
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 
@@ -14,11 +14,16 @@ from .numerics import Decl, SumDecl, exp64
 GUARD = 1e-20  # the load-bearing zero guard of the weight normalizer (rounded to fp32)
 
 
-class Routing(NamedTuple):
-    """router_topk's result (unpacks as `ids, weights = ...`)."""
+@dataclass(frozen=True)
+class Routing:
+    """router_topk's result, a frozen dataclass like every lmtail result (read by field
+    name; also unpacks as `ids, weights = ...`, in field order)."""
 
     ids: torch.Tensor  # [T, k] int64
     weights: torch.Tensor  # [T, k] fp32
+
+    def __iter__(self):
+        return iter((self.ids, self.weights))
 
 
 def selection_keys(key32: torch.Tensor) -> torch.Tensor:

@@ -43,21 +43,33 @@ import torch
 
 from .checks import is_int, is_real, need, need_tensor
 from .kernels.rowmass import row_mass, shifted_exp, sum64
-from .numerics import draw_u, log64
+from .numerics import DEFAULT_U, draw_u, log64  # DEFAULT_U: the u of a [R, 3] tensor and of greedy requests
 
 GREEDY_TEMPERATURE = 1e-5  # temperature < this (after the fp32 -> float64 widening) is greedy
-DEFAULT_U = 0.5
 
 
 # ---------------------------------------------------------------------------------------
 # parameters
 # ---------------------------------------------------------------------------------------
+U64 = 1 << 64  # seeds are uint64: [0, 2**64)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """One request's sampling settings; `sampling_tensor` reduces a batch of them to the
-    tail's [R, 5] tensor (top_k, top_p, temperature, u, min_p). With `seed` set, u comes
-    from `numerics.draw_u(seed, position)` (SplitMix64, the same bits on any machine),
-    otherwise from `u` (default 0.5)."""
+    tail's [R, 5] fp32 tensor (top_k, top_p, temperature, u, min_p).
+
+    Defaults: top_k=0 (off), top_p=1.0 (off), temperature=1.0 (sampled), min_p=0.0 (off),
+    seed=None, u=None. A sampled request (fp32 temperature >= GREEDY_TEMPERATURE = 1e-5)
+    needs its draw from exactly one of:
+      seed: an int in [0, 2**64); u = numerics.draw_u(seed, position) (SplitMix64, the same
+            bits on any machine), so `sampling_tensor` then needs each request's decode
+            position, and the draw changes every step;
+      u:    a fixed draw in [0, 1) (u=0.5 is the middle of the kept distribution).
+    Neither is a ValueError in `sampling_tensor` (an engine that forgot both would draw the
+    same u at every step); both is a ValueError too. A greedy request needs neither (its
+    u column is 0.5 and unused). A seed that is not an int in [0, 2**64) (a bool, a float,
+    a negative int, 2**64 or more) is a ValueError naming `seed` at construction."""
 
     top_k: int = 0
     top_p: float = 1.0
@@ -66,15 +78,37 @@ class SamplingParams:
     seed: int | None = None
     u: float | None = None
 
+    def __post_init__(self):
+        s = self.seed
+        need(s is None or (is_int(s) and 0 <= s < U64),
+             f"seed must be an int in [0, 2**64) or None; got {s!r}")
+
+
+def seed_int64(seed: int) -> int:
+    """A uint64 seed as the int64 with the same 64 bits (what numerics.draw_u reads)."""
+    return int(seed) - U64 if seed >= 1 << 63 else int(seed)
+
 
 def sampling_tensor(params: list[SamplingParams], positions=None) -> torch.Tensor:
-    """[R] SamplingParams (+ decode positions when seeds are used) -> [R, 5] fp32.
+    """[R] SamplingParams (+ decode positions when seeds are used) -> [R, 5] fp32
+    (top_k, top_p, temperature, u, min_p).
 
+    positions: one int >= 0 per request, the decode position of the token being drawn
+    (u = draw_u(seed, position) on seeded requests; ignored on the others). Default None,
+    which is allowed only when no request has a seed (a ValueError otherwise: a missing
+    position would silently draw position 0's u at every step).
     Each field must be a real number (not bool); the fp32 tensor is then checked with the
     tail's own rules (`param_problems`), so a value that passes in Python but not after
-    the fp32 rounding (u = 0.99999999 -> 1.0) is a ValueError naming the request."""
+    the fp32 rounding (u = 0.99999999 -> 1.0) is a ValueError naming the request; so is a
+    sampled request with neither seed nor u (SamplingParams)."""
+    params = list(params)
+    seeded = [i for i, p in enumerate(params) if isinstance(p, SamplingParams) and p.seed is not None]
     if positions is None:
+        need(not seeded, f"positions must be given (one decode position per request) when a request "
+                         f"has a seed; got None with request {seeded[0] if seeded else 0} seeded "
+                         "(pass positions=[...]; without them every step would draw position 0's u)")
         positions = [0] * len(params)
+    positions = list(positions)
     if len(positions) != len(params):
         raise ValueError(f"positions must have one entry per request ({len(params)}); got {len(positions)}")
     rows = [_request_row(i, p, pos) for i, (p, pos) in enumerate(zip(params, positions))]
@@ -83,6 +117,11 @@ def sampling_tensor(params: list[SamplingParams], positions=None) -> torch.Tenso
         if bool(bad.any()):
             i = int(torch.nonzero(bad)[0])
             raise ValueError(f"request {i}: {what}; got {params[i]}, which is {sp[i].tolist()} in fp32")
+    for i, (p, sampled) in enumerate(zip(params, (sp[:, 2] >= GREEDY_TEMPERATURE).tolist())):
+        need(not sampled or p.seed is not None or p.u is not None,
+             f"request {i}: a sampled request (temperature={p.temperature!r} >= {GREEDY_TEMPERATURE}) needs "
+             "a seed (+ positions) or an explicit u; got neither, which would draw the same u every "
+             "step (pass u=0.5 for the fixed draw)")
     return sp
 
 
@@ -92,14 +131,15 @@ def _request_row(i: int, p, pos) -> list[float]:
         raise ValueError(f"request {i}: params must be a SamplingParams; got {type(p).__name__}")
     if p.seed is not None and p.u is not None:
         raise ValueError(f"request {i}: give either seed (+ position) or u, not both")
-    if p.seed is not None and not is_int(p.seed):
-        raise ValueError(f"request {i}: seed must be an int or None; got {p.seed!r}")
+    if p.seed is not None:
+        need(is_int(pos) and 0 <= pos < 1 << 63,
+             f"positions[{i}] must be an int in [0, 2**63) (request {i} has a seed); got {pos!r}")
     fields = {"top_k": p.top_k, "top_p": p.top_p, "temperature": p.temperature, "min_p": p.min_p,
               "u": DEFAULT_U if p.u is None else p.u}
     for name, v in fields.items():
         if not is_real(v):
             raise ValueError(f"request {i}: {name} must be a real number (not bool); got {v!r}")
-    u = float(draw_u(p.seed, pos)) if p.seed is not None else float(fields["u"])
+    u = float(draw_u(seed_int64(p.seed), int(pos))) if p.seed is not None else float(fields["u"])
     try:
         return [float(p.top_k), float(p.top_p), float(p.temperature), u, float(p.min_p)]
     except OverflowError:
@@ -130,7 +170,10 @@ def validate_params(sp: torch.Tensor, rows: int) -> None:
     need(sp.dtype == torch.float32, f"sampling_params must be a float32 tensor; got {sp.dtype}")
     if sp.dim() != 2 or sp.shape[0] != rows or sp.shape[1] not in (3, 4, 5):
         raise ValueError(f"sampling_params must be [R={rows}, 3|4|5]; got {tuple(sp.shape)}")
-    for bad, what in param_problems(sp):
+    problems = param_problems(sp)
+    if not bool(torch.stack([bad for bad, _ in problems]).any()):  # one sync when all is well
+        return
+    for bad, what in problems:
         if bad.any():
             i = int(torch.nonzero(bad)[0])
             raise ValueError(f"sampling_params row {i}: {what}; got {sp[i].tolist()}")
@@ -226,10 +269,17 @@ def sample_rows(cand_values, cand_ids, full_rows, sampling_params, *, nan_fold=F
     """Sample one token per row (module docstring: semantics and numerics).
 
     cand_values [R, k] bf16 descending; cand_ids [R, k] int64; full_rows [R, V] bf16;
-    sampling_params [R, 3|4|5] fp32 (validated here).
+    sampling_params [R, 3|4|5] fp32 (validated here; a [R, 3] tensor draws u = DEFAULT_U
+    = 0.5 on every row).
     Returns (tokens [R] int64, logprobs [R] fp32, truncated [R] bool).
     """
     validate_params(sampling_params, cand_values.shape[0])
+    return sample_rows_unchecked(cand_values, cand_ids, full_rows, sampling_params, nan_fold=nan_fold)
+
+
+def sample_rows_unchecked(cand_values, cand_ids, full_rows, sampling_params, *, nan_fold=False):
+    """`sample_rows` on inputs the caller has validated (lmtail.tail validates once per
+    call at its boundary); the same bytes."""
     plan = sampling_plan(cand_values, full_rows, sampling_params, nan_fold=nan_fold)
     pos = draw(plan)[:, None]
     tokens = cand_ids.gather(1, pos)[:, 0]

@@ -15,10 +15,13 @@
       tail_path "reference": topk.exact_topk --> sampler.sample_rows (the same bytes)
 
 This module is the one place the tail is composed, for one rank or many: `decode_tail`
-validates (`validate_tail_inputs`, the tail's one boundary check), then runs
-`shard_logits` (norm + GEMM + scale) and `rows_tail` (top-k + sampler) around the
-transport. The exchange moves bytes only, so every output is bitwise the single-rank
-call's on the same global inputs, for any VTP, hops and batch groups.
+validates once (`validate_tail_inputs`, the tail's one boundary check; the eps = 0 rule
+rides on the norm's own sum of squares in `normed_rows`), then runs the unchecked halves
+`normed_rows` + `logits_from` (norm + GEMM + scale; `shard_logits` for a row block) and
+`rows_tail_unchecked` (top-k + sampler) around the transport. The public `rows_tail`
+checks its own arguments, then runs the same unchecked code. The exchange moves bytes
+only, so every output is bitwise the single-rank call's on the same global inputs, for
+any VTP, hops and batch groups.
 
 Numerics declared (`tail_decl`; docs/numerics.md has the float64 bounds):
   ssq: fp32 fma chains, strided(256) over the H padded lanes (pad lanes are exact zeros),
@@ -43,7 +46,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from . import exchange
-from .checks import check_eps, check_k, fp32_value, gamma32, is_int, need, need_tensor, undefined_rows
+from .checks import check_eps, gamma32, is_int, need, need_tensor, undefined_rows
 from .config import TailConfig
 from .kernels.gemm import ORDERS as GEMM_ORDERS
 from .kernels.gemm import gemm_bf16, gemm_decl
@@ -51,7 +54,7 @@ from .kernels import rows_tail as rows_kernel
 from .layout import validate_layout
 from .numerics import Decl, SumDecl, sqrt_rn32
 from .orders import strided, sum_squares
-from .sampler import sample_rows, validate_params
+from .sampler import sample_rows_unchecked, validate_params
 from .topk import exact_topk
 
 SSQ_ORDER = strided(256)
@@ -103,9 +106,11 @@ def pad_mask(h: int, h_u: int, interleaved: bool) -> torch.Tensor:
 
 def validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, sampling_params,
                          config: TailConfig, *, vocab_size: int, rows: int | None = None) -> None:
-    """ValueError (TypeError for a non-tensor) with expected-vs-got for anything the tail
-    cannot take. vocab_size: V (the bound of k); rows: R, the sampling_params rows
-    (default gbs)."""
+    """The tail's one boundary check: ValueError (TypeError for a non-tensor) with
+    expected-vs-got for anything the tail cannot take. vocab_size: V (the bound of k);
+    rows: R, the sampling_params rows (default gbs). The one input rule it cannot decide
+    without the norm's own pass (eps = 0 with a row whose real lanes square to 0) is
+    checked by that pass (`normed_rows`), before the GEMM and any collective."""
     x, w, cfg = hidden_states, lm_head_weight_t, config
     need(isinstance(cfg, TailConfig), f"config must be a TailConfig; got {type(cfg).__name__}")
     need_tensor("hidden_states", x, "[gbs, H]")
@@ -127,11 +132,12 @@ def validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, sampling_params
     for flag in ("zero_interleaved_pad", "deferred_rms", "nan_fold", "emit_logits", "debug_taps"):
         need(isinstance(getattr(cfg, flag), bool), f"{flag} must be a bool; got {getattr(cfg, flag)!r}")
     check_eps(cfg.eps)
-    if fp32_value(cfg.eps) == 0:  # then a row whose real lanes square to 0 has no rms
-        x = torch.where(pad_mask(h, h_u, cfg.zero_interleaved_pad), x.to(torch.float32),
-                        torch.zeros((), dtype=torch.float32))
-        undefined_rows(sum_squares(x, SSQ_ORDER) / torch.tensor(float(h_u)), cfg.eps, "hidden_states")
-    check_k(cfg.k, vocab_size, f"V={vocab_size}")
+    need(vocab_size < 1 << 32, f"V must be < 2**32 (vocab ids are 32-bit in the top-k keys); got {vocab_size}")
+    need(is_int(cfg.k) and 1 <= cfg.k <= vocab_size,
+         f"k must be an int in [1, V={vocab_size}]; got {cfg.k!r}" + (
+             " (k candidates per row cannot exceed the vocabulary width V = V_s x ranks, and k is "
+             f"never clamped: pass k=min(256, V), here k<={vocab_size})"
+             if is_int(cfg.k) and cfg.k > vocab_size else ""))
     need(cfg.gemm_order in GEMM_ORDERS, f"gemm_order must be one of {GEMM_ORDERS}; got {cfg.gemm_order!r}")
     need(cfg.tail_path in TAIL_PATHS, f"tail_path must be one of {TAIL_PATHS}; got {cfg.tail_path!r}")
     if sampling_params is not None:
@@ -141,29 +147,49 @@ def validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, sampling_params
 # ---------------------------------------------------------------------------------------
 # the two halves: shard logits (before any collective) and the owned rows' tail
 # ---------------------------------------------------------------------------------------
-def shard_logits(hidden_states, gamma, lm_head_weight_t, *, config: TailConfig = TailConfig(),
-                 rows: slice = slice(None)) -> torch.Tensor:
-    """Norm + GEMM + scale for a row block: [rows, H] -> [rows, V_s] fp32 (declared order
-    in the module docstring). Row-independent: a block alone equals the same rows sliced
-    from the full call, byte for byte. Inputs are assumed validated."""
+def normed_rows(hidden_states, gamma, config: TailConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The norm half of `shard_logits` for every row: (a [gbs, H] bf16, rms [gbs] fp32),
+    a the GEMM's input (pad lanes 0), rms the 1/sqrt scale (module docstring). Inputs
+    validated. With fp32(eps) = 0, a row whose real lanes square to 0 (no rms) is a
+    ValueError naming it, raised here, before the GEMM: this pass is the tail's only
+    sum of squares."""
     cfg = config
     h = hidden_states.shape[1]
     h_u = h if cfg.hidden_actual is None else cfg.hidden_actual
     real = pad_mask(h, h_u, cfg.zero_interleaved_pad)  # [H]
     g = gamma.reshape(h).to(torch.float32)  # [H], exact widening
-    x = hidden_states[rows].to(torch.float32)  # [gbs, H], exact widen
-    x = torch.where(real, x, torch.zeros((), dtype=torch.float32))
+    x = hidden_states.to(torch.float32)  # [gbs, H], exact widen
+    if h_u != h:  # else every lane is real
+        x = torch.where(real, x, torch.zeros((), dtype=torch.float32))
     ssq = sum_squares(x, SSQ_ORDER)  # [gbs]
-    s = sqrt_rn32(ssq / torch.tensor(float(h_u), dtype=torch.float32)
-                  + torch.tensor(cfg.eps, dtype=torch.float32))
+    m = ssq / torch.tensor(float(h_u), dtype=torch.float32)  # [gbs]
+    undefined_rows(m, cfg.eps, "hidden_states")  # m == 0 with eps32 = 0: 1/sqrt(0)
+    s = sqrt_rn32(m + torch.tensor(cfg.eps, dtype=torch.float32))
     rms = torch.tensor(1.0, dtype=torch.float32) / s  # [gbs]
     if cfg.deferred_rms:
         a = (x * g).to(torch.bfloat16)
     else:
         a = ((x * rms[:, None]) * g).to(torch.bfloat16)
-    a = torch.where(real, a, torch.zeros((), dtype=torch.bfloat16))  # [gbs, H]
-    acc = gemm_bf16(a, lm_head_weight_t, order=cfg.gemm_order)  # [gbs, V_s] fp32
-    return acc * rms[:, None] if cfg.deferred_rms else acc
+    if h_u != h:
+        a = torch.where(real, a, torch.zeros((), dtype=torch.bfloat16))  # [gbs, H]
+    return a, rms  # [gbs, H], [gbs]
+
+
+def logits_from(a, rms, lm_head_weight_t, config: TailConfig) -> torch.Tensor:
+    """The GEMM half of `shard_logits`: a [n, H] bf16, rms [n] fp32 (from normed_rows, any
+    row block of them) -> [n, V_s] fp32."""
+    acc = gemm_bf16(a, lm_head_weight_t, order=config.gemm_order)  # [n, V_s] fp32
+    return acc * rms[:, None] if config.deferred_rms else acc
+
+
+def shard_logits(hidden_states, gamma, lm_head_weight_t, *, config: TailConfig = TailConfig(),
+                 rows: slice = slice(None)) -> torch.Tensor:
+    """Norm + GEMM + scale for a row block: [rows, H] -> [rows, V_s] fp32 (declared order
+    in the module docstring): logits_from(*normed_rows(hidden_states[rows], ...)).
+    Row-independent: a block alone equals the same rows sliced from the full call, byte
+    for byte. Inputs are assumed validated (fp32(eps) = 0 with a zero row: ValueError)."""
+    a, rms = normed_rows(hidden_states[rows], gamma, config)
+    return logits_from(a, rms, lm_head_weight_t, config)
 
 
 def rows_tail(rows_bf16, *, k: int, sampling_params=None, nan_fold: bool = False,
@@ -171,8 +197,10 @@ def rows_tail(rows_bf16, *, k: int, sampling_params=None, nan_fold: bool = False
               threads: int | None = None, chunk: int = TOPK_CHUNK) -> TailOutput:
     """Exact top-k and the sampler on full-vocab bf16 rows [R, V] (column j = vocab id j).
 
-    rows_bf16 [R, V] bf16 CPU; 1 <= k <= V; sampling_params None or [R, 3|4|5] fp32
-    (sampler.validate_params). Returns TailOutput with topk_values [R, k] bf16 (descending,
+    rows_bf16 [R, V] bf16 CPU; 1 <= k <= V; sampling_params (default None: top-k only)
+    or [R, 3|4|5] fp32 (sampler.validate_params; [R, 3] draws u = 0.5). Defaults:
+    nan_fold=False, debug_taps=False, path="fused", backend=None, threads=None,
+    chunk=TOPK_CHUNK (4096, exact_topk's stage-1 width). Returns TailOutput with topk_values [R, k] bf16 (descending,
     ties to the lower id), topk_indices [R, k] int64, and with sampling_params tokens [R]
     int64, logprobs [R] fp32, truncated [R] bool; taps (exact_topk's staged taps, chunk
     wide) when debug_taps; logits None. Semantics and numerics: lmtail.topk and
@@ -182,8 +210,8 @@ def rows_tail(rows_bf16, *, k: int, sampling_params=None, nan_fold: bool = False
     bytes; the rows it leaves undecided (a NaN lane without nan_fold, a zero row maximum)
     go through sampler.sample_rows on its candidates. Without a C compiler "fused" runs
     the reference (the kernel loader warns once).
-    backend: one of kernels.rows_tail.available_backends() (None: the fastest; only with
-    path "fused"); threads: the kernel's worker threads (None: torch.get_num_threads()).
+    backend: one of kernels.rows_tail.available_backends() (None: the kernel's first
+    choice; only with path "fused"); threads: the kernel's worker threads (None: torch.get_num_threads()).
     No byte depends on path, backend, threads or the batch.
     Raises TypeError for a non-tensor, ValueError naming the argument for a bad one.
     """
@@ -196,16 +224,34 @@ def rows_tail(rows_bf16, *, k: int, sampling_params=None, nan_fold: bool = False
                                    f"backend={backend!r} with path={path!r}")
     if sampling_params is not None:
         validate_params(sampling_params, rows_bf16.shape[0])
-    if not fused:
+    return rows_tail_unchecked(rows_bf16, k=k, sampling_params=sampling_params, nan_fold=nan_fold,
+                               debug_taps=debug_taps, path=path, backend=backend, threads=threads,
+                               chunk=chunk)
+
+
+def rows_tail_unchecked(rows_bf16, *, k, sampling_params, nan_fold, debug_taps, path="fused",
+                        backend=None, threads=None, chunk=TOPK_CHUNK, nan_policy=False) -> TailOutput:
+    """`rows_tail` on arguments the caller has validated (decode_tail's boundary check or
+    rows_tail's): the same bytes, no checks of its own. nan_policy (decode_tail's, with
+    sampling_params): `check_nan_rows` before any row is sampled; the fused path reads
+    it off the kernel's outputs (a NaN lane without nan_fold leaves its row undecided;
+    with nan_fold an all-NaN row's first candidate is NaN), so only those rows are scanned."""
+    if path != "fused" or not rows_kernel.available_backends():
+        if nan_policy and sampling_params is not None:
+            check_nan_rows(rows_bf16, nan_fold=nan_fold)
         return _rows_tail_reference(rows_bf16, k, sampling_params, nan_fold, debug_taps, chunk)
     f = rows_kernel.rows_tail_fused(rows_bf16, k=k, sampling_params=sampling_params, nan_fold=nan_fold,
                                     backend=backend, threads=threads)
     taps = exact_topk(rows_bf16, k=k, nan_fold=nan_fold, chunk=chunk, debug_taps=True)[2] if debug_taps else None
     if sampling_params is None:
         return TailOutput(topk_values=f.topk_values, topk_indices=f.topk_indices, taps=taps)
+    if nan_policy:
+        suspects = torch.isnan(f.topk_values[:, 0]) | f.undecided  # [R]: every row holding a NaN is here
+        if bool(suspects.any()):
+            check_nan_rows(rows_bf16, nan_fold=nan_fold, only=torch.nonzero(suspects)[:, 0])
     left = torch.nonzero(f.undecided)[:, 0]  # [n] rows the reference sampler decides
     if left.numel():
-        f.tokens[left], f.logprobs[left], f.truncated[left] = sample_rows(
+        f.tokens[left], f.logprobs[left], f.truncated[left] = sample_rows_unchecked(
             f.topk_values[left], f.topk_indices[left], rows_bf16[left], sampling_params[left], nan_fold=nan_fold)
     return TailOutput(topk_values=f.topk_values, topk_indices=f.topk_indices, tokens=f.tokens,
                       logprobs=f.logprobs, truncated=f.truncated, taps=taps)
@@ -216,40 +262,40 @@ def _rows_tail_reference(rows_bf16, k, sampling_params, nan_fold, debug_taps, ch
     vals, ids, taps = exact_topk(rows_bf16, k=k, nan_fold=nan_fold, chunk=chunk, debug_taps=debug_taps)
     if sampling_params is None:
         return TailOutput(topk_values=vals, topk_indices=ids, taps=taps)
-    tok, lp, tr = sample_rows(vals, ids, rows_bf16, sampling_params, nan_fold=nan_fold)
+    tok, lp, tr = sample_rows_unchecked(vals, ids, rows_bf16, sampling_params, nan_fold=nan_fold)
     return TailOutput(topk_values=vals, topk_indices=ids, tokens=tok, logprobs=lp, truncated=tr, taps=taps)
 
 
-def check_nan_rows(rows_bf16: torch.Tensor, *, nan_fold: bool) -> None:
+def check_nan_rows(rows_bf16: torch.Tensor, *, nan_fold: bool, only: torch.Tensor | None = None) -> None:
     """The sampler's NaN policy on rows [R, V] bf16: a row holding NaN is a ValueError
     naming the rows unless nan_fold (then its NaN lanes carry no mass); a row of NaN only
     has no distribution at all and is a ValueError either way. Never a silent change of a
-    row's sampling mode."""
-    nan = torch.isnan(rows_bf16)  # [R, V]
-    bad = nan.any(dim=1)  # [R]
+    row's sampling mode. only: [n] int64 row indices to scan (the others are known
+    NaN-free); None scans every row."""
+    nan = torch.isnan(rows_bf16 if only is None else rows_bf16[only])  # [R | n, V]
+    ids = torch.arange(rows_bf16.shape[0]) if only is None else only  # [R | n]
+    bad = nan.any(dim=1)
     if not bool(bad.any()):
         return
     if not nan_fold:
-        raise ValueError(f"decode_tail: NaN in the logits of rows {_first_rows(bad)} (from a NaN or inf "
+        raise ValueError(f"decode_tail: NaN in the logits of rows {_first_rows(ids[bad])} (from a NaN or inf "
                          "input or weight); nan_fold=False samples only NaN-free rows: fix the input or "
                          "pass nan_fold=True to give NaN lanes no probability")
     empty = nan.all(dim=1)
     if bool(empty.any()):
-        raise ValueError(f"decode_tail: the logits of rows {_first_rows(empty)} are all NaN: no lane "
+        raise ValueError(f"decode_tail: the logits of rows {_first_rows(ids[empty])} are all NaN: no lane "
                          "has a probability to sample from")
 
 
-def _first_rows(bad: torch.Tensor, n: int = 8) -> str:
-    idx = torch.nonzero(bad)[:, 0].tolist()
+def _first_rows(idx: torch.Tensor, n: int = 8) -> str:
+    idx = idx.tolist()
     return str(idx[:n]) + (f" and {len(idx) - n} more" if len(idx) > n else "")
 
 
 def _owned_tail(rows_bf16, sampling_params, cfg: TailConfig, logits) -> TailOutput:
-    """The owned rows' tail: the sampler's NaN policy (check_nan_rows), then rows_tail."""
-    if sampling_params is not None:
-        check_nan_rows(rows_bf16, nan_fold=cfg.nan_fold)
-    out = rows_tail(rows_bf16, k=cfg.k, sampling_params=sampling_params, nan_fold=cfg.nan_fold,
-                    debug_taps=cfg.debug_taps, path=cfg.tail_path)
+    """The owned rows' tail: rows_tail with the sampler's NaN policy (check_nan_rows)."""
+    out = rows_tail_unchecked(rows_bf16, k=cfg.k, sampling_params=sampling_params, nan_fold=cfg.nan_fold,
+                              debug_taps=cfg.debug_taps, path=cfg.tail_path, nan_policy=True)
     return replace(out, logits=logits if cfg.emit_logits else None)
 
 
@@ -268,27 +314,35 @@ def decode_tail(hidden_states, gamma, lm_head_weight_t, *, eps: float = 1e-5,
 
     hidden_states [gbs, H] fp32/fp16/bf16 (16-bit is widened exactly: the same bytes as a
     pre-widened fp32 copy), the same on every rank; gamma [H] or [1, H] fp32 or bf16
-    (widened exactly); lm_head_weight_t [H, V_s] bf16 C-contiguous: this rank's vocab
-    shard (rank r of `group` holds vocab ids r*V_s ..); sampling_params [R, 3|4|5] fp32
-    for the rows this rank owns, in layout.owned_rows(r, VTP, gbs, hops, batch_groups)
-    order (top_k, top_p, temperature[, u[, min_p]]).
-    Options (the fields of TailConfig, documented there): eps, hidden_actual,
-    zero_interleaved_pad, k, deferred_rms, nan_fold, emit_logits, debug_taps, gemm_order,
-    tail_path;
-    or pass `config=TailConfig(...)` and leave them at their defaults.
-    Layout: group (a ProcessGroup, default the world, or an exchange.HopGroups), hops
-    (sizes multiplying to VTP), batch_groups G (G overlapped single-hop all-to-alls),
-    fence (a zero all-reduce per hop first; outputs unchanged), timeout (seconds any one
-    collective may take before exchange.ExchangeError).
+    (widened exactly); lm_head_weight_t [H, V_s] bf16 C-contiguous: this rank's shard of
+    the transposed lm_head weight (the one name for it across lmtail's public API; from a
+    model's [V, H] weight: w[r*V_s:(r+1)*V_s].t().contiguous()); rank r of `group` holds
+    vocab ids r*V_s ..;
+    sampling_params (default None: no sampling, so tokens/logprobs/truncated are None)
+    [R, 3|4|5] fp32 for the rows this rank owns, in layout.owned_rows(r, VTP, gbs, hops,
+    batch_groups) order: (top_k, top_p, temperature[, u[, min_p]]), best built with
+    sampler.sampling_tensor (which refuses a sampled request without seed or u, and seeds
+    without positions); a [R, 3] tensor draws u = 0.5 on every row, every step.
+    Options (the fields of TailConfig, documented there) and their defaults: eps=1e-5,
+    hidden_actual=None (H), zero_interleaved_pad=True, k=256 (k must be <= V = V_s x ranks:
+    a ValueError saying so otherwise, never a clamp), deferred_rms=True, nan_fold=False,
+    emit_logits=True, debug_taps=False, gemm_order=TailConfig.gemm_order ("amx32"),
+    tail_path="fused"; or pass `config=TailConfig(...)` and leave them at their defaults.
+    Layout: group (default None: one rank; a ProcessGroup or an exchange.HopGroups),
+    hops (default None: one hop of size VTP), batch_groups G (default 1: G overlapped
+    single-hop all-to-alls), fence (default False: a zero all-reduce per hop first;
+    outputs unchanged), timeout (default 120 s: what any one collective may take before
+    exchange.ExchangeError).
     Returns TailOutput: logits [gbs, V_s] fp32 (this rank's shard, if emit_logits);
     topk_values [R, k] bf16, topk_indices [R, k] int64 global ids, tokens/logprobs/
     truncated [R] (with sampling_params), taps (debug_taps). Numerics in the module
     docstring. Deterministic: a row's outputs depend only on that row's inputs (any batch,
-    thread count, rank layout). Bad inputs raise ValueError (TypeError for a non-tensor)
-    on every rank of the group, before any byte moves; so does eps = 0 with a row whose
-    real lanes square to 0 (no rms). NaN policy (docs/errors.md), with sampling_params:
-    a NaN in an owned row's logits is a ValueError naming the rows unless nan_fold (then
-    NaN lanes carry no mass); an all-NaN row is a ValueError either way.
+    thread count, rank layout). Inputs are validated once, here: bad inputs raise
+    ValueError (TypeError for a non-tensor) on every rank of the group, before any byte
+    moves; so does eps = 0 with a row whose real lanes square to 0 (no rms). NaN policy
+    (docs/errors.md), with sampling_params: a NaN in an owned row's logits is a
+    ValueError naming the rows unless nan_fold (then NaN lanes carry no mass); an all-NaN
+    row is a ValueError either way.
     """
     given = TailConfig(eps=eps, hidden_actual=hidden_actual, zero_interleaved_pad=zero_interleaved_pad,
                        k=k, deferred_rms=deferred_rms, nan_fold=nan_fold, emit_logits=emit_logits,
@@ -306,7 +360,8 @@ def decode_tail(hidden_states, gamma, lm_head_weight_t, *, eps: float = 1e-5,
     need_tensor("lm_head_weight_t", lm_head_weight_t, "[H, V_s] bf16")
     validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, sampling_params, cfg,
                          vocab_size=lm_head_weight_t.shape[-1])
-    logits = shard_logits(hidden_states, gamma, lm_head_weight_t, config=cfg)  # [gbs, V]
+    a, rms = normed_rows(hidden_states, gamma, cfg)  # [gbs, H] bf16, [gbs] fp32
+    logits = logits_from(a, rms, lm_head_weight_t, cfg)  # [gbs, V]
     return _owned_tail(logits.to(torch.bfloat16), sampling_params, cfg, logits)
 
 
@@ -331,13 +386,14 @@ TAIL_SIGNATURE = ("gbs", "H", "V_s", "k", "hidden dtype", "gamma dtype", "hidden
                   "hidden_states checksum", "gamma checksum")
 
 
-def tail_signature(hidden, gamma, weight, sampling_params, cfg: TailConfig, *, hops,
+def tail_signature(hidden_states, gamma, lm_head_weight_t, sampling_params, cfg: TailConfig, *, hops,
                    batch_groups, fence) -> list[tuple[int, object]]:
     """(int64, shown value) per TAIL_SIGNATURE field: everything the ranks must agree on.
     Inputs validated."""
+    hidden = hidden_states
     gbs, h = hidden.shape
     hops = tuple(hops)
-    sig = {"gbs": gbs, "H": h, "V_s": weight.shape[1], "k": cfg.k,
+    sig = {"gbs": gbs, "H": h, "V_s": lm_head_weight_t.shape[1], "k": cfg.k,
            "hidden dtype": _DTYPES[hidden.dtype], "gamma dtype": _DTYPES[gamma.dtype],
            "hidden_actual": h if cfg.hidden_actual is None else cfg.hidden_actual,
            "zero_interleaved_pad": int(cfg.zero_interleaved_pad), "eps": (_f64_bits(cfg.eps), cfg.eps),
@@ -364,21 +420,23 @@ def _decode_tail_ranks(hidden_states, gamma, lm_head_weight_t, sampling_params, 
     gbs = hidden_states.shape[0] if shapes_ok else None
     if gbs:
         validate_layout(vtp, gbs, layout_hops, batch_groups)  # raises before any collective
-    local_error, sig = None, None
+    local_error, sig, normed = None, None, None
     try:  # a rank's bad inputs become a ValueError on every rank (via the signature)
         validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, sampling_params, cfg,
                              vocab_size=lm_head_weight_t.shape[1] * vtp if shapes_ok else 1,
                              rows=gbs // vtp if gbs else None)
+        normed = normed_rows(hidden_states, gamma, cfg)  # [gbs, H] bf16, [gbs]; eps=0 check
         sig = tail_signature(hidden_states, gamma, lm_head_weight_t, sampling_params, cfg,
                              hops=layout_hops, batch_groups=batch_groups, fence=fence)
     except (ValueError, TypeError) as e:
-        local_error = e
+        local_error, sig = e, None  # sig None: this rank rejected its inputs
     exchange.agree(parent, TAIL_SIGNATURE, sig, local_error, what="decode_tail", timeout=timeout)
+    a, rms = normed
 
     kept = []  # the fp32 shard logits of each row block, in row order
 
     def mirror_block(rows: slice) -> torch.Tensor:
-        lg = shard_logits(hidden_states, gamma, lm_head_weight_t, config=cfg, rows=rows)  # [n, V_s]
+        lg = logits_from(a[rows], rms[rows], lm_head_weight_t, cfg)  # [n, V_s]
         kept.append(lg)
         return lg.to(torch.bfloat16)  # the mirror the collective carries
 

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from lmtail.numerics import Decl
+
 _ID_MASK = (1 << 32) - 1
 NEG_INF_BF16_BITS = 0xFF80
 
@@ -71,6 +73,18 @@ def row_keys(values: torch.Tensor, *, nan_fold: bool, id_offset: int = 0) -> tor
 def split_keys(keys: torch.Tensor):
     """int64 keys -> (bf16 values, int64 vocab ids)."""
     return mono_to_bf16(keys >> 32), _ID_MASK - (keys & _ID_MASK)
+
+
+def exact_topk_decl() -> Decl:
+    """The declaration of exact_topk: it is exact. It compares unique int64 keys built by
+    integer operations (mono16 of the bf16 bits, the vocab id); no value is computed, so
+    there is no rounding point and no sum: the outputs are input values and ids, bit for bit."""
+    return Decl(
+        op="exact_topk",
+        rounding_points=("none: comparisons of unique int64 keys (mono16(bf16 bits) << 32 | "
+                         "(2^32 - 1 - id)); values returned as they came in",),
+        sums=(),
+    )
 
 
 def exact_topk(values: torch.Tensor, *, k: int, nan_fold: bool = False, chunk: int = 4096,

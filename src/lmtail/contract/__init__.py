@@ -1,7 +1,7 @@
 """The numerics contract: kinds x gates, planted controls, token certification.
 
     from lmtail.contract import registry, run_contract, certify_tail
-    kinds, controls = registry()                  # the tail's kinds, the GEMM's and the glue ops'
+    kinds, controls = registry()                  # walked from lmtail.ops.OPS: every op's kinds
     report = run_contract(Config(fast=True))      # {"kinds": [KindResult], "controls": [...]}
     certify_tail(hidden, gamma, w, tail_output, sampling_params=sp)   # the demo's receipt
 
@@ -16,17 +16,45 @@ from .harness import Config, Control, Kind, run_control, run_kind, select
 
 def registry(*, kinds: str | None = None):
     """({name: Kind}, [Control]) for the kinds matching `kinds` (comma-separated fnmatch
-    patterns or substrings; None: all) and the controls planted in those kinds."""
+    patterns or substrings; None: all) and the controls planted in those kinds, in the
+    order of lmtail.ops.OPS (each record names its kinds and controls; see `walk`)."""
+    all_kinds, ctls = walk()
+    names = select(all_kinds, kinds)
+    chosen = {n: all_kinds[n] for n in names}
+    return chosen, [c for c in ctls if c.kind in chosen]
+
+
+def walk():
+    """Every kind and control, walked from the op registry: ({name: Kind}, [Control]) in
+    record order. ValueError if a record names a kind or control no module builds, a
+    kind module builds one no record names, or a record's control sits on another
+    record's kind (one op, one home)."""
+    from ..ops import OPS
+    from .body_kinds import body_controls, body_kinds
     from .gemm_kinds import gemm_controls, gemm_kinds
     from .glue_kinds import glue_controls, glue_kinds
+    from .quant_kinds import quant_controls, quant_kinds
     from .tail_kinds import RankRuns, tail_controls, tail_kinds
 
     ranks = RankRuns()  # shared: the ownership control reuses the decode kind's rank runs
-    all_kinds = {k.name: k for k in tail_kinds(ranks) + gemm_kinds() + glue_kinds()}
-    names = select(all_kinds, kinds)
-    chosen = {n: all_kinds[n] for n in names}
-    ctls = [c for c in tail_controls(ranks) + gemm_controls() + glue_controls() if c.kind in chosen]
-    return chosen, ctls
+    built = {k.name: k for k in tail_kinds(ranks) + gemm_kinds() + quant_kinds() + glue_kinds() + body_kinds()}
+    built_ctl = {c.name: c for c in tail_controls(ranks) + gemm_controls() + quant_controls() + glue_controls()
+                 + body_controls()}
+    kinds, ctls = {}, []
+    for spec in OPS:
+        for name in spec.kinds:
+            if name not in built:
+                raise ValueError(f"op {spec.name!r} names contract kind {name!r}, which no kind module builds")
+            kinds[name] = built.pop(name)
+        for name in spec.controls:
+            c = built_ctl.pop(name, None)
+            if c is None or c.kind not in spec.kinds:
+                raise ValueError(f"op {spec.name!r} names control {name!r}: "
+                                 + ("not built" if c is None else f"planted in {c.kind!r}, not one of its kinds"))
+            ctls.append(c)
+    if built or built_ctl:
+        raise ValueError(f"no op record names kinds {sorted(built)} / controls {sorted(built_ctl)}")
+    return kinds, ctls
 
 
 def run_contract(cfg: Config, *, kinds: str | None = None, progress=None) -> dict:
@@ -46,4 +74,4 @@ def run_contract(cfg: Config, *, kinds: str | None = None, progress=None) -> dic
     return out
 
 
-__all__ = ["Config", "Control", "Kind", "certify_tail", "format_certificate", "registry", "run_contract"]
+__all__ = ["Config", "Control", "Kind", "certify_tail", "format_certificate", "registry", "run_contract", "walk"]

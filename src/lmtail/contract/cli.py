@@ -5,7 +5,9 @@
 Exit code 0 only if every gate of every selected kind passes AND every control is red at
 its planted gate (a control that passes means the harness is broken). --fast is the
 test-suite subset (docs/contract.md); the full run adds seeds, slow shapes, every gate for
-every control and the ranks gate (N = 4 gloo ranks by default; 0 skips it, 8 adds VTP 8).
+every control and the ranks gate (N = 4 gloo ranks by default; 0 skips it, 2 runs VTP 2
+only, 8 adds VTP 8: the world sizes lmtail.contract.tail_kinds.rank_layouts lays out).
+configure / check / run: the protocol of lmtail.cli.
 
 Shape legend: none (a report).
 """
@@ -17,7 +19,10 @@ import math
 import sys
 import time
 
+from ..receipts.receipt import writable_file
 from .harness import GATES, Config, fmt_margin
+
+RANKS = (0, 2, 4, 8)  # --ranks: 0 skips the ranks gate; the others are the worlds rank_layouts supports
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -27,7 +32,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="write the full results as JSON")
     p.add_argument("--fast", action="store_true", help="the test-suite subset (well under a minute)")
     p.add_argument("--ranks", type=int, default=None,
-                   help="world size of the ranks gate (default 4; 0 with --fast: skip it)")
+                   help=f"world size of the ranks gate, one of {', '.join(map(str, RANKS))} "
+                        "(default 4; with --fast 0: skip it)")
     p.add_argument("--decl", action="store_true", help="print each kind's declaration")
 
 
@@ -102,28 +108,45 @@ def to_json(out, cfg, seconds) -> dict:
     }
 
 
+def check(args: argparse.Namespace) -> None:
+    """ValueError naming the flag for anything run cannot take: --ranks outside RANKS, a
+    --json path that cannot be written (before the run, not after it)."""
+    if args.ranks is not None and args.ranks not in RANKS:
+        raise ValueError(f"--ranks: expected one of {', '.join(map(str, RANKS))} (0 skips the ranks gate), "
+                         f"got {args.ranks}")
+    if args.json is not None:
+        writable_file("--json", args.json)
+
+
 def main(argv=None) -> int:
-    """`lmtail contract` on argv (the same parser the `lmtail` CLI builds)."""
+    """`lmtail contract` on argv: parse, check (one line and exit 2 on a bad flag), run."""
     p = argparse.ArgumentParser(prog="lmtail contract")
     configure(p)
-    return run(p.parse_args(sys.argv[1:] if argv is None else argv))
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        check(args)
+    except ValueError as e:
+        print(f"lmtail contract: error: {e}", file=sys.stderr)
+        return 2
+    return run(args)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the contract as `args` selects, print the tables; exit code as the module says."""
+    """Run the contract as `args` selects, print the tables; exit code as the module says
+    (2 with one line when --kinds matches no kind, before anything runs)."""
     from rich.console import Console
 
     from . import registry, run_contract
 
     ranks = args.ranks if args.ranks is not None else (0 if args.fast else 4)
     cfg = Config(fast=args.fast, ranks=ranks)
+    kinds, ctls = registry(kinds=args.kinds)
+    if not kinds:
+        print(f"lmtail contract: error: --kinds: no kind matches {args.kinds!r}", file=sys.stderr)
+        return 2
     con = Console()
     if not con.is_terminal:
         con = Console(width=220)  # a log or a pipe: keep each table row on one line
-    kinds, ctls = registry(kinds=args.kinds)
-    if not kinds:
-        con.print(f"no kind matches {args.kinds!r}")
-        return 2
     t0 = time.perf_counter()
     with con.status("running the contract") as status:
         out = run_contract(cfg, kinds=args.kinds, progress=lambda n: status.update(f"contract: {n}"))

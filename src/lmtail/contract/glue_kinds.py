@@ -647,6 +647,8 @@ def glue_controls() -> list[Control]:
           lambda d: _router_variant(d, guard=False)),
         c("router_ties_high", "router_topk", "special", "ties to the higher expert id",
           lambda d: _router_variant(d, ties_high=True)),
+        c("embed_rows_off_by_one", "embed_rows", "random", "row ids + 1 (clamped): the neighbouring rows",
+          lambda d: {"rows": norms.embed_rows((d["ids"] + 1).clamp(max=d["table"].shape[0] - 1), d["table"])}),
         Control("glue.add_rms_ssq_declared_exact", "glue.add_rms_y", "random",
                 "the real op, its sum of squares declared exact (depth 0)", decl=_exact_ssq_decl),
     ]

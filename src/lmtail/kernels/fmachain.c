@@ -20,15 +20,8 @@
  * op to the last, so neither R nor the thread count can reach the bits. NaN sign and
  * payload are not declared (IEEE picks among input NaNs by operand position).
  */
-#include <stdint.h>
-#include <stddef.h>
-#include <stdlib.h>
-#include <string.h>
 #include <math.h>
-#include <pthread.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include "lmtail_kernels.h"
 
 enum { ISA_GENERIC = 0, ISA_AVX512 = 2 };
 enum { JOB_SUM = 0, JOB_MOE = 1 };
@@ -50,12 +43,7 @@ typedef struct {
     int64_t next; /* next row to take (atomic) */
 } job_t;
 
-static inline float bf16f(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+#define bf16f bf16_to_f32
 
 /* orders.lane_totals on acc[T] (overwritten). */
 static float lane_totals(float *acc, int T, int reverse) {
@@ -205,10 +193,7 @@ static void do_row(const job_t *j, int64_t i, float *acc) {
 
 static void *worker(void *arg) {
     job_t *j = (job_t *)arg;
-#if defined(__x86_64__)
-    const unsigned int csr = _mm_getcsr();
-    _mm_setcsr(0x1F80); /* round to nearest, exceptions masked, FTZ and DAZ off */
-#endif
+    const unsigned csr = lmtail_mxcsr_pin(LMTAIL_MXCSR_IEEE);
     float *acc = NULL;
     if (j->kind == JOB_SUM && posix_memalign((void **)&acc, 64, sizeof(float) * j->lanes))
         acc = NULL;
@@ -219,36 +204,20 @@ static void *worker(void *arg) {
         do_row(j, i, acc);
     }
     free(acc);
-#if defined(__x86_64__)
-    _mm_setcsr(csr);
-#endif
+    lmtail_mxcsr_restore(csr);
     return NULL;
 }
 
 static int run(job_t *j, int nthreads) {
     if (nthreads > j->R) nthreads = (int)j->R;
     if (nthreads < 1) nthreads = 1;
-    if (nthreads > 64) nthreads = 64;
-    pthread_t tid[64];
-    int started = 0;
-    for (int t = 1; t < nthreads; ++t, ++started)
-        if (pthread_create(&tid[t], NULL, worker, j)) break;
-    worker(j);
-    for (int t = 1; t <= started; ++t) pthread_join(tid[t], NULL);
+    lmtail_parallel(worker, j, nthreads);
     return j->next >= j->R ? j->isa : -1;
 }
 
-/* The best kernel this CPU runs: 2 = AVX-512 (F), 0 = generic C. */
-int lmtail_fmachain_best_isa(void) {
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return ISA_AVX512;
-#endif
-    return ISA_GENERIC;
-}
-
+/* isa: the kernel wanted; 2 = AVX-512 (F) on a CPU without it falls back to 0 = generic C. */
 static int pick_isa(int isa) {
-    return isa != ISA_GENERIC && isa != lmtail_fmachain_best_isa() ? ISA_GENERIC : isa;
+    return isa == ISA_AVX512 && lmtail_cpu_has(LMTAIL_CPU_AVX512F) ? ISA_AVX512 : ISA_GENERIC;
 }
 
 /* out[i] = fma_sum(a[i, :], b[i, :]) for i < R (see top). a: row stride lda, b: row stride

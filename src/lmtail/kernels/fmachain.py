@@ -17,63 +17,34 @@ Every step is one correctly rounded fp32 fma (C fmaf / vfmadd: what numerics.fma
 emulates in float64). NaN sign and payload are not declared (every NaN compares as one).
 A row (token) is owned by one thread: neither the row count nor `threads` reaches a bit.
 
-Backends (all bit-equal; tests/test_fmachain.py proves it): "avx512" (16 lanes a vector
-op), "c" (plain C), "torch" (numerics.fma32, an exact fp32 fma emulated in float64, as
-torch tensor ops; the only one when no C compiler is found, and the one non-CPU tensors
-get).
+Backends (all bit-equal; tests/test_fmachain.py proves it), one `_backend.Dispatch` table
+per op, preferred in this fixed order: "avx512" (16 lanes a vector op; CPUs with AVX-512F),
+"c" (plain C), "torch" (numerics.fma32, an exact fp32 fma emulated in float64, as torch
+tensor ops; the only one when no C compiler is found, and the one non-CPU tensors get).
 """
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
-from pathlib import Path
 
 import torch
 
-from lmtail.checks import check_threads, is_int, need, need_tensor, pick_backend
-from lmtail.kernels._cc import load_optional
+from lmtail.checks import is_int, need, need_tensor
+from lmtail.kernels import _backend, cpu
+from lmtail.kernels._cc import kernel_library
 from lmtail.numerics import fma32
 
-_ISA = {"c": 0, "avx512": 2}
-_BUTTERFLY = (16, 8, 4, 2, 1)
+BUTTERFLY = (16, 8, 4, 2, 1)  # the xor butterfly's offsets within a 32-lane group (orders use it)
 _MIN_WORK_PER_THREAD = 1 << 16  # elements: below this a second thread costs more than it saves
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_library = kernel_library("fmachain.c", {
+    "lmtail_fma_sum": ([_P] * 3 + [_I64] * 4 + [_INT] * 5, _INT),
+    "lmtail_moe_routed": ([_P, _INT, _P, _P] + [_I64] * 5 + [_INT] * 2, _INT),
+}, what="fma chains", fallback="the torch backend (numerics.fma32)")
 
 
-@functools.lru_cache(maxsize=None)
-def _c_library():
-    """The compiled C kernel (built and cached on first use), or None with a warning."""
-    lib = load_optional(Path(__file__).with_name("fmachain.c"), what="fma chains",
-                        fallback="the torch backend (numerics.fma32)")
-    if lib is None:
-        return None
-    fn = lib.lmtail_fma_sum
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 5
-    fn.restype = ctypes.c_int
-    moe = lib.lmtail_moe_routed
-    moe.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2 + [
-        ctypes.c_int64] * 5 + [ctypes.c_int] * 2
-    moe.restype = ctypes.c_int
-    lib.lmtail_fmachain_best_isa.restype = ctypes.c_int
-    return lib
-
-
-@functools.lru_cache(maxsize=None)
-def available_backends() -> tuple[str, ...]:
-    """The backends this machine runs, fastest first (all give the same bytes)."""
-    lib = _c_library()
-    if lib is None:
-        return ("torch",)
-    return ("avx512", "c", "torch") if lib.lmtail_fmachain_best_isa() == 2 else ("c", "torch")
-
-
-def _threads_backend(threads, backend, work: int, tensors) -> tuple[int, str]:
-    check_threads(threads)
-    on_cpu = all(t.device.type == "cpu" for t in tensors)
-    backend = pick_backend(backend, available_backends() if on_cpu else ("torch",))
-    if threads is None:
-        threads = max(1, min(torch.get_num_threads(), work // _MIN_WORK_PER_THREAD))
-    return threads, backend
+def _c_available(*features: str):
+    return lambda: _library() is not None and cpu.has(*features)
 
 
 # ---------------------------------------------------------------------------------------
@@ -88,7 +59,7 @@ def lane_fold(lanes: torch.Tensor, *, reverse: bool) -> torch.Tensor:
     g = lanes.reshape(*lanes.shape[:-1], t // 32, 32)  # [..., T/32, 32]
     # After xor step `off` every lane i holds g_i + g_(i^off) (fp32 + commutes bitwise), so
     # lane 0's butterfly is a fold: offsets 16..1 add the two halves, 1..16 adjacent pairs.
-    for _ in _BUTTERFLY:
+    for _ in BUTTERFLY:
         if reverse:
             g = g[..., 0::2] + g[..., 1::2]
         else:
@@ -157,6 +128,75 @@ def _moe_routed_torch(slots, weights, nslots: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------
+# the C backends (unchecked: the op validated its arguments)
+# ---------------------------------------------------------------------------------------
+def _fma_sum_c(isa: int):
+    def run(a, b, lanes, vec, reverse, threads):
+        n, rows = a.shape[-1], math.prod(a.shape[:-1])
+        a2 = a.detach().reshape(rows, n)  # [R, N]
+        if a2.shape[0] and n and a2.stride(-1) != 1:
+            a2 = a2.contiguous()
+        b2 = b.detach().reshape(rows, n)  # [R, N]; a row broadcast keeps stride 0
+        if b2.shape[0] and n and b2.stride(-1) != 1:
+            b2 = b2.contiguous()
+        out = torch.empty(rows, dtype=torch.float32)  # [R]
+        if rows == 0:
+            return out.reshape(a.shape[:-1])
+        used = _library().lmtail_fma_sum(
+            a2.data_ptr(), b2.data_ptr(), out.data_ptr(), rows, n, a2.stride(0), b2.stride(0),
+            lanes, vec, int(bool(reverse)), threads, isa)
+        if used < 0:
+            raise MemoryError(f"fma_sum: could not allocate a {lanes}-lane accumulator")
+        assert used == isa, (used, isa)
+        return out.reshape(a.shape[:-1])
+    return run
+
+
+def _moe_routed_c(isa: int):
+    def run(slots, weights, nslots, threads):
+        s, t, h = slots.shape
+        out = torch.empty(t, h, dtype=torch.float32)  # [T, H]
+        if t == 0 or h == 0:
+            return out
+        sl = slots.detach()
+        if nslots and not (sl.stride(2) == 1 and sl.stride(1) == h):
+            sl = sl.contiguous()  # [S, T, H]
+        w = weights.detach()
+        if w.stride(1) != 1:
+            w = w.contiguous()  # [T, W]
+        used = _library().lmtail_moe_routed(
+            sl.data_ptr(), int(sl.dtype == torch.bfloat16), w.data_ptr(), out.data_ptr(), t, h,
+            nslots, sl.stride(0), w.stride(0), threads, isa)
+        assert used == isa, (used, isa)
+        return out
+    return run
+
+
+FMA_SUM = _backend.Dispatch("fma_sum_rows", (
+    _backend.Backend("avx512", _fma_sum_c(2), _c_available("avx512f")),
+    _backend.Backend("c", _fma_sum_c(0), _c_available()),
+    _backend.Backend("torch", lambda a, b, lanes, vec, reverse, threads: _fma_sum_torch(a, b, lanes, vec, reverse),
+                     device=None),
+))
+MOE_ROUTED = _backend.Dispatch("moe_routed", (
+    _backend.Backend("avx512", _moe_routed_c(2), _c_available("avx512f")),
+    _backend.Backend("c", _moe_routed_c(0), _c_available()),
+    _backend.Backend("torch", lambda slots, weights, nslots, threads: _moe_routed_torch(slots, weights, nslots),
+                     device=None),
+))
+
+
+def available_backends() -> tuple[str, ...]:
+    """The backends this machine runs for CPU tensors, in the fixed preference order (all
+    give the same bytes)."""
+    return FMA_SUM.names()
+
+
+def _device(*tensors) -> str:
+    return "cpu" if all(t.device.type == "cpu" for t in tensors) else tensors[0].device.type
+
+
+# ---------------------------------------------------------------------------------------
 # the ops
 # ---------------------------------------------------------------------------------------
 def fma_sum_rows(a: torch.Tensor, b: torch.Tensor, *, lanes: int, vec: int, reverse: bool,
@@ -164,7 +204,7 @@ def fma_sum_rows(a: torch.Tensor, b: torch.Tensor, *, lanes: int, vec: int, reve
     """sum_i a[..., i] * b[..., i] in the order (lanes, vec, reverse butterfly) (module
     docstring). a [..., N] fp32, b fp32 broadcastable to a -> [...] fp32.
 
-    backend: one of available_backends() (default the fastest; non-CPU tensors: "torch");
+    backend: one of available_backends() (default the first; non-CPU tensors: "torch");
     threads: worker threads (default: torch.get_num_threads(), fewer for small inputs); a
     row is owned by one thread, so neither can change a bit. The GIL is released while the
     C kernel runs. Raises ValueError (nothing computed) on non-fp32 or 0-d inputs, lanes
@@ -179,25 +219,9 @@ def fma_sum_rows(a: torch.Tensor, b: torch.Tensor, *, lanes: int, vec: int, reve
     need(is_int(vec) and vec >= 1, f"vec must be an int >= 1; got {vec!r}")
     b = torch.broadcast_to(b, a.shape)  # raises on a bad shape
     n, rows = a.shape[-1], math.prod(a.shape[:-1])
-    threads, backend = _threads_backend(threads, backend, rows * max(n, 1), (a, b))
-    if backend == "torch":
-        return _fma_sum_torch(a, b, lanes, vec, reverse)
-    a2 = a.detach().reshape(rows, n)  # [R, N]
-    if a2.shape[0] and n and a2.stride(-1) != 1:
-        a2 = a2.contiguous()
-    b2 = b.detach().reshape(rows, n)  # [R, N]; a row broadcast keeps stride 0
-    if b2.shape[0] and n and b2.stride(-1) != 1:
-        b2 = b2.contiguous()
-    out = torch.empty(rows, dtype=torch.float32)  # [R]
-    if rows == 0:
-        return out.reshape(a.shape[:-1])
-    used = _c_library().lmtail_fma_sum(
-        a2.data_ptr(), b2.data_ptr(), out.data_ptr(), rows, n, a2.stride(0), b2.stride(0),
-        lanes, vec, int(bool(reverse)), threads, _ISA[backend])
-    if used < 0:
-        raise MemoryError(f"fma_sum: could not allocate a {lanes}-lane accumulator")
-    assert used == _ISA[backend], (used, backend)
-    return out.reshape(a.shape[:-1])
+    nthreads = _backend.threads(threads, work=rows * max(n, 1), min_work=_MIN_WORK_PER_THREAD)
+    row = FMA_SUM.pick(backend, _device(a, b))
+    return row.run(a, b, lanes, vec, reverse, nthreads)
 
 
 def moe_routed(slots: torch.Tensor, weights: torch.Tensor, *, nslots: int,
@@ -219,20 +243,6 @@ def moe_routed(slots: torch.Tensor, weights: torch.Tensor, *, nslots: int,
          f"weights must be an fp32 tensor [T={t}, >= nslots]; got {(tuple(weights.shape), weights.dtype)}")
     need(is_int(nslots) and 0 <= nslots <= min(s, weights.shape[1]),
          f"nslots must be an int in [0, min(S={s}, W={weights.shape[1]})]; got {nslots!r}")
-    threads, backend = _threads_backend(threads, backend, t * h * max(nslots, 1), (slots, weights))
-    if backend == "torch":
-        return _moe_routed_torch(slots, weights, nslots)
-    out = torch.empty(t, h, dtype=torch.float32)  # [T, H]
-    if t == 0 or h == 0:
-        return out
-    sl = slots.detach()
-    if nslots and not (sl.stride(2) == 1 and sl.stride(1) == h):
-        sl = sl.contiguous()  # [S, T, H]
-    w = weights.detach()
-    if w.stride(1) != 1:
-        w = w.contiguous()  # [T, W]
-    used = _c_library().lmtail_moe_routed(
-        sl.data_ptr(), int(sl.dtype == torch.bfloat16), w.data_ptr(), out.data_ptr(), t, h,
-        nslots, sl.stride(0), w.stride(0), threads, _ISA[backend])
-    assert used == _ISA[backend], (used, backend)
-    return out
+    nthreads = _backend.threads(threads, work=t * h * max(nslots, 1), min_work=_MIN_WORK_PER_THREAD)
+    row = MOE_ROUTED.pick(backend, _device(slots, weights))
+    return row.run(slots, weights, nslots, nthreads)

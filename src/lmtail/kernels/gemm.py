@@ -25,33 +25,35 @@ the backend, repeats, the weight layout (plain or packed), or column slicing.
 amx32 threads come from a per-process pool (kernels/gemm_amx32.c; a forked child starts
 its own); with M <= 6 a call splits the columns once w holds 2^17 elements per thread.
 
-Backends (`available_backends(order)`, fastest first, all bit-equal):
-  chain : "avx512", "c" (kernels/gemm_chain.c), "numba" (no C compiler)
+Backends (`available_backends(order)`, all bit-equal; one `_backend.Dispatch` table per
+order, GEMM[order]; backend=None takes the first available in this FIXED order, not a
+measurement: on some CPUs a later one is faster for few rows):
+  chain : "avx512", "c" (kernels/gemm_chain.c), "numba" (when the optional numba is
+          installed; imported only when used; the fallback without a C compiler)
   amx32 : "amx" (tile instructions; CPUs with AMX-BF16), "avx512", "avx2" (vector fmas
           under MXCSR FTZ|DAZ), "c" (plain C, the fma emulated exactly, FTZ/DAZ in
           software) (kernels/gemm_amx32.c); no fallback without a C compiler.
+The default order is DEFAULT_ORDER = "amx32" (gemm_bf16, gemm_decl, the model body, TailConfig).
 `pack_weight(w)` makes the one-time load layout (VNNI pairs) that AMX reads directly.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.util
 from dataclasses import dataclass
-from pathlib import Path
 
-import numba
-import numpy as np
 import torch
 
+from lmtail.kernels import _backend, cpu
+from lmtail.kernels._cc import kernel_library
 from lmtail.numerics import Decl, SumDecl
 
 ORDERS = ("chain", "amx32")
-_ISA = {"c": 0, "avx512": 2}  # the chain library's ISA codes
-_AMX32_ISA = {"amx": 3, "avx512": 2, "avx2": 1, "c": 0}
-_NUMBA_TILE = 64
+DEFAULT_ORDER = "amx32"  # the one default GEMM order (gemm_bf16, gemm_decl, the body, the tail)
 
 
-def gemm_decl(H: int, order: str = "chain") -> Decl:
+def gemm_decl(H: int, order: str = DEFAULT_ORDER) -> Decl:
     """The declaration of `gemm_bf16(order=order)` for hidden size H."""
     if order == "chain":
         return Decl(
@@ -151,136 +153,130 @@ def _validate_options(order: str, w, backend: str | None, threads: int | None) -
     if isinstance(w, PackedWeight) and order != "amx32":
         raise ValueError(f"a PackedWeight needs order='amx32'; got order={order!r} "
                          "(pass the plain [H, V] tensor for the chain)")
-    if backend is not None and backend not in available_backends(order):
-        raise ValueError(f"backend must be one of {available_backends(order)} for order="
-                         f"{order!r} on this machine; got {backend!r}")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
                                 or threads < 1):
         raise ValueError(f"threads must be an int >= 1 or None; got {threads!r}")
 
 
 # ---------------------------------------------------------------------------------------
-# backends
+# backends (unchecked: gemm_bf16 validated its arguments; out is [M, V] fp32, M, V, H > 0)
 # ---------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_chain_library = kernel_library("gemm_chain.c", {
+    "lmtail_gemm_bf16_chain": ([_P] * 3 + [_I64] * 4 + [_INT] * 2, _INT),
+}, what="gemm", fallback="the numba fallback")
+_amx32_lib = kernel_library("gemm_amx32.c", {
+    "lmtail_amx32_has": ([_INT], _INT),
+    "lmtail_amx32_pack": ([_P, _I64, _I64, _I64, _P], None),
+    "lmtail_amx32_pool_helpers": ((), _INT),
+    "lmtail_amx32_gemm": ([_P, _I64, _P, _I64, _INT, _P] + [_I64] * 4 + [_INT] * 2, _INT),
+}, what="gemm amx32", fallback="no amx32 backend")
+
+
 def _c_library():
-    """The compiled chain kernel (built and cached on first use), or None with a warning."""
-    from lmtail.kernels._cc import load_optional
-
-    lib = load_optional(Path(__file__).with_name("gemm_chain.c"), what="gemm", fallback="the numba fallback")
-    if lib is None:
-        return None
-    fn = lib.lmtail_gemm_bf16_chain
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2
-    fn.restype = ctypes.c_int
-    lib.lmtail_gemm_best_isa.restype = ctypes.c_int
-    return lib
+    """The compiled chain kernel, or None (tests replace this to drop it)."""
+    return _chain_library()
 
 
-@functools.lru_cache(maxsize=None)
 def _amx32_library():
-    """The compiled amx32 kernels, or None with a warning (no compiler, failed build)."""
-    from lmtail.kernels._cc import load_optional
+    """The compiled amx32 kernels, or None (no compiler, failed build)."""
+    return _amx32_lib()
 
-    lib = load_optional(Path(__file__).with_name("gemm_amx32.c"), what="gemm amx32",
-                        fallback="no amx32 backend")
-    if lib is None:
-        return None
-    lib.lmtail_amx32_has.argtypes = [ctypes.c_int]
-    lib.lmtail_amx32_has.restype = ctypes.c_int
-    lib.lmtail_amx32_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                      ctypes.c_int64, ctypes.c_void_p]
-    lib.lmtail_amx32_pack.restype = None
-    lib.lmtail_amx32_pool_helpers.restype = ctypes.c_int
-    fn = lib.lmtail_amx32_gemm
-    fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                    ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2)
-    fn.restype = ctypes.c_int
-    return lib
+
+def _chain_c(isa: int):
+    def run(a, w, out, threads):
+        M = a.shape[0]
+        aT = a.detach().float().t().contiguous()  # [H, M] fp32, exact widening
+        ldc = out.stride(0) if M > 1 else w.shape[1]
+        used = _c_library().lmtail_gemm_bf16_chain(aT.data_ptr(), w.data_ptr(), out.data_ptr(), M,
+                                                   a.shape[1], w.shape[1], ldc, threads, isa)
+        assert used == isa, (used, isa)
+    return run
 
 
 @functools.lru_cache(maxsize=None)
-def _amx32_backends() -> tuple[str, ...]:
-    lib = _amx32_library()
-    if lib is None:
-        return ()
-    return tuple(b for b in ("amx", "avx512", "avx2", "c") if lib.lmtail_amx32_has(_AMX32_ISA[b]))
+def _numba_installed() -> bool:
+    """numba is an optional extra: the backend is offered only when it can be imported."""
+    return importlib.util.find_spec("numba") is not None
 
 
-def available_backends(order: str = "chain") -> tuple[str, ...]:
-    """The backends this machine runs for `order`, fastest first (all give the same bytes).
-    amx32 without a C compiler: () (gemm_bf16 then raises RuntimeError)."""
-    if order == "amx32":
-        return _amx32_backends()
-    if order != "chain":
+def _chain_numba(a, w, out, threads):
+    from lmtail.kernels import _gemm_numba  # numba is imported only when this backend runs
+
+    _gemm_numba.chain(a, w, out)
+
+
+def _amx32_c(isa: int, name: str):
+    def run(a, w, out, threads):
+        M, H = a.shape
+        if a.stride(1) != 1:
+            a = a.contiguous()
+        lda = a.stride(0) if M > 1 else H
+        packed = isinstance(w, PackedWeight)
+        if packed:
+            wt, V, ldw = w.data, w.V, 0
+        else:
+            wt, V = w, w.shape[1]
+            ldw = V
+        ldc = out.stride(0) if M > 1 else V
+        rc = _amx32_library().lmtail_amx32_gemm(a.data_ptr(), lda, wt.data_ptr(), ldw, int(packed),
+                                                out.data_ptr(), M, H, V, ldc, threads, isa)
+        if rc != 0:
+            raise RuntimeError(f"gemm_bf16 amx32 backend {name!r} failed (code {rc}: "
+                               f"{'ISA unavailable' if rc == -1 else 'out of memory'})")
+    return run
+
+
+def _has(library, *features: str):
+    return lambda: library() is not None and cpu.has(*features)
+
+
+_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+GEMM = {
+    "chain": _backend.Dispatch("gemm_bf16 chain", (
+        _backend.Backend("avx512", _chain_c(2), _has(lambda: _c_library(), "avx512f", "avx512bw", "avx512vl")),
+        _backend.Backend("c", _chain_c(0), _has(lambda: _c_library())),
+        _backend.Backend("numba", _chain_numba, _numba_installed),
+    )),
+    "amx32": _backend.Dispatch("gemm_bf16 amx32", (
+        _backend.Backend("amx", _amx32_c(3, "amx"), _has(lambda: _amx32_library(), *_AVX512, "amx_bf16")),
+        _backend.Backend("avx512", _amx32_c(2, "avx512"), _has(lambda: _amx32_library(), *_AVX512)),
+        _backend.Backend("avx2", _amx32_c(1, "avx2"), _has(lambda: _amx32_library(), "avx2", "fma")),
+        _backend.Backend("c", _amx32_c(0, "c"), _has(lambda: _amx32_library())),
+    )),
+}
+
+
+def available_backends(order: str = DEFAULT_ORDER) -> tuple[str, ...]:
+    """The backends this machine runs for `order`, in the fixed preference order (all give
+    the same bytes). amx32 without a C compiler: () (gemm_bf16 then raises RuntimeError)."""
+    if order not in GEMM:
         raise ValueError(f"order must be one of {ORDERS}; got {order!r}")
-    lib = _c_library()
-    if lib is None:
-        return ("numba",)
-    return ("avx512", "c", "numba") if lib.lmtail_gemm_best_isa() == 2 else ("c", "numba")
-
-
-@numba.njit(parallel=True, cache=True)
-def _chain_numba(aT, w16, out):  # aT [H, M] f32, w16 [H, V] u16, out [M, V] f32 (a view)
-    H, M = aT.shape
-    V = w16.shape[1]
-    for t in numba.prange((V + _NUMBA_TILE - 1) // _NUMBA_TILE):
-        c0 = t * _NUMBA_TILE
-        nc = min(V - c0, _NUMBA_TILE)
-        bits = np.empty((H, nc), np.uint32)  # [H, nc]
-        for h in range(H):
-            for c in range(nc):  # bf16 -> fp32 is exact: the bits shifted left by 16
-                bits[h, c] = np.uint32(w16[h, c0 + c]) << np.uint32(16)
-        wt = bits.view(np.float32)  # [H, nc]
-        acc = np.empty(nc, np.float32)
-        for m in range(M):
-            acc[:] = 0.0
-            for h in range(H):
-                am = np.float64(aT[h, m])
-                for c in range(nc):  # fma32 = round32(acc + a*w): a*w exact in float64
-                    acc[c] = np.float32(np.float64(acc[c]) + am * np.float64(wt[h, c]))
-            for c in range(nc):
-                out[m, c0 + c] = np.float32(np.nan) if np.isnan(acc[c]) else acc[c]
+    return GEMM[order].names()
 
 
 def _run(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, backend: str,
          threads: int | None = None) -> None:
     """out[:, :] = the chain, computed by `backend` (inputs already validated)."""
-    M, H = a.shape
-    nthreads = torch.get_num_threads() if threads is None else threads
-    aT = a.detach().float().t().contiguous()  # [H, M] fp32, exact widening
-    if backend == "numba":
-        _chain_numba(aT.numpy(), w.detach().view(torch.int16).numpy().view(np.uint16),
-                     out.detach().numpy())
-        return
-    lib = _c_library()
-    assert lib is not None and backend in _ISA, backend
-    ldc = out.stride(0) if M > 1 else w.shape[1]
-    used = lib.lmtail_gemm_bf16_chain(aT.data_ptr(), w.data_ptr(), out.data_ptr(), M, H,
-                                      w.shape[1], ldc, nthreads, _ISA[backend])
-    assert used == _ISA[backend], (used, backend)
+    row = GEMM["chain"].pick(backend)
+    row.run(a, w, out, torch.get_num_threads() if threads is None else threads)
 
 
-def _run_amx32(a: torch.Tensor, w, out: torch.Tensor, backend: str,
-               threads: int | None = None) -> None:
-    """out[:, :] = the amx32 order, computed by `backend` (inputs already validated)."""
-    lib = _amx32_library()
-    assert lib is not None and backend in _AMX32_ISA, backend
+def gemm_unchecked(a: torch.Tensor, w, row: _backend.Backend, threads: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """gemm_bf16 on arguments validated once by the caller (the model body): a [M, H] bf16,
+    w [H, V] bf16 C-contiguous or a PackedWeight (amx32 rows only), row = GEMM[order].pick(...),
+    threads >= 1. Returns out [M, V] fp32 (allocated when None)."""
     M, H = a.shape
-    nthreads = torch.get_num_threads() if threads is None else threads
-    if a.stride(1) != 1:
-        a = a.contiguous()
-    lda = a.stride(0) if M > 1 else H
-    packed = isinstance(w, PackedWeight)
-    wt = w.data if packed else w
-    ldw = 0 if packed else w.shape[1]
-    ldc = out.stride(0) if M > 1 else w.shape[1]
-    rc = lib.lmtail_amx32_gemm(a.data_ptr(), lda, wt.data_ptr(), ldw, int(packed),
-                               out.data_ptr(), M, H, w.shape[1], ldc, nthreads,
-                               _AMX32_ISA[backend])
-    if rc != 0:
-        raise RuntimeError(f"gemm_bf16 amx32 backend {backend!r} failed (code {rc}: "
-                           f"{'ISA unavailable' if rc == -1 else 'out of memory'})")
+    V = w.V if isinstance(w, PackedWeight) else w.shape[1]
+    if out is None:
+        out = torch.empty(M, V, dtype=torch.float32)  # [M, V]
+    if M == 0 or V == 0:
+        return out
+    if H == 0:
+        return out.zero_()
+    row.run(a, w, out, threads)
+    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -302,7 +298,7 @@ def pack_weight(w: torch.Tensor) -> PackedWeight:
     return PackedWeight(data=data, H=H, V=V)
 
 
-def gemm_bf16(a: torch.Tensor, w, *, order: str = "chain", out: torch.Tensor | None = None,
+def gemm_bf16(a: torch.Tensor, w, *, order: str = DEFAULT_ORDER, out: torch.Tensor | None = None,
               backend: str | None = None, threads: int | None = None) -> torch.Tensor:
     """out = a @ w in the declared summation `order` ("chain" or "amx32"; module docstring,
     docs/gemm.md, `gemm_decl(H, order)`).
@@ -310,7 +306,8 @@ def gemm_bf16(a: torch.Tensor, w, *, order: str = "chain", out: torch.Tensor | N
     a [M, H] bf16 (any strides); w [H, V] bf16 C-contiguous, or `pack_weight(w)` (amx32
     only) -> [M, V] fp32. out: optional [M, V] fp32 destination with unit column stride and
     row stride >= V (e.g. a row block `full[r0:r1]`); returned when given.
-    backend: one of available_backends(order) (None = the first); threads: worker threads
+    backend: one of available_backends(order) (None = the first: a fixed order, not a
+    measurement); threads: worker threads
     (None = torch.get_num_threads()). The bytes depend on neither, nor on M, the layout of
     w or repeats. The GIL is released while the kernel runs.
     Raises TypeError for a non-tensor a or w; ValueError (nothing written) on wrong dtypes,
@@ -319,25 +316,9 @@ def gemm_bf16(a: torch.Tensor, w, *, order: str = "chain", out: torch.Tensor | N
     """
     _validate(a, w, out)
     _validate_options(order, w, backend, threads)
-    M, H = a.shape
-    V = w.shape[1]
-    if out is None:
-        out = torch.empty(M, V, dtype=torch.float32)  # [M, V]
-    if M == 0 or V == 0:
-        return out
-    if H == 0:
-        return out.zero_()
-    avail = available_backends(order)
-    if not avail:
+    if not available_backends(order):
         raise RuntimeError("gemm_bf16 order='amx32' needs its C kernel, which could not be "
                            "built on this machine (see the RuntimeWarning)")
-    run = _run_amx32 if order == "amx32" else _run
-    run(a, w, out, backend or avail[0], threads)
-    return out
-
-
-def gemm_bf16_chain(a: torch.Tensor, w: torch.Tensor, *,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """`gemm_bf16(a, w, order="chain", out=out)`: the sequential fp32 fma chain over h."""
-    return gemm_bf16(a, w, order="chain", out=out)
-
+    row = GEMM[order].pick(backend, what=f" for order={order!r} on this machine")
+    nthreads = torch.get_num_threads() if threads is None else threads
+    return gemm_unchecked(a, w, row, nthreads, out)

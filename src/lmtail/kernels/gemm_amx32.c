@@ -24,18 +24,7 @@
  * only parks `acc` in `out` between whole 32-lane blocks; blocking over rows and columns
  * only picks which elements share registers; every element is owned by one thread.
  */
-#include <stdint.h>
-#include <stddef.h>
-#include <stdlib.h>
-#include <string.h>
-#include <pthread.h>
-#include <time.h>
-#include <unistd.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#include <cpuid.h>
-#include <sys/syscall.h>
-#endif
+#include "lmtail_kernels.h"
 
 enum { ISA_C = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AMX = 3 };
 /* Blocking: column tiles of NC (for at most MR512 rows: on one thread 4096 down to 1024, the
@@ -48,13 +37,12 @@ enum { ISA_C = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AMX = 3 };
  * STREAM_MR rows, stream_avx2).
  * Register tiles: AVX-512 6 rows x 32 columns (24 zmm: e and o), AVX2 2 x 16 (8 ymm: 16
  * registers leave no room for 3 rows). */
-enum { NC = 256, KC = 128, WMAX = 4096, KC_SMALL = 32, MR512 = 6, MR2 = 2, NCA = 32, MAXT = 64 };
+enum { NC = 256, KC = 128, WMAX = 4096, KC_SMALL = 32, MR512 = 6, MR2 = 2, NCA = 32, MAXT = LMTAIL_MAXT };
 enum { STREAM_MR = 4 }; /* the most rows stream_512 takes; 5 and 6 are faster on direct_512 */
 /* Threads per call: a pool thread costs a handoff (about a microsecond while it spins, tens
  * when it sleeps), so each thread gets at least MIN_WORK multiply-adds, or, with at most
  * MR512 rows (where reading w is the cost), MIN_WEIGHT weight elements (256 KiB). */
 enum { MIN_WORK = 1 << 20, MIN_WEIGHT = 1 << 17 };
-enum { SPIN_NS = 200000 }; /* a pool thread spins this long for the next call, then sleeps */
 
 #define F32_MIN_BITS 0x00800000u
 
@@ -72,11 +60,6 @@ typedef struct {
     int64_t next, done; /* next unit to take, units finished (atomic) */
 } job_t;
 
-static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-static inline uint16_t daz16(uint16_t b) { return (b & 0x7F80u) ? b : (uint16_t)(b & 0x8000u); }
-static inline float bf16_daz(uint16_t b) { return u2f((uint32_t)daz16(b) << 16); }
-static inline float canon_nan(float x) { return x != x ? u2f(0x7FC00000u) : x; }
 
 /* w[k, v] of the tile source, in either layout (0 past H and V). */
 static inline uint16_t w_at(const job_t *j, int64_t k, int64_t v) {
@@ -722,34 +705,11 @@ static AVX2 void small_plain_avx2(const job_t *j, int64_t m0, int64_t m1, int64_
 
 /* ---------------------------------------------------------------- AMX */
 #define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl")))
-#define ARCH_GET_XCOMP_PERM 0x1022
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 typedef struct {
     uint8_t palette_id, start_row, rsv[14];
     uint16_t colsb[16];
     uint8_t rows[16];
 } tilecfg_t;
-
-static int amx_state = -1; /* -1 unknown, 0 no, 1 yes */
-static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
-
-static void amx_probe(void) {
-    unsigned int eax, ebx, ecx, edx;
-    amx_state = 0;
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return;
-    if (!(edx & (1u << 22)) || !(edx & (1u << 24))) return; /* AMX-BF16, AMX-TILE */
-    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)) return;
-    unsigned long perm = 0;
-    if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &perm) || !(perm & (1ul << XFEATURE_XTILEDATA)))
-        return;
-    amx_state = 1;
-}
-
-static int amx_ok(void) {
-    pthread_once(&amx_once, amx_probe);
-    return amx_state == 1;
-}
 
 static AMX void amx_release(void) { _tile_release(); }
 
@@ -876,11 +836,10 @@ static void unit_emulated(const job_t *j, int64_t m0, int64_t m1, int64_t c0, in
 
 static void *worker(void *arg) {
     job_t *j = (job_t *)arg;
-#if defined(__x86_64__)
-    const unsigned int csr = _mm_getcsr();
     /* round to nearest, exceptions masked; FTZ|DAZ for the vector emulations (the plain C
      * path does both in software and needs IEEE subnormals from the hardware) */
-    _mm_setcsr(j->isa == ISA_C ? 0x1F80 : 0x1F80 | 0x8000 | 0x0040);
+    const unsigned csr = lmtail_mxcsr_pin(j->isa == ISA_C ? LMTAIL_MXCSR_IEEE : LMTAIL_MXCSR_FTZ_DAZ);
+#if defined(__x86_64__)
     if (j->isa == ISA_AMX) amx_config();
 #endif
     float *panel = NULL;
@@ -910,166 +869,26 @@ static void *worker(void *arg) {
     }
 #if defined(__x86_64__)
     if (j->isa == ISA_AMX) amx_release();
-    _mm_setcsr(csr);
 #endif
+    lmtail_mxcsr_restore(csr);
     free(panel);
     free(bbuf);
     free(cbuf);
     return NULL;
 }
 
-/* ---------------------------------------------------------------- the thread pool */
-/* Helper threads live for the process (created on first need, grown on demand); a call
- * hands them its job_t by a generation number: the helpers spin SPIN_NS on it, then sleep on
- * a condition variable. Helper i (1-based) joins the job when i < want and the caller has
- * not closed it yet (the caller closes it when it finds no unit left, so a helper that wakes
- * late costs nothing); the caller then waits only for the helpers that joined. One call
- * uses the pool at a time (`call`); a concurrent call, or a helper that cannot be created,
- * falls back to threads created for that call. A forked child starts with an empty pool
- * (pthread_atfork, and a pid check). Which thread computes an element never changes it. */
-typedef struct {
-    pthread_mutex_t mu, call;
-    pthread_cond_t go, done;
-    pid_t pid;
-    int nhelpers, sleepers, main_sleeps;
-    uint64_t gen;    /* written under mu, read by spinning helpers (atomic) */
-    job_t *job;      /* this generation's job while open (NULL once closed) */
-    int want;        /* helpers 1..want-1 may join it */
-    int active;      /* helpers that joined and are still running (atomic) */
-    uint64_t born[MAXT]; /* helper i was created at generation born[i] */
-} pool_t;
-
-static pool_t pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .call = PTHREAD_MUTEX_INITIALIZER,
-                      .go = PTHREAD_COND_INITIALIZER, .done = PTHREAD_COND_INITIALIZER};
-static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
-
-static void pool_reset(void) { /* a fresh process: no helpers, nothing locked */
-    pthread_mutex_init(&pool.mu, NULL);
-    pthread_mutex_init(&pool.call, NULL);
-    pthread_cond_init(&pool.go, NULL);
-    pthread_cond_init(&pool.done, NULL);
-    pool.pid = getpid();
-    pool.nhelpers = pool.sleepers = pool.main_sleeps = pool.want = pool.active = 0;
-    pool.gen = 0;
-    pool.job = NULL;
-}
-
-static void pool_init(void) {
-    pool.pid = getpid();
-    pthread_atfork(NULL, NULL, pool_reset);
-}
-
-static int64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
-
-static inline void cpu_relax(void) {
-#if defined(__x86_64__)
-    _mm_pause();
-#endif
-}
-
-static void *pool_helper(void *arg) {
-    const int idx = (int)(intptr_t)arg;
-    uint64_t seen = pool.born[idx]; /* the generation before the first one it may run */
-    for (;;) {
-        const int64_t until = now_ns() + SPIN_NS;
-        for (int n = 0; __atomic_load_n(&pool.gen, __ATOMIC_ACQUIRE) == seen; ++n) {
-            cpu_relax();
-            if ((n & 63) == 63 && now_ns() > until) break;
-        }
-        pthread_mutex_lock(&pool.mu);
-        while (pool.gen == seen) {
-            ++pool.sleepers;
-            pthread_cond_wait(&pool.go, &pool.mu);
-            --pool.sleepers;
-        }
-        seen = pool.gen;
-        job_t *j = pool.job;
-        const int mine = j != NULL && idx < pool.want;
-        if (mine) __atomic_add_fetch(&pool.active, 1, __ATOMIC_RELAXED);
-        pthread_mutex_unlock(&pool.mu);
-        if (!mine) continue;
-        worker(j);
-        if (__atomic_sub_fetch(&pool.active, 1, __ATOMIC_ACQ_REL) == 0) {
-            pthread_mutex_lock(&pool.mu);
-            if (pool.main_sleeps) pthread_cond_signal(&pool.done);
-            pthread_mutex_unlock(&pool.mu);
-        }
-    }
-    return NULL;
-}
-
-/* Runs worker(j) on nthreads threads: the caller and nthreads-1 pool helpers. Returns 0, or
- * -1 when the pool is busy or cannot grow to nthreads-1 helpers (nothing run then). */
-static int pool_run(job_t *j, int nthreads) {
-    pthread_once(&pool_once, pool_init);
-    if (pool.pid != getpid()) pool_reset();
-    if (pthread_mutex_trylock(&pool.call)) return -1;
-    while (pool.nhelpers < nthreads - 1) {
-        pthread_t t;
-        pthread_attr_t at;
-        pthread_attr_init(&at);
-        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-        pool.born[pool.nhelpers + 1] = pool.gen; /* gen changes only under `call` */
-        const int bad = pthread_create(&t, &at, pool_helper, (void *)(intptr_t)(pool.nhelpers + 1));
-        pthread_attr_destroy(&at);
-        if (bad) break;
-        ++pool.nhelpers;
-    }
-    if (pool.nhelpers < nthreads - 1) {
-        pthread_mutex_unlock(&pool.call);
-        return -1;
-    }
-    pthread_mutex_lock(&pool.mu);
-    pool.job = j;
-    pool.want = nthreads;
-    __atomic_store_n(&pool.active, 0, __ATOMIC_RELAXED);
-    __atomic_store_n(&pool.gen, pool.gen + 1, __ATOMIC_RELEASE);
-    if (pool.sleepers) pthread_cond_broadcast(&pool.go);
-    pthread_mutex_unlock(&pool.mu);
-    worker(j); /* returns when no unit is left to take */
-    pthread_mutex_lock(&pool.mu);
-    pool.job = NULL; /* closed: later helpers skip it; `active` counts the ones inside */
-    pthread_mutex_unlock(&pool.mu);
-    const int64_t until = now_ns() + SPIN_NS;
-    for (int n = 0; __atomic_load_n(&pool.active, __ATOMIC_ACQUIRE) != 0; ++n) {
-        cpu_relax();
-        if ((n & 63) == 63 && now_ns() > until) break;
-    }
-    pthread_mutex_lock(&pool.mu);
-    while (__atomic_load_n(&pool.active, __ATOMIC_ACQUIRE) != 0) {
-        pool.main_sleeps = 1;
-        pthread_cond_wait(&pool.done, &pool.mu);
-    }
-    pool.main_sleeps = 0;
-    pthread_mutex_unlock(&pool.mu);
-    pthread_mutex_unlock(&pool.call);
-    return 0;
-}
-
 /* ---------------------------------------------------------------- exported */
 /* 1 if this CPU (and OS) runs `isa`. */
 int lmtail_amx32_has(int isa) {
     if (isa == ISA_C) return 1;
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    const int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    if (isa == ISA_AVX512) return avx512;
-    if (isa == ISA_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    if (isa == ISA_AMX) return avx512 && amx_ok();
-#endif
+    if (isa == ISA_AVX512) return lmtail_cpu_has(LMTAIL_ISA_AVX512);
+    if (isa == ISA_AVX2) return lmtail_cpu_has(LMTAIL_ISA_AVX2);
+    if (isa == ISA_AMX) return lmtail_cpu_has(LMTAIL_ISA_AVX512 | LMTAIL_CPU_AMX_BF16);
     return 0;
 }
 
 /* The pool helpers this process has started (a forked child starts with none). */
-int lmtail_amx32_pool_helpers(void) {
-    pthread_once(&pool_once, pool_init);
-    return pool.pid == getpid() ? __atomic_load_n(&pool.nhelpers, __ATOMIC_RELAXED) : 0;
-}
+int lmtail_amx32_pool_helpers(void) { return lmtail_pool_helpers(); }
 
 /* wp[Kp/2, Vp, 2] from w[H, V] (rows ldw apart): VNNI pairs, DAZ applied, zero padded. */
 void lmtail_amx32_pack(const uint16_t *w, int64_t ldw, int64_t H, int64_t V, uint16_t *wp) {
@@ -1134,16 +953,7 @@ int lmtail_amx32_gemm(const uint16_t *a, int64_t lda, const uint16_t *w, int64_t
     j.nrc = (M + j.rows - 1) / j.rows;
     const int64_t units = j.nrc * j.ntiles;
     if (nthreads > units) nthreads = (int)units;
-    if (nthreads == 1)
-        worker(&j);
-    else if (pool_run(&j, nthreads)) { /* the pool is busy: threads of this call */
-        pthread_t tid[MAXT];
-        int started = 0;
-        for (int t = 1; t < nthreads; ++t, ++started)
-            if (pthread_create(&tid[t], NULL, worker, &j)) break;
-        worker(&j);
-        for (int t = 1; t <= started; ++t) pthread_join(tid[t], NULL);
-    }
+    lmtail_parallel(worker, &j, nthreads);
     free(aw);
     free(ab);
     return j.done == units ? 0 : -2;

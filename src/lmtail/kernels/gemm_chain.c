@@ -18,15 +18,8 @@
  * Contraction is irrelevant: the only multiply-adds are explicit fmaf / _mm512_fmadd_ps
  * calls; the library is compiled with -ffp-contract=off anyway.
  */
-#include <stdint.h>
-#include <stddef.h>
-#include <stdlib.h>
-#include <string.h>
 #include <math.h>
-#include <pthread.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include "lmtail_kernels.h"
 
 enum { ISA_GENERIC = 0, ISA_AVX512 = 2 };
 /* Blocking (none of it can change a bit, see above):
@@ -45,17 +38,6 @@ typedef struct {
     int isa;
     int64_t next; /* next column tile to take (atomic) */
 } job_t;
-
-static inline float bf16_to_f32(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16; /* widening bf16 -> fp32 is exact: a 16-bit shift */
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline float canon_nan(float x) {
-    return x != x ? NAN : x;
-}
 
 /* ---------------------------------------------------------------- generic (any CPU) */
 /* Rows [m0, m0+ROWS) x GEN_NC columns from c0: the whole h chain per element, in a
@@ -263,9 +245,8 @@ static AVX512 void tile_avx512(const job_t *j, int64_t c0, int64_t nc, float *pa
 /* ---------------------------------------------------------------- threads */
 static void *worker(void *arg) {
     job_t *j = (job_t *)arg;
+    const unsigned csr = lmtail_mxcsr_pin(LMTAIL_MXCSR_IEEE);
 #if defined(__x86_64__)
-    const unsigned int csr = _mm_getcsr();
-    _mm_setcsr(0x1F80); /* round to nearest, exceptions masked, FTZ and DAZ off */
     float *panel = NULL;
     if (j->isa == ISA_AVX512 && posix_memalign((void **)&panel, 64, sizeof(float) * KC * NC))
         panel = NULL;
@@ -286,20 +267,9 @@ static void *worker(void *arg) {
     }
 #if defined(__x86_64__)
     free(panel);
-    _mm_setcsr(csr);
 #endif
+    lmtail_mxcsr_restore(csr);
     return NULL;
-}
-
-/* The best kernel this CPU runs: 2 = AVX-512 (F, BW, VL), 0 = generic C. */
-int lmtail_gemm_best_isa(void) {
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl"))
-        return ISA_AVX512;
-#endif
-    return ISA_GENERIC;
 }
 
 /* out[m, v] = chain over h (see top), on up to nthreads threads (the caller's included;
@@ -307,7 +277,8 @@ int lmtail_gemm_best_isa(void) {
  * CPU lacks falls back to generic. Returns the ISA used. */
 int lmtail_gemm_bf16_chain(const float *aT, const uint16_t *w, float *out, int64_t M,
                            int64_t H, int64_t V, int64_t ldc, int nthreads, int isa) {
-    if (isa != ISA_GENERIC && isa != lmtail_gemm_best_isa()) isa = ISA_GENERIC;
+    const unsigned need = LMTAIL_CPU_AVX512F | LMTAIL_CPU_AVX512BW | LMTAIL_CPU_AVX512VL;
+    if (isa != ISA_AVX512 || !lmtail_cpu_has(need)) isa = ISA_GENERIC;
     if (H == 0) { /* the empty chain: +0.0 */
         for (int64_t m = 0; m < M; ++m) memset(out + m * ldc, 0, sizeof(float) * V);
         return isa;
@@ -316,12 +287,6 @@ int lmtail_gemm_bf16_chain(const float *aT, const uint16_t *w, float *out, int64
     job_t j = {aT, w, out, M, H, V, ldc, width, (V + width - 1) / width, isa, 0};
     if (nthreads > j.ntiles) nthreads = (int)j.ntiles;
     if (nthreads < 1) nthreads = 1;
-    pthread_t tid[64];
-    if (nthreads > 64) nthreads = 64;
-    int started = 0;
-    for (int t = 1; t < nthreads; ++t, ++started)
-        if (pthread_create(&tid[t], NULL, worker, &j)) break;
-    worker(&j); /* the calling thread works too; any tiles left by failed starts included */
-    for (int t = 1; t <= started; ++t) pthread_join(tid[t], NULL);
+    lmtail_parallel(worker, &j, nthreads); /* the calling thread works too */
     return isa;
 }

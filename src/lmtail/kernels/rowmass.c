@@ -19,12 +19,14 @@
  *   d    = (z == m) ? +0.0 : z - m                           (shifted_exp)
  *   xc   = max(d, -746)            (exp64 from here on; its clamp at 710, its d > 709.78
  *                                   -> inf and its NaN pass-through never act: d <= 0)
- *   n    = nearbyint(xc * INV_LN2)       (MXCSR pinned to round-to-nearest: half-even,
+ *   n    = round_even(xc * INV_LN2)      (MXCSR pinned to round-to-nearest: half-even,
  *                                         like torch.round; the AVX-512 path uses
  *                                         roundscale with _MM_FROUND_TO_NEAREST_INT)
  *   r    = (xc - n * LN2_HI) - n * LN2_LO
  *   p    = r * C13;  p = (p + Cj) * r  for j = 12, 11, ..., 1;  p = p + C0
- *   y    = (p * 2**n1) * 2**n2,  n1 = (n >= -1022) ? 0 : floor(n * 0.5),  n2 = n - n1
+ *   y    = (p * 2**n1) * 2**n2,  n1 = (n >= -1022) ? 0 : floor(n / 2),  n2 = n - n1
+ *          (these ops are shifted_exp1 / shifted_exp8 of lmtail_kernels.h, shared with
+ *          rows_tail.c)
  *          (n1, n2 clamped to [-1022, 1023] like numerics.exp64; no clamp bites here)
  *   y    = 0 where d < -745
  *   S    = sum64(y): lane t = v mod 256 holds the chain ((+0 + y[t]) + y[t+256]) + ...
@@ -53,18 +55,11 @@
  * the caller's value). Compiled with -ffp-contract=off and no fast-math: no op is fused,
  * reassociated or flushed; the AVX-512 path uses only separate mul/add/sub/div/min/max.
  */
-#include <stdint.h>
-#include <stddef.h>
-#include <stdlib.h>
-#include <string.h>
 #include <math.h>
-#include <pthread.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include "lmtail_kernels.h"
 
 enum { ISA_GENERIC = 0, ISA_AVX512 = 2 };
-enum { LANES = 256, NK = 17, K_INV = 0, K_HI = 1, K_LO = 2, K_C0 = 3 };
+enum { LANES = 256 };
 
 typedef struct {
     const double *row, *scale, *k;
@@ -76,45 +71,7 @@ typedef struct {
     int64_t next; /* next row to take (atomic) */
 } job_t;
 
-static inline double pow2(double n) { /* 2**n for integer n in [-1022, 1023] */
-    const uint64_t u = (uint64_t)((int64_t)n + 1023) << 52;
-    double f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline double clampd(double x, double lo, double hi) {
-    return x < lo ? lo : (x > hi ? hi : x);
-}
-
-/* 1/s when s is a power of two 2**e, e in [-1022, 1023] (so 2**-e is a float64, normal or
- * subnormal, and exact), else 0. Then x * (1/s) and x / s are both the exact real x * 2**-e
- * rounded once, the same bits for every x (NaN rows are left to the reference anyway):
- * the common s = 1 (lse1) and power-of-two temperatures skip the division. */
-static inline double exact_inverse(double s) {
-    uint64_t u;
-    memcpy(&u, &s, sizeof u);
-    const uint64_t ex = (u >> 52) & 0x7FF;
-    if ((u & ((1ULL << 52) - 1)) != 0 || ex == 0 || ex == 0x7FF) return 0.0;
-    return 1.0 / s;
-}
-
 /* ---------------------------------------------------------------- generic (any CPU) */
-static inline double shifted_exp1(double z, double m, const double *k) {
-    const double d = z == m ? 0.0 : z - m;
-    const double xc = d < -746.0 ? -746.0 : d; /* d <= 0: the clamp at 710 never bites */
-    const double n = nearbyint(xc * k[K_INV]);
-    const double r = (xc - n * k[K_HI]) - n * k[K_LO];
-    double p = r * k[K_C0 + 13];
-    for (int j = 12; j >= 1; --j) p = (p + k[K_C0 + j]) * r;
-    p = p + k[K_C0];
-    const double n1 = n >= -1022.0 ? 0.0 : floor(n * 0.5);
-    const double n2 = n - n1;
-    double y = (p * pow2(clampd(n1, -1022.0, 1023.0))) * pow2(clampd(n2, -1022.0, 1023.0));
-    if (d < -745.0) y = 0.0; /* (exp64's d > 709.78 -> inf and NaN cases: d <= 0) */
-    return y;
-}
-
 /* Pass 1: z = row / s into buf, the max, and whether the row must go to the reference. */
 static int row_max_generic(const double *x, int64_t V, double s, double *buf, double *m) {
     const double inv = exact_inverse(s);
@@ -153,62 +110,7 @@ static double row_sum_generic(const double *buf, int64_t V, double m, const doub
 #if defined(__x86_64__)
 #define AVX512 __attribute__((target("avx512f")))
 
-typedef struct {
-    __m512d inv, hi, lo, c[14];
-} kvec_t;
-
-/* 2**n for 8 integer-valued n in [-1022, 1023]: the exponent bits. */
-static inline __attribute__((always_inline)) AVX512 __m512d pow2_8(__m512d n) {
-    const __m512i e = _mm512_cvtepi32_epi64(_mm512_cvtpd_epi32(n));
-    return _mm512_castsi512_pd(
-        _mm512_slli_epi64(_mm512_add_epi64(e, _mm512_set1_epi64(1023)), 52));
-}
-
-/* shifted_exp1 on U x 8 lanes: the same ops in the same order (see the top comment). The
- * U independent vectors go through each step together, so the 26-op Horner dependency
- * chain of one vector hides behind the others' (latency, not throughput, is the limit). */
-enum { U = 4 };
-static inline __attribute__((always_inline)) AVX512 void
-shifted_exp8(__m512d *y, const __m512d *z, __m512d mv, const kvec_t *K) {
-    const __m512d zero = _mm512_setzero_pd();
-    const __m512d lo = _mm512_set1_pd(-1022.0), hi = _mm512_set1_pd(1023.0);
-    __m512d d[U], xc[U], n[U], r[U], p[U];
-#pragma GCC unroll 4
-    for (int u = 0; u < U; ++u) {
-        const __mmask8 eq = _mm512_cmp_pd_mask(z[u], mv, _CMP_EQ_OQ);
-        d[u] = _mm512_mask_mov_pd(_mm512_sub_pd(z[u], mv), eq, zero);
-        xc[u] = _mm512_max_pd(d[u], _mm512_set1_pd(-746.0)); /* d <= 0, never NaN */
-        n[u] = _mm512_roundscale_pd(_mm512_mul_pd(xc[u], K->inv),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        r[u] = _mm512_sub_pd(_mm512_sub_pd(xc[u], _mm512_mul_pd(n[u], K->hi)),
-                             _mm512_mul_pd(n[u], K->lo));
-        p[u] = _mm512_mul_pd(r[u], K->c[13]);
-    }
-#pragma GCC unroll 12
-    for (int j = 12; j >= 1; --j)
-#pragma GCC unroll 4
-        for (int u = 0; u < U; ++u) p[u] = _mm512_mul_pd(_mm512_add_pd(p[u], K->c[j]), r[u]);
-#pragma GCC unroll 4
-    for (int u = 0; u < U; ++u) {
-        p[u] = _mm512_add_pd(p[u], K->c[0]);
-        const __mmask8 sub = _mm512_cmp_pd_mask(n[u], lo, _CMP_LT_OQ);
-        __m512d e;
-        if (!sub) { /* every lane n1 = 0: (p * 2**0) * 2**n, and p * 1.0 = p exactly */
-            e = _mm512_mul_pd(p[u], pow2_8(n[u]));
-        } else {
-            const __m512d half = _mm512_roundscale_pd(
-                _mm512_mul_pd(n[u], _mm512_set1_pd(0.5)),
-                _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-            const __m512d n1 = _mm512_mask_mov_pd(zero, sub, half);
-            const __m512d n2 = _mm512_sub_pd(n[u], n1);
-            const __m512d f1 = pow2_8(_mm512_min_pd(_mm512_max_pd(n1, lo), hi));
-            const __m512d f2 = pow2_8(_mm512_min_pd(_mm512_max_pd(n2, lo), hi));
-            e = _mm512_mul_pd(_mm512_mul_pd(p[u], f1), f2);
-        }
-        y[u] = _mm512_mask_mov_pd(e, _mm512_cmp_pd_mask(d[u], _mm512_set1_pd(-745.0),
-                                                        _CMP_LT_OQ), zero);
-    }
-}
+enum { U = EXP8_U };
 
 static inline __mmask8 tail_mask(int64_t left) {
     return left >= 8 ? 0xFF : left <= 0 ? 0 : (__mmask8)((1u << left) - 1);
@@ -242,7 +144,7 @@ static AVX512 int row_max_avx512(const double *x, int64_t V, double s, double *b
 }
 
 static AVX512 double row_sum_avx512(const double *buf, int64_t V, double m,
-                                    const kvec_t *K, double *acc, int64_t *nz) {
+                                    const __m512d *K, double *acc, int64_t *nz) {
     const __m512d mv = _mm512_set1_pd(m);
     int64_t cnt = 0;
     for (int t = 0; t < LANES; t += 8) _mm512_store_pd(acc + t, _mm512_setzero_pd());
@@ -270,18 +172,15 @@ static AVX512 double row_sum_avx512(const double *buf, int64_t V, double m,
     return acc[0];
 }
 
-static AVX512 void load_k(const double *k, kvec_t *K) {
-    K->inv = _mm512_set1_pd(k[K_INV]);
-    K->hi = _mm512_set1_pd(k[K_HI]);
-    K->lo = _mm512_set1_pd(k[K_LO]);
-    for (int c = 0; c < 14; ++c) K->c[c] = _mm512_set1_pd(k[K_C0 + c]);
+static AVX512 void load_k(const double *k, __m512d *K) {
+    for (int c = 0; c < LMTAIL_NK; ++c) K[c] = _mm512_set1_pd(k[c]);
 }
 
 /* y[v] = shifted_exp(z[v], m) for v < n (z <= m): the terms row_sum_avx512 adds. */
 static AVX512 void terms_avx512(const double *z, double m, const double *k, double *y,
                                 int64_t n) {
-    kvec_t K;
-    load_k(k, &K);
+    __m512d K[LMTAIL_NK];
+    load_k(k, K);
     const __m512d mv = _mm512_set1_pd(m);
     for (int64_t t = 0; t < n; t += 8 * U) {
         __m512d zz[U], e[U];
@@ -290,19 +189,19 @@ static AVX512 void terms_avx512(const double *z, double m, const double *k, doub
             mk[u] = tail_mask(n - t - 8 * u);
             zz[u] = _mm512_maskz_loadu_pd(mk[u], z + t + 8 * u);
         }
-        shifted_exp8(e, zz, mv, &K);
+        shifted_exp8(e, zz, mv, K);
         for (int u = 0; u < U; ++u) _mm512_mask_storeu_pd(y + t + 8 * u, mk[u], e[u]);
     }
 }
 
 static AVX512 void do_row_avx512(const job_t *j, int64_t i, double *buf, double *acc) {
-    kvec_t K;
-    load_k(j->k, &K);
+    __m512d K[LMTAIL_NK];
+    load_k(j->k, K);
     double m;
     if ((j->flag[i] = row_max_avx512(j->row + i * j->ld, j->V, j->scale[i], buf, &m)))
         return;
     j->m[i] = m;
-    j->S[i] = row_sum_avx512(buf, j->V, m, &K, acc, j->nz + i);
+    j->S[i] = row_sum_avx512(buf, j->V, m, K, acc, j->nz + i);
 }
 #endif
 
@@ -317,10 +216,7 @@ static void do_row_generic(const job_t *j, int64_t i, double *buf, double *acc) 
 /* ---------------------------------------------------------------- threads */
 static void *worker(void *arg) {
     job_t *j = (job_t *)arg;
-#if defined(__x86_64__)
-    const unsigned int csr = _mm_getcsr();
-    _mm_setcsr(0x1F80); /* round to nearest, exceptions masked, FTZ and DAZ off */
-#endif
+    const unsigned csr = lmtail_mxcsr_pin(LMTAIL_MXCSR_IEEE);
     double *buf = NULL, *acc = NULL;
     const size_t nbuf = (size_t)((j->V + 7) / 8 * 8);
     if (posix_memalign((void **)&buf, 64, sizeof(double) * nbuf)) buf = NULL;
@@ -339,19 +235,13 @@ static void *worker(void *arg) {
     }
     free(buf);
     free(acc);
-#if defined(__x86_64__)
-    _mm_setcsr(csr);
-#endif
+    lmtail_mxcsr_restore(csr);
     return NULL;
 }
 
-/* The best kernel this CPU runs: 2 = AVX-512 (F), 0 = generic C. */
-int lmtail_rowmass_best_isa(void) {
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return ISA_AVX512;
-#endif
-    return ISA_GENERIC;
+/* isa: the kernel wanted; 2 = AVX-512 (F) on a CPU without it falls back to 0 = generic C. */
+static int pick_isa(int isa) {
+    return isa == ISA_AVX512 && lmtail_cpu_has(LMTAIL_CPU_AVX512F) ? ISA_AVX512 : ISA_GENERIC;
 }
 
 /* (m, S, nz, flag) for every row (see top), on up to nthreads threads (the caller's
@@ -360,17 +250,11 @@ int lmtail_rowmass_best_isa(void) {
 int lmtail_row_mass(const double *row, const double *scale, const double *k, double *m,
                     double *S, int64_t *nz, int32_t *flag, int64_t R, int64_t V, int64_t ld,
                     int nthreads, int isa) {
-    if (isa != ISA_GENERIC && isa != lmtail_rowmass_best_isa()) isa = ISA_GENERIC;
+    isa = pick_isa(isa);
     job_t j = {row, scale, k, m, S, nz, flag, R, V, ld, isa, 0};
     if (nthreads > R) nthreads = (int)R;
     if (nthreads < 1) nthreads = 1;
-    if (nthreads > 64) nthreads = 64;
-    pthread_t tid[64];
-    int started = 0;
-    for (int t = 1; t < nthreads; ++t, ++started)
-        if (pthread_create(&tid[t], NULL, worker, &j)) break;
-    worker(&j);
-    for (int t = 1; t <= started; ++t) pthread_join(tid[t], NULL);
+    lmtail_parallel(worker, &j, nthreads);
     return j.next >= R ? isa : -1;
 }
 
@@ -379,17 +263,14 @@ int lmtail_row_mass(const double *row, const double *scale, const double *k, dou
  * so only this per-lane view can show the bits of tiny and subnormal terms. */
 int lmtail_rowmass_terms(const double *z, double m, const double *k, double *y, int64_t n,
                          int isa) {
-    if (isa != ISA_GENERIC && isa != lmtail_rowmass_best_isa()) isa = ISA_GENERIC;
+    isa = pick_isa(isa);
+    const unsigned csr = lmtail_mxcsr_pin(LMTAIL_MXCSR_IEEE);
 #if defined(__x86_64__)
-    const unsigned int csr = _mm_getcsr();
-    _mm_setcsr(0x1F80);
     if (isa == ISA_AVX512)
         terms_avx512(z, m, k, y, n);
     else
 #endif
         for (int64_t v = 0; v < n; ++v) y[v] = shifted_exp1(z[v], m, k);
-#if defined(__x86_64__)
-    _mm_setcsr(csr);
-#endif
+    lmtail_mxcsr_restore(csr);
     return isa;
 }

@@ -25,25 +25,30 @@ those rows only: a NaN among z (NaN lanes without the fold, inf/inf, 0/0) and a 
 reached by both +0.0 and -0.0. They are rare (never in a folded, finite-temperature row
 without signed-zero ties) and cost one torch pass over those rows.
 
-Backends (all bit-equal; tests/test_rowmass.py proves it): "avx512" (8 lanes per vector
-op), "c" (plain C), "torch" (the declared ops as torch float64 tensor ops; the only one
-when no C compiler is found).
+Backends (all bit-equal; tests/test_rowmass.py proves it), one `_backend.Dispatch` table
+in this fixed preference order: "avx512" (8 lanes per vector op; AVX-512F), "c" (plain C),
+"torch" (the declared ops as torch float64 tensor ops; the only one when no C compiler is
+found).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
 
 import torch
 
 from lmtail import numerics
-from lmtail.kernels._cc import load_optional
-from lmtail.checks import check_threads, need, need_tensor, pick_backend
+from lmtail.checks import need, need_tensor
+from lmtail.kernels import _backend, cpu
+from lmtail.kernels._cc import kernel_library
 from lmtail.numerics import exp64
 
-_ISA = {"c": 0, "avx512": 2}
 SUM64_LANES = 256
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_library = kernel_library("rowmass.c", {
+    "lmtail_row_mass": ([_P] * 7 + [_I64] * 3 + [_INT] * 2, _INT),
+    "lmtail_rowmass_terms": ([_P, ctypes.c_double, _P, _P, _I64, _INT], _INT),
+}, what="row_mass", fallback="the torch backend")
 
 
 # ---------------------------------------------------------------------------------------
@@ -80,41 +85,71 @@ def _row_mass_torch(row: torch.Tensor, scale: torch.Tensor):
 
 
 # ---------------------------------------------------------------------------------------
-# the C library
+# the C backends (unchecked: row_mass validated its arguments)
 # ---------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def _c_library():
-    """The compiled C kernel (built and cached on first use), or None with a warning."""
-    lib = load_optional(Path(__file__).with_name("rowmass.c"), what="row_mass", fallback="the torch backend")
-    if lib is None:
-        return None
-    fn = lib.lmtail_row_mass
-    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
-    fn.restype = ctypes.c_int
-    lib.lmtail_rowmass_best_isa.restype = ctypes.c_int
-    hook = lib.lmtail_rowmass_terms
-    hook.argtypes = [ctypes.c_void_p, ctypes.c_double] + [ctypes.c_void_p] * 2 + [
-        ctypes.c_int64, ctypes.c_int]
-    hook.restype = ctypes.c_int
-    return lib
-
-
-@functools.lru_cache(maxsize=None)
 def exp64_constants() -> torch.Tensor:
-    """[17] float64 the C kernel is handed: INV_LN2, LN2_HI, LN2_LO, C[0..13], read from
-    numerics (rowmass.c holds no constant of its own)."""
-    c = numerics._EXP_C
-    assert len(c) == 14, "rowmass.c hard-codes exp64's degree-13 Horner"
-    return torch.tensor([numerics._INV_LN2, numerics._LN2_HI, numerics._LN2_LO, *c],
-                        dtype=torch.float64)
+    """[17] float64 the C kernel is handed: numerics.exp64_constants() (rowmass.c holds no
+    constant of its own)."""
+    c = numerics.exp64_constants()
+    assert len(c) == 17, "rowmass.c hard-codes exp64's degree-13 Horner"
+    return torch.tensor(c, dtype=torch.float64)
+
+
+def _row_mass_c(isa: int):
+    def run(row, scale, threads):
+        R, V = row.shape
+        row = row.detach().contiguous()  # [R, V]
+        scale = scale.detach().to(torch.float64).contiguous()  # [R], exact widening
+        m = torch.empty(R, dtype=torch.float64)  # [R]
+        S = torch.empty(R, dtype=torch.float64)  # [R]
+        nz = torch.empty(R, dtype=torch.int64)  # [R]
+        flag = torch.zeros(R, dtype=torch.int32)  # [R]
+        if R == 0:
+            return m, S, nz
+        used = _library().lmtail_row_mass(
+            row.data_ptr(), scale.data_ptr(), exp64_constants().data_ptr(), m.data_ptr(),
+            S.data_ptr(), nz.data_ptr(), flag.data_ptr(), R, V, V, threads, isa)
+        if used < 0:
+            raise MemoryError(f"row_mass: could not allocate a {V}-lane row buffer")
+        assert used == isa, (used, isa)
+        left = torch.nonzero(flag)[:, 0]  # rows the torch path decides (NaN, +-0 max ties)
+        if left.numel():
+            m[left], S[left], nz[left] = _row_mass_torch(row[left], scale[left].to(torch.float64))
+        return m, S, nz
+    return run
+
+
+def _terms_c(isa: int):
+    def run(z, m):
+        y = torch.empty_like(z)  # [n]
+        used = _library().lmtail_rowmass_terms(z.data_ptr(), float(m), exp64_constants().data_ptr(),
+                                               y.data_ptr(), z.numel(), isa)
+        assert used == isa, (used, isa)
+        return y
+    return run
+
+
+def _c_available(*features: str):
+    return lambda: _library() is not None and cpu.has(*features)
+
+
+ROW_MASS = _backend.Dispatch("row_mass", (
+    _backend.Backend("avx512", _row_mass_c(2), _c_available("avx512f")),
+    _backend.Backend("c", _row_mass_c(0), _c_available()),
+    _backend.Backend("torch", lambda row, scale, threads: _row_mass_torch(row, scale), device=None),
+))
+TERMS = _backend.Dispatch("shifted_exp_terms", (
+    _backend.Backend("avx512", _terms_c(2), _c_available("avx512f")),
+    _backend.Backend("c", _terms_c(0), _c_available()),
+    _backend.Backend("torch", lambda z, m: shifted_exp(z[None], torch.tensor([float(m)], dtype=torch.float64))[0],
+                     device=None),
+))
 
 
 def available_backends() -> tuple[str, ...]:
-    """The backends this machine runs, fastest first (all give the same bytes)."""
-    lib = _c_library()
-    if lib is None:
-        return ("torch",)
-    return ("avx512", "c", "torch") if lib.lmtail_rowmass_best_isa() == 2 else ("c", "torch")
+    """The backends this machine runs, in the fixed preference order (all give the same bytes)."""
+    return ROW_MASS.names()
 
 
 def shifted_exp_terms(z: torch.Tensor, m: float, *, backend: str | None = None) -> torch.Tensor:
@@ -123,15 +158,7 @@ def shifted_exp_terms(z: torch.Tensor, m: float, *, backend: str | None = None) 
     this shows their bits."""
     need_tensor("z", z, "[n] float64")
     need(z.dim() == 1 and z.dtype == torch.float64, f"z must be [n] float64; got {tuple(z.shape)} {z.dtype}")
-    backend = pick_backend(backend, available_backends())
-    z = z.detach().contiguous()  # [n]
-    if backend == "torch":
-        return shifted_exp(z[None], torch.tensor([float(m)], dtype=torch.float64))[0]
-    y = torch.empty_like(z)  # [n]
-    used = _c_library().lmtail_rowmass_terms(z.data_ptr(), float(m), exp64_constants().data_ptr(),
-                                             y.data_ptr(), z.numel(), _ISA[backend])
-    assert used == _ISA[backend], (used, backend)
-    return y
+    return TERMS.pick(backend).run(z.detach().contiguous(), m)
 
 
 # ---------------------------------------------------------------------------------------
@@ -165,7 +192,7 @@ def row_mass(row: torch.Tensor, scale: torch.Tensor, *, backend: str | None = No
     float64, nz [R] int64) with m = max(row/scale), S = sum64(exp64(row/scale - m)) >= 1
     and nz the number of lanes whose exp64 term is > 0 (module docstring). Rounding
     points: the division, exp64's float64 ops, the sum's adds; one sum, float64, depth
-    ceil(V/256) + 8. backend: one of `available_backends()` (default the fastest);
+    ceil(V/256) + 8. backend: one of `available_backends()` (default the first);
     threads: worker threads (default torch.get_num_threads()); a row is owned by one
     thread, so neither can change a bit. The GIL is released while the kernel runs.
     Raises ValueError (nothing computed) on a non-2-D or non-float64 row, V == 0, a
@@ -173,27 +200,5 @@ def row_mass(row: torch.Tensor, scale: torch.Tensor, *, backend: str | None = No
     for a non-tensor row or scale.
     """
     _validate(row, scale)
-    check_threads(threads)
-    backend = pick_backend(backend, available_backends())
-    R, V = row.shape
-    if backend == "torch":
-        return _row_mass_torch(row, scale)
-    row = row.detach().contiguous()  # [R, V]
-    scale = scale.detach().to(torch.float64).contiguous()  # [R], exact widening
-    m = torch.empty(R, dtype=torch.float64)  # [R]
-    S = torch.empty(R, dtype=torch.float64)  # [R]
-    nz = torch.empty(R, dtype=torch.int64)  # [R]
-    flag = torch.zeros(R, dtype=torch.int32)  # [R]
-    if R == 0:
-        return m, S, nz
-    nthreads = torch.get_num_threads() if threads is None else threads
-    used = _c_library().lmtail_row_mass(
-        row.data_ptr(), scale.data_ptr(), exp64_constants().data_ptr(), m.data_ptr(),
-        S.data_ptr(), nz.data_ptr(), flag.data_ptr(), R, V, V, nthreads, _ISA[backend])
-    if used < 0:
-        raise MemoryError(f"row_mass: could not allocate a {V}-lane row buffer")
-    assert used == _ISA[backend], (used, backend)
-    left = torch.nonzero(flag)[:, 0]  # rows the torch path decides (NaN, +-0 max ties)
-    if left.numel():
-        m[left], S[left], nz[left] = _row_mass_torch(row[left], scale[left].to(torch.float64))
-    return m, S, nz
+    nthreads = _backend.threads(threads)
+    return ROW_MASS.pick(backend).run(row, scale, nthreads)

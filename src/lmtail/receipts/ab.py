@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .stats import sign_test
+from .receipt import writable_file
 
 HIGHER_SUFFIXES = ("per_s", "tok_s", "throughput")
 DEFAULT_TOL = 0.02  # a paired ratio within 2% of 1 counts as level (neither arm wins the round)
@@ -67,15 +67,26 @@ def argv_of(cmd: str) -> list[str]:
     return argv if argv and shutil.which(argv[0]) else ["sh", "-c", cmd]  # builtins go to sh
 
 
-def run_once(cmd: str, *, timeout: float | None = None) -> dict[str, float]:
+class CommandFailed(RuntimeError):
+    """An arm's command exited non-zero: which arm, the command, its exit status and the
+    last line it wrote to stderr."""
+
+    def __init__(self, arm: str, cmd: str, status: int, stderr: str):
+        last = next((ln.strip() for ln in reversed(stderr.splitlines()) if ln.strip()), "")
+        super().__init__(f"arm {arm} command {cmd!r} exited {status}" + (f" (stderr: {last[-300:]})" if last else ""))
+        self.arm, self.cmd, self.status, self.stderr = arm, cmd, status, stderr
+
+
+def run_once(cmd: str, *, timeout: float | None = None, arm: str = "") -> dict[str, float]:
     """Run cmd in a fresh process: {"wall_s": seconds, **the JSON metrics of its last
-    non-empty stdout line}. RuntimeError when it exits non-zero."""
+    non-empty stdout line}. CommandFailed (naming `arm`, the command and its exit status)
+    when it exits non-zero."""
     argv = argv_of(cmd)
     t0 = time.perf_counter()
     r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - t0
     if r.returncode:
-        raise RuntimeError(f"command {cmd!r} exited {r.returncode}: {r.stderr.strip()[-500:]}")
+        raise CommandFailed(arm, cmd, r.returncode, r.stderr)
     out = {"wall_s": wall}
     lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
     if lines:
@@ -97,6 +108,8 @@ def schedule(rounds: int) -> list[tuple[str, str]]:
 def summarize(name: str, a: list[float], b: list[float], *, tol: float, alpha: float,
               higher_better: bool) -> MetricAB:
     """MetricAB of paired per-round values a, b (same length >= 1)."""
+    from .stats import sign_test  # scipy: imported on first use, so `lmtail ab`'s flag checks stay light
+
     ratios = [y / x if x else math.inf for x, y in zip(a, b)]
     level = sum(abs(r - 1) <= tol for r in ratios)
     up = sum(r > 1 + tol for r in ratios)
@@ -136,7 +149,7 @@ def ab(cmd_a: str, cmd_b: str, *, rounds: int = 12, repeat: int = 3, warmup: int
     cmds = {"a": cmd_a, "b": cmd_b}
     for _ in range(warmup):
         for k in ("a", "b"):
-            run_once(cmds[k], timeout=timeout)
+            run_once(cmds[k], timeout=timeout, arm=k.upper())
     def higher(m: str) -> bool:
         return m in higher_better or m.endswith(HIGHER_SUFFIXES)
 
@@ -145,7 +158,7 @@ def ab(cmd_a: str, cmd_b: str, *, rounds: int = 12, repeat: int = 3, warmup: int
         runs = {"a": [], "b": []}
         for _ in range(repeat):
             for k in order:
-                runs[k].append(run_once(cmds[k], timeout=timeout))
+                runs[k].append(run_once(cmds[k], timeout=timeout, arm=k.upper()))
         for k in runs:
             got[k].append(best_of(runs[k], higher))
         if progress:
@@ -172,6 +185,7 @@ def format_ab(results: list[MetricAB], *, cmd_a: str, cmd_b: str, tol: float, re
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    """The `lmtail ab` options, added to `parser`."""
     parser.description = __doc__.split("\n\n")[0]
     parser.add_argument("--a", required=True, metavar="CMD", help="arm A's shell command (the base)")
     parser.add_argument("--b", required=True, metavar="CMD", help="arm B's shell command")
@@ -187,10 +201,33 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="also write the per-round values as JSON")
 
 
+def check(args: argparse.Namespace) -> None:
+    """ValueError naming the flag (expected vs got) for anything ab cannot take, before any
+    command runs."""
+    rules = [("--rounds", args.rounds, args.rounds >= 1, "an int >= 1"),
+             ("--repeat", args.repeat, args.repeat >= 1, "an int >= 1"),
+             ("--warmup", args.warmup, args.warmup >= 0, "an int >= 0"),
+             ("--tol", args.tol, 0 <= args.tol < 1, "in [0, 1)"),
+             ("--alpha", args.alpha, 0 < args.alpha < 1, "in (0, 1)"),
+             ("--a", repr(args.a), bool(args.a.strip()), "a command"),
+             ("--b", repr(args.b), bool(args.b.strip()), "a command")]
+    for flag, value, ok, expected in rules:
+        if not ok:
+            raise ValueError(f"{flag}: expected {expected}, got {value}")
+    if args.json is not None:
+        writable_file("--json", args.json)
+
+
 def run(args: argparse.Namespace) -> int:
-    res = ab(args.a, args.b, rounds=args.rounds, repeat=args.repeat, warmup=args.warmup, tol=args.tol, alpha=args.alpha,
-             higher_better=tuple(args.higher_better),
-             progress=lambda r: print(f"round {r + 1}/{args.rounds}", file=sys.stderr))
+    """Run the A/B, print its table (and write --json); 2 with one line when an arm's command
+    fails (naming the arm, the command and its exit status)."""
+    try:
+        res = ab(args.a, args.b, rounds=args.rounds, repeat=args.repeat, warmup=args.warmup, tol=args.tol,
+                 alpha=args.alpha, higher_better=tuple(args.higher_better),
+                 progress=lambda r: print(f"round {r + 1}/{args.rounds}", file=sys.stderr))
+    except CommandFailed as e:
+        print(f"lmtail ab: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
     print(format_ab(res, cmd_a=args.a, cmd_b=args.b, tol=args.tol, repeat=args.repeat))
     if args.json:
         with open(args.json, "w") as f:

@@ -25,7 +25,8 @@ from typing import Callable
 
 import torch
 
-from ..kernels.gemm import gemm_bf16_chain
+from ..kernels.gemm import available_backends as gemm_backends
+from ..kernels.gemm import gemm_bf16
 from ..numerics import sqrt_rn32
 from ..orders import Order, contiguous, placebo, strided, sum_squares
 
@@ -92,24 +93,17 @@ def compose_tail(inp: TailInputs, *, ssq_order: Order, deferred_rms: bool,
 
 
 def _chain(a, w):
-    return gemm_bf16_chain(a, w)
+    return gemm_bf16(a, w, order="chain")
 
 
 def _amx32(a, w):
-    from ..kernels import gemm as g
-
-    return g.gemm_bf16(a, w, order="amx32")
+    return gemm_bf16(a, w, order="amx32")
 
 
 def _amx32_available() -> str | None:
-    from ..kernels import gemm as g
-
-    if not hasattr(g, "gemm_bf16"):
-        return "lmtail.kernels.gemm has no gemm_bf16(order=...) yet"
-    try:
-        g.gemm_bf16(torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(32, 1, dtype=torch.bfloat16), order="amx32")
-    except Exception as e:  # the order is not offered yet: say why
-        return f"gemm_bf16(order='amx32') failed: {type(e).__name__}: {e}"
+    """None when gemm_bf16(order="amx32") runs here, else why not (no C compiler)."""
+    if not gemm_backends("amx32"):
+        return "gemm_bf16(order='amx32') has no backend here (its C kernel could not be built)"
     return None
 
 
@@ -118,7 +112,7 @@ def _chain_reversed(inp: TailInputs):
     w_rev = inp.scratch.get("w_rev")
     if w_rev is None:
         w_rev = inp.scratch["w_rev"] = inp.weight.flip(0).contiguous()  # [H, V]
-    return lambda a, w: gemm_bf16_chain(a.flip(1).contiguous(), w_rev)
+    return lambda a, w: gemm_bf16(a.flip(1).contiguous(), w_rev, order="chain")
 
 
 def _torch_tail(inp: TailInputs) -> torch.Tensor:

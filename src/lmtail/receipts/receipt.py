@@ -6,7 +6,8 @@
 
 Writes DIR/receipt.md (the report), DIR/receipt.json (every number) and DIR/*.png.
 Deterministic given its arguments, the texts' bytes and the thread count. `make_receipt`
-is the same thing as a library call (tests use it on a tiny model).
+is the same thing as a library call (tests use it on a tiny model). configure / check / run:
+the protocol of lmtail.cli (check refuses bad flags before the model loads).
 
 Shape legend: none (a command line).
 """
@@ -15,12 +16,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib
+import os
 import platform
 import subprocess
 import sys
 from pathlib import Path
 
 DEFAULT_ARMS = ("chain", "amx32", "legacy", "contiguous", "placebo", "placebo_norm", "torch")
+BUILTIN_ARMS = DEFAULT_ARMS + ("tail",)  # every arm arms.default_arms() registers (a test holds it)
 DEFAULT_COMPARISONS = ("amx32:chain:placebo", "legacy:chain:placebo", "contiguous:chain:placebo_norm",
                        "torch:chain:placebo")
 QUICK = {"rows": 48, "decode_rows": 4, "block": 8}
@@ -28,6 +31,7 @@ FULL = {"rows": 256, "decode_rows": 32, "block": 16}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    """The `lmtail receipt` options, added to `parser`."""
     parser.description = __doc__.split("\n\n")[0]
     parser.add_argument("--quick", action="store_true", help=f"a short receipt: {QUICK} (about a minute)")
     parser.add_argument("--arms", default=",".join(DEFAULT_ARMS),
@@ -52,14 +56,107 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress display")
 
 
+def split_comparison(text: str) -> tuple[str, str, str | None]:
+    """'ARM:BASE[:PLACEBO]' -> (arm, base, placebo or None); ValueError otherwise."""
+    parts = text.split(":")
+    if len(parts) not in (2, 3) or not all(parts):
+        raise ValueError(f"--compare must be ARM:BASE[:PLACEBO]; got {text!r}")
+    return parts[0], parts[1], parts[2] if len(parts) == 3 else None
+
+
 def parse_comparison(text: str):
     """'ARM:BASE[:PLACEBO]' -> Comparison (ValueError otherwise)."""
     from .engine import Comparison
 
-    parts = text.split(":")
-    if len(parts) not in (2, 3) or not all(parts):
-        raise ValueError(f"--compare must be ARM:BASE[:PLACEBO]; got {text!r}")
-    return Comparison(parts[0], parts[1], parts[2] if len(parts) == 3 else None)
+    return Comparison(*split_comparison(text))
+
+
+def writable_file(flag: str, path) -> None:
+    """ValueError naming flag unless `path` can be written as a file (an existing file that is
+    writable, or a new name in an existing, writable folder); checked before any work."""
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    if p.is_dir():
+        raise ValueError(f"{flag}: expected a file path, got the folder {str(p)!r}")
+    if not parent.is_dir():
+        raise ValueError(f"{flag}: the folder {str(parent)!r} of {str(p)!r} does not exist")
+    if not os.access(p if p.exists() else parent, os.W_OK):
+        raise ValueError(f"{flag}: {str(p if p.exists() else parent)!r} is not writable")
+
+
+def writable_dir(flag: str, path: Path) -> None:
+    """ValueError naming flag unless `path` is (or can be made as) a writable folder: an
+    existing folder that is writable, or a new one whose nearest existing parent is."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{flag}: expected a folder, got the file {str(p)!r}")
+    anchor = next(a for a in (p, *p.absolute().parents) if a.exists())
+    if not anchor.is_dir() or not os.access(anchor, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag}: cannot write {str(p)!r} ({str(anchor)!r} is not a writable folder)")
+
+
+def arm_modules(names: list[str]) -> list:
+    """The --arm-module modules, imported; ValueError naming the one that cannot be imported
+    or has no register_arms(registry)."""
+    mods = []
+    for name in names:
+        try:
+            mod = importlib.import_module(name)
+        except Exception as e:  # any failure of a user's module is a bad flag value here
+            raise ValueError(f"--arm-module: cannot import {name!r} ({type(e).__name__}: {e})") from None
+        if not callable(getattr(mod, "register_arms", None)):
+            raise ValueError(f"--arm-module: {name!r} has no register_arms(registry) function")
+        mods.append(mod)
+    return mods
+
+
+def known_arms(args: argparse.Namespace) -> tuple[str, ...]:
+    """Every arm name the receipt can be asked for: the built-in ones (BUILTIN_ARMS, no torch
+    import) plus, with --arm-module, what those modules register."""
+    mods = arm_modules(args.arm_module)
+    if not mods:
+        return BUILTIN_ARMS
+    from .arms import default_arms
+
+    registry = default_arms()
+    for mod in mods:
+        mod.register_arms(registry)
+    return registry.names()
+
+
+def check(args: argparse.Namespace) -> None:
+    """ValueError naming the flag (expected vs got) for anything run cannot take, before the
+    model loads: sizes, unknown arm names (--arms, --compare, --base), a --compare that is not
+    ARM:BASE[:PLACEBO], too few public texts, a missing --model / --hf-python, an --out that
+    cannot be written, an --arm-module that cannot be imported."""
+    sizes = [("--texts", args.texts, 1), ("--prefix", args.prefix, 1), ("--rows", args.rows, 2),
+             ("--decode-rows", args.decode_rows, 0), ("--block", args.block, 1), ("--threads", args.threads, 1)]
+    for flag, value, lo in sizes:
+        if value is not None and value < lo:
+            raise ValueError(f"{flag}: expected an int >= {lo}, got {value}")
+    rows = args.rows or (QUICK if args.quick else FULL)["rows"]
+    if args.decode_rows is not None and args.decode_rows > rows:
+        raise ValueError(f"--decode-rows: expected <= the rows per text ({rows}), got {args.decode_rows}")
+    comparisons = [split_comparison(c) for c in args.compare or ()]
+    if args.model is not None and not Path(args.model).is_file():
+        raise ValueError(f"--model: no GGUF file at {args.model!r}")
+    if args.hf_python is not None and not Path(args.hf_python).is_file():
+        raise ValueError(f"--hf-python: no interpreter at {str(args.hf_python)!r}")
+    writable_dir("--out", args.out)
+    from .texts import find_texts
+
+    try:
+        find_texts(args.texts)
+    except ValueError as e:
+        raise ValueError(f"--texts {args.texts}: {e}") from None
+    known = known_arms(args)
+    asked = [("--arms", n) for n in args.arms.split(",") if n] + [("--base", args.base)]
+    asked += [("--compare", n) for c in comparisons for n in c if n is not None]
+    for flag, name in asked:
+        if name not in known:
+            raise ValueError(f"{flag}: unknown arm {name!r}; expected one of {', '.join(known)}")
+    if args.base not in args.arms.split(","):
+        raise ValueError(f"--base: expected one of --arms ({args.arms}), got {args.base!r}")
 
 
 def git_revision() -> str:
@@ -168,9 +265,11 @@ def _progress(enabled: bool, total: int):
 
 
 def run(args: argparse.Namespace) -> int:
+    """Write the receipt `args` asks for (flags checked by check); 0, or 2 with one line when
+    --hf on cannot run the HF arm."""
     import torch
 
-    from ..model import load_model, locate_gguf
+    from ..model import ModelFileMissing, load_model, locate_gguf
     from .arms import default_arms
     from .engine import ReceiptSpec
     from .texts import load_passages
@@ -180,12 +279,10 @@ def run(args: argparse.Namespace) -> int:
     decode_rows = args.decode_rows if args.decode_rows is not None else min(size["decode_rows"], rows)
     block = args.block or size["block"]
     if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1; got {args.threads}")
         torch.set_num_threads(args.threads)
     registry = default_arms()
-    for mod in args.arm_module:
-        importlib.import_module(mod).register_arms(registry)
+    for mod in arm_modules(args.arm_module):
+        mod.register_arms(registry)
     names = tuple(a for a in args.arms.split(",") if a)
     comparisons = [parse_comparison(c) for c in (args.compare or DEFAULT_COMPARISONS)]
     arms, comps, status = select_arms(registry, names, comparisons)
@@ -201,12 +298,20 @@ def run(args: argparse.Namespace) -> int:
         status["hf"] = ("HF transformers fp32 forward of the same GGUF (vs lmtail's fp32 body)",
                         "ran" if why is None else f"skipped: {why}")
         if why is not None and args.hf == "on":
-            print(f"lmtail receipt: --hf on but {why}", file=sys.stderr)
+            print(f"lmtail receipt: error: --hf on: {why}", file=sys.stderr)
             return 2
         hf_python = py if why is None else None
-    spec = ReceiptSpec(arms=arms, comparisons=comps, base=args.base, prefix=args.prefix, rows=rows,
-                       decode_rows=decode_rows, block=block)
-    model_path = str(args.model or locate_gguf())
+    try:
+        spec = ReceiptSpec(arms=arms, comparisons=comps, base=args.base, prefix=args.prefix, rows=rows,
+                           decode_rows=decode_rows, block=block)
+    except ValueError as e:  # e.g. the base arm is not available on this machine
+        print(f"lmtail receipt: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        model_path = str(args.model or locate_gguf())
+    except ModelFileMissing as e:
+        print(f"lmtail receipt: error: --model: {e}", file=sys.stderr)
+        return 2
     bundle = load_model(model_path)
     passages = load_passages(bundle.tokenizer, count=args.texts, min_tokens=spec.prefix + spec.rows + 1)
     line = "lmtail receipt " + " ".join(sys.argv[2:] if len(sys.argv) > 2 and sys.argv[1] == "receipt" else

@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-from ..numerics import U, gamma
+from ..numerics import U, Decl, gamma
 from .tail import as_np, logits_range, logits_ref, mirror_range
 
 GREEDY_T = 1e-5  # temperature below this is greedy (compared in float64 after widening the fp32 temperature)
@@ -84,6 +84,13 @@ def sampler_slack(v: int, k: int) -> float:
     (candidates), exp64 is < 2 ulp, one division each; this module's own cumulative sums
     have depth <= V. 4 * gamma(V + k + 64, u64) covers both with room (2e-11 at V = 49k)."""
     return 4.0 * gamma(v + k + 64, U["fp64"])
+
+
+def decl_slack(decl: Decl, v: int, k: int) -> float:
+    """sampler_slack with the op's part read from its declaration: 4 * gamma(v + k + 64 +
+    the declared depths of its sums, u64) (the same room for exp64, the divisions and this
+    module's own cumulative sums of depth <= V + k)."""
+    return 4.0 * gamma(v + k + 64 + sum(s.depth for s in decl.sums), U["fp64"])
 
 
 # ---------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from ..numerics import U, Decl, SumDecl, gamma
+from ..numerics import U, Decl, SumDecl, exp64, gamma, log64
 from .gemm import daz
 
 BF16 = ml_dtypes.bfloat16
@@ -223,3 +223,47 @@ def logits_range(x, gamma_, w, *, eps, decl: Decl, hidden_actual=None, interleav
 def mirror_range(lo, hi):
     """The bf16 mirror of logits in [lo, hi]: rounded outward to bf16."""
     return _down(lo, BF16), _up(hi, BF16)
+
+
+# ---------------------------------------------------------------------------------------
+# the full-row mass in its declared order (row_mass, rows_tail's S and log-normalizer)
+# ---------------------------------------------------------------------------------------
+def sum64_emulation(terms: np.ndarray, lanes: int = 256) -> np.ndarray:
+    """[R, N] float64 -> [R]: `lanes` float64 lane chains (lane t holds t, t + lanes, ...,
+    added in pass order from +0.0), then a halving tree (lane t += lane t + lanes/2, ...),
+    one numpy add at a time. lanes=256 is the declared sum64; another count is a planted
+    variant."""
+    r, n = terms.shape
+    p = -(-n // lanes)
+    x = np.zeros((r, p * lanes))
+    x[:, :n] = terms
+    acc = np.zeros((r, lanes))
+    for i in range(p):
+        acc = acc + x[:, i * lanes:(i + 1) * lanes]
+    w = lanes
+    while w > 1:
+        w //= 2
+        acc = acc[:, :w] + acc[:, w:2 * w]
+    return acc[:, 0]
+
+
+def mass_emulation(rows, scale, *, lanes: int = 256):
+    """(m, S, nz) [R] of row_mass by its declaration, emulated: z = fl64(row / scale),
+    m = max z, e = exp64(z - m) (z == m -> exactly 1), S = sum64_emulation(e, lanes),
+    nz = #{e > 0}. rows [R, V] and scale [R] (float64-exact values, NaN-free)."""
+    z = as_np(rows) / as_np(scale)[:, None]  # [R, V]
+    m = z.max(axis=1)
+    d = np.where(z == m[:, None], 0.0, z - m[:, None])
+    e = exp64(torch.from_numpy(d)).numpy()
+    return m, sum64_emulation(e, lanes), (e > 0).sum(axis=1)
+
+
+def logprob_emulation(rows_bf16, tokens, *, lanes: int = 256) -> np.ndarray:
+    """[R] fp32: the raw logprob fp32(fl64(v_tok - lse1)), lse1 = fl64(vmax + log64(S1)) with
+    S1 the full row's mass at T = 1 (mass_emulation). On rows whose S1 - 1 < 2^-28 and
+    vmax in [1, 2) the logprob of the max token is exactly -(lse1 - 1): S1's last bit shows."""
+    r64 = as_np(rows_bf16)
+    m, s, _ = mass_emulation(r64, np.ones(r64.shape[0]), lanes=lanes)
+    lse1 = m + log64(torch.from_numpy(s)).numpy()
+    tok = np.asarray(tokens, dtype=np.int64)
+    return (r64[np.arange(r64.shape[0]), tok] - lse1).astype(np.float32)

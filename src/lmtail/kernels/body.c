@@ -32,14 +32,9 @@
  * Each worker pins MXCSR to round-to-nearest with FTZ/DAZ off and restores it.
  * Compiled with -ffp-contract=off: the only fused ops are the explicit fmaf calls.
  */
-#include <stdint.h>
-#include <stddef.h>
-#include <stdlib.h>
-#include <string.h>
 #include <math.h>
-#include <pthread.h>
+#include "lmtail_kernels.h"
 #if defined(__x86_64__)
-#include <immintrin.h>
 #define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define CLONES
@@ -47,7 +42,8 @@
 
 enum { HD = 64, JB = 64, QB = 3, UP = 2 }; /* UP: positions per work unit */
 
-/* Constants as exact hex floats (model/body.py spells the same bits): */
+/* Constants as exact hex floats (model/body.py spells the same bits; lmtail_body_constants
+ * exports them so a test compares the two): */
 static const float LOG2E = 0x1.715476p+0f;    /* fp32(log2 e) */
 static const float RND = 0x1.8p+23f;          /* 1.5 * 2^23 */
 static const float LN2_HI = 0x1.63p-1f;       /* 355/512 */
@@ -87,17 +83,16 @@ static inline float silu_mul1(float g, float u) {
     return s * u;
 }
 
-#if defined(__x86_64__)
-static unsigned pin_mxcsr(void) {
-    unsigned old = _mm_getcsr();
-    _mm_setcsr((old & ~(0x6000u | 0x8000u | 0x0040u)) | 0x1F80u); /* RN, no FTZ/DAZ, masked */
-    return old;
+static unsigned pin_mxcsr(void) { return lmtail_mxcsr_pin(LMTAIL_MXCSR_IEEE); } /* RN, no FTZ/DAZ, masked */
+static void restore_mxcsr(unsigned old) { lmtail_mxcsr_restore(old); }
+
+/* out[0..13] = LOG2E, RND, LN2_HI, LN2_LO, X_HI, X_LO, C[0..7]: exp32's constants as this
+ * file holds them. Returns the count written (14). */
+int lmtail_body_constants(float *out) {
+    out[0] = LOG2E, out[1] = RND, out[2] = LN2_HI, out[3] = LN2_LO, out[4] = X_HI, out[5] = X_LO;
+    for (int i = 0; i < 8; ++i) out[6 + i] = C[i];
+    return 14;
 }
-static void restore_mxcsr(unsigned old) { _mm_setcsr(old); }
-#else
-static unsigned pin_mxcsr(void) { return 0; }
-static void restore_mxcsr(unsigned old) { (void)old; }
-#endif
 
 CLONES static void exp_rows(const float *x, float *y, int64_t n) {
     for (int64_t i = 0; i < n; ++i) y[i] = exp32(x[i]);
@@ -132,7 +127,9 @@ typedef struct {
     int64_t B, T, nh, nkv, S_cap, s0;
     float scale;
     float *scratch; /* per thread: UP QB * (S_cap + JB) floats */
+    size_t per;     /* floats of scratch per thread */
     int64_t nunits, next;
+    int slots;      /* scratch slots handed out so far (atomic) */
     int avx512; /* use the AVX-512 register-tile micro-kernels (same chains, same bits) */
 } attn_job;
 
@@ -457,18 +454,15 @@ static void attn_unit(const attn_job *jb, int64_t unit, float *scratch) {
     }
 }
 
-typedef struct {
-    attn_job *job;
-    float *scratch;
-} worker_arg;
-
 static void *attn_worker(void *arg) {
-    worker_arg *w = (worker_arg *)arg;
+    attn_job *job = (attn_job *)arg;
+    const int slot = __atomic_fetch_add(&job->slots, 1, __ATOMIC_RELAXED); /* < the thread count */
+    float *scratch = job->scratch + job->per * (size_t)slot;
     unsigned old = pin_mxcsr();
     for (;;) {
-        int64_t u = __atomic_fetch_add(&w->job->next, 1, __ATOMIC_RELAXED);
-        if (u >= w->job->nunits) break;
-        attn_unit(w->job, u, w->scratch);
+        int64_t u = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        if (u >= job->nunits) break;
+        attn_unit(job, u, scratch);
     }
     restore_mxcsr(old);
     return NULL;
@@ -479,39 +473,21 @@ static void *attn_worker(void *arg) {
 int lmtail_attend(const float *q, const float *kt, const float *v, float *out, const int64_t *pad,
                   int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t S_cap, int64_t s0,
                   float scale, int threads, int no_avx512) {
-    attn_job job = {q, kt, v, out, pad, B, T, nh, nkv, S_cap, s0, scale, NULL, B * nkv * ((T + UP - 1) / UP), 0, 0};
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    job.avx512 = __builtin_cpu_supports("avx512f") && !no_avx512;
-#endif
+    attn_job job;
+    memset(&job, 0, sizeof job);
+    job.q = q, job.kt = kt, job.v = v, job.out = out, job.pad = pad;
+    job.B = B, job.T = T, job.nh = nh, job.nkv = nkv, job.S_cap = S_cap, job.s0 = s0, job.scale = scale;
+    job.nunits = B * nkv * ((T + UP - 1) / UP);
+    job.avx512 = lmtail_cpu_has(LMTAIL_CPU_AVX512F) && !no_avx512;
     if (threads < 1) threads = 1;
     if (threads > job.nunits) threads = (int)(job.nunits > 0 ? job.nunits : 1);
-    const size_t per = (size_t)(UP * QB) * (size_t)(S_cap + JB);
-    float *scratch = (float *)malloc(per * sizeof(float) * (size_t)threads);
-    if (!scratch) return -1;
-    worker_arg args[64];
-    pthread_t tid[64];
-    if (threads > 64) threads = 64;
-    for (int i = 0; i < threads; ++i) args[i] = (worker_arg){&job, scratch + per * (size_t)i};
-    int started = 1;
-    for (int i = 1; i < threads; ++i) {
-        if (pthread_create(&tid[i], NULL, attn_worker, &args[i]) != 0) break;
-        started = i + 1;
-    }
-    attn_worker(&args[0]);
-    for (int i = 1; i < started; ++i) pthread_join(tid[i], NULL);
-    free(scratch);
+    if (threads > LMTAIL_MAXT) threads = LMTAIL_MAXT;
+    job.per = (size_t)(UP * QB) * (size_t)(S_cap + JB);
+    job.scratch = (float *)malloc(job.per * sizeof(float) * (size_t)threads);
+    if (!job.scratch) return -1;
+    lmtail_parallel(attn_worker, &job, threads); /* at most `threads` workers take a slot */
+    free(job.scratch);
     return 0;
-}
-
-/* 1 when the AVX-512 attention micro-kernels can run on this CPU. */
-int lmtail_body_has_avx512(void) {
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") ? 1 : 0;
-#else
-    return 0;
-#endif
 }
 
 /* ------------------------------------------------------------------ bf16 helpers */
@@ -523,12 +499,7 @@ static inline uint16_t to_bf16(float f) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-static inline float from_bf16(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+#define from_bf16 bf16_to_f32
 
 /* ------------------------------------------------------------------ add + RMSNorm */
 /* lmtail.norms.add_rms in the order strided(lanes), for one row of H (see body.py add_rms_rows):
@@ -658,9 +629,7 @@ static __attribute__((target("avx512f,avx512bw,avx512vl"))) void silu_rows_bf16_
 void lmtail_silu_mul_bf16(const float *gu, uint16_t *out, int64_t M, int64_t F, int64_t ld) {
     unsigned old = pin_mxcsr();
 #if defined(__x86_64__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl")) {
+    if (lmtail_cpu_has(LMTAIL_CPU_AVX512F | LMTAIL_CPU_AVX512BW | LMTAIL_CPU_AVX512VL)) {
         silu_rows_bf16_512(gu, out, M, F, ld);
         restore_mxcsr(old);
         return;

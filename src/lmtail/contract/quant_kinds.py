@@ -1,0 +1,208 @@
+"""gemm_q's contract kind and planted controls: the GEMM over GGUF Q8_0 / Q4_1 weights.
+
+Kind, run through gates 1-4 and the byte gates:
+  gemm_q.lanes32   kernels.quant.gemm_q(a, w): inside reference.quant.gemm_q_range of
+                   gemm_q_decl(K, fmt) (32 fp32 lane chains, depth NB + 5, gradual
+                   underflow), and the bytes of reference.quant.gemm_q_emulation (emulate
+                   gate; the special values case by case)
+
+Data dicts ("quant data"): a [M, K] fp32, w a kernels.quant.QuantWeight (N, K) made by its
+quantizer from a random float tensor (or, for the adversarial cases, its bytes written
+directly), fmt (w.fmt). Every gate holds both formats.
+Controls swap the op (Q4_1's nibbles read high first; m added as a separately rounded fma;
+16 lane chains instead of 32) or the declaration (half the depth); each must go red at its
+planted gate.
+
+Shape legend: M rows, K the summed axis (a multiple of 32), NB = K/32, N output columns.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+
+import numpy as np
+import torch
+
+from ..kernels.quant import QuantWeight, gemm_q, gemm_q_decl
+from ..numerics import Decl
+from ..reference.contract import range_margin
+from ..reference.gemm import in_range
+from ..reference.quant import gemm_q_emulation, gemm_q_range
+from .harness import Case, Control, Kind, Verdict, diff_outputs
+
+FORMATS = ("Q8_0", "Q4_1")
+
+
+# ---------------------------------------------------------------------------------------
+# data
+# ---------------------------------------------------------------------------------------
+def quant_data(m, k, n, seed, *, fmt, scale=1.0, specials=0.0):
+    """a ~ N(0, scale) fp32 [M, K]; w = QuantWeight.quantize(N(0, 0.05) [N, K], fmt); a
+    fraction `specials` of a's entries NaN, +-inf, +-0, subnormal or near fp32's max."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=g) * scale  # [M, K]
+    w = QuantWeight.quantize(torch.randn(n, k, generator=g) * 0.05, fmt)
+    if specials:
+        spec = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-45, -3e-39, 3e38])
+        hit = torch.rand(a.shape, generator=g) < specials
+        a = torch.where(hit, spec[torch.randint(len(spec), a.shape, generator=g)], a)
+    return dict(a=a, w=w, fmt=fmt)
+
+
+def take_rows(data, idx):
+    return dict(data, a=data["a"][list(idx)])
+
+
+def decl_of(data) -> Decl:
+    return gemm_q_decl(data["a"].shape[1], data["fmt"])
+
+
+def shallow_decl(data) -> Decl:
+    """Control: the declaration with its sum half as deep as the code runs it."""
+    d = decl_of(data)
+    return replace(d, sums=tuple(replace(s, depth=s.depth // 2) for s in d.sums))
+
+
+def unit_weight(n, k, fmt) -> QuantWeight:
+    """Every value exactly 1.0, bytes written directly: Q8_0 d = 1, q = 1; Q4_1 d = 1, m = 0,
+    every nibble 1."""
+    one = np.float16(1.0).tobytes()
+    block = (one + bytes([1] * 32)) if fmt == "Q8_0" else (one + np.float16(0.0).tobytes() + bytes([0x11] * 16))
+    data = torch.frombuffer(bytearray(block * (n * k // 32)), dtype=torch.uint8).reshape(n, -1).clone()
+    return QuantWeight(fmt, (n, k), data)
+
+
+# ---------------------------------------------------------------------------------------
+# the op, its emulation and its float64 check
+# ---------------------------------------------------------------------------------------
+def run_gemm_q(data) -> dict:
+    return {"out": gemm_q(data["a"], data["w"])}
+
+
+def emulate_gemm_q(data) -> dict:
+    """The declared order, one rounding at a time (reference.quant.gemm_q_emulation)."""
+    return {"out": gemm_q_emulation(data["a"], data["w"])}
+
+
+def check_gemm_q(data, out, run, decl) -> Verdict:
+    """Every element inside reference.quant.gemm_q_range(a, w, decl); NaN only where the
+    range is unbounded (a NaN or inf in its row of a or of w, or possible overflow)."""
+    y = out["out"]
+    want = (data["a"].shape[0], data["w"].shape[0])
+    if y.dtype != torch.float32 or tuple(y.shape) != want:
+        return Verdict(False, None, f"out must be fp32 [M, N] = {list(want)}; got {y.dtype} {tuple(y.shape)}")
+    lo, hi = gemm_q_range(data["a"].numpy(), data["w"], decl)
+    ok = in_range(y, lo, hi)
+    bounded = np.isfinite(lo) & np.isfinite(hi)
+    if not ok.all():
+        r, c = (int(i) for i in np.argwhere(~ok)[0])
+        return Verdict(False, None, f"out[{r},{c}] = {float(y[r, c])!r} outside [{lo[r, c]!r}, {hi[r, c]!r}] "
+                       f"({int((~ok).sum())} of {ok.size})")
+    if not bounded.any():
+        return Verdict(True, None, f"{ok.size} elements, every range unbounded")
+    _, m = range_margin(y.double().numpy()[bounded], lo[bounded], hi[bounded])
+    return Verdict(True, float(m.min()), f"{int(bounded.sum())} bounded elements inside")
+
+
+def _bytes_and_range(data, out, run, decl) -> Verdict:
+    """A special value's defined result: the emulation's bytes (any NaN matches any NaN)
+    and inside the range."""
+    d = diff_outputs(out, emulate_gemm_q(data), nan_equal=True)
+    if d:
+        return Verdict(False, None, f"not the declared lanes32 bytes: {d}")
+    return check_gemm_q(data, out, run, decl)
+
+
+def nibbles_swapped(data) -> dict:
+    """Control: the real kernel on Q4_1 bytes whose nibbles are read high first (weight j
+    from qs[j] >> 4); Q8_0 unchanged."""
+    w = data["w"]
+    if w.fmt != "Q4_1":
+        return run_gemm_q(data)
+    blk = w.data.view(w.shape[0], -1, 20).clone()  # [N, NB, 20]
+    qs = blk[..., 4:]
+    blk[..., 4:] = (qs << 4) | (qs >> 4)
+    return {"out": gemm_q(data["a"], QuantWeight(w.fmt, w.shape, blk.reshape(w.data.shape)))}
+
+
+def emulation_variant(data, **defect) -> dict:
+    """Control: reference.quant.gemm_q_emulation with one planted switch."""
+    return {"out": gemm_q_emulation(data["a"], data["w"], **defect)}
+
+
+# ---------------------------------------------------------------------------------------
+# the generators
+# ---------------------------------------------------------------------------------------
+SHAPES = [(1, 32, 7), (3, 64, 33), (5, 256, 17), (16, 96, 40), (2, 1024, 9)]
+
+
+def quant_shapes(fast):
+    return [Case(f"{f} {m}x{k} @ ({n}, {k})", quant_data(m, k, n, 700 + i, fmt=f))
+            for f in FORMATS for i, (m, k, n) in enumerate(SHAPES)]
+
+
+def quant_random(fast):
+    scales = (1.0, 1e-3, 40.0, 0.1)
+    return [Case(f"{f} seed {s} scale {scales[s]} K={k}", quant_data(8, k, 48, 710 + s, fmt=f, scale=scales[s]))
+            for f in FORMATS for s, k in zip(range(2 if fast else 4), (256, 576, 64, 1536))]
+
+
+def quant_special(fast):
+    """Special values in a with their defined bytes; subnormal products and sums (gradual
+    underflow); the defined errors."""
+    exact = partial(Case, expect=_bytes_and_range)
+    cases = []
+    for f in FORMATS:
+        cases += [exact(f"{f}: NaN, +-inf, +-0, subnormals, 3e38 in a (2%)",
+                        quant_data(9, 96, 21, 720, fmt=f, specials=0.02)),
+                  exact(f"{f}: products and sums near 2^-130 (subnormal)",
+                        quant_data(4, 128, 13, 721, fmt=f, scale=2.0**-126))]
+    d = quant_data(2, 32, 4, 722, fmt="Q8_0")
+    cases += [Case("fp64 a -> ValueError", dict(d, a=d["a"].double()), raises=r"a must be a 2-D torch.float32"),
+              Case("K mismatch -> ValueError", dict(d, a=torch.zeros(2, 64)), raises=r"K mismatch"),
+              Case("w not a QuantWeight -> ValueError", dict(d, w=torch.zeros(4, 32)),
+                   raises=r"w must be a QuantWeight")]
+    return cases
+
+
+def _at_bound(fmt, nb=64, n=3):
+    """Lane 0 of every output: a = 1 at k = 0, then 5*2^-26 at k = 32b (b >= 1), every
+    weight 1.0: each of lane 0's NB - 1 steps rounds up by 3/8 ulp of 1 (0.75 u), so the
+    error is ~0.75 (NB - 1) u of mag ~1 against the declared gamma(NB + 5) (half the depth
+    is too narrow)."""
+    k = 32 * nb
+    a = torch.zeros(2, k)
+    a[:, 0::32] = 5 * 2.0**-26
+    a[:, 0] = 1.0
+    return dict(a=a, w=unit_weight(n, k, fmt), fmt=fmt)
+
+
+def quant_adversarial(fast):
+    return [Case(f"{f}: lane 0 at its declared bound (every add rounds up)", _at_bound(f)) for f in FORMATS]
+
+
+# ---------------------------------------------------------------------------------------
+# the registry
+# ---------------------------------------------------------------------------------------
+def quant_kinds() -> list[Kind]:
+    gens = {"shapes": quant_shapes, "random": quant_random, "special": quant_special,
+            "adversarial": quant_adversarial}
+    return [Kind("gemm_q.lanes32", decl_of, run_gemm_q, check_gemm_q, gens, take_rows=take_rows,
+                 emulate=emulate_gemm_q, group="gemm",
+                 about="gemm_q (Q8_0, Q4_1) in its float64 range and its emulation's bytes")]
+
+
+def quant_controls() -> list[Control]:
+    return [
+        Control("gemm_q.nibbles_swapped", "gemm_q.lanes32", "random",
+                "Q4_1 weights read high nibble first (the byte's nibbles swapped)", nibbles_swapped),
+        Control("gemm_q.m_separate", "gemm_q.lanes32", "emulate",
+                "Q4_1: m added as its own rounded fma after a * (d*q)", partial(emulation_variant, m_separate=True)),
+        Control("gemm_q.lanes_16", "gemm_q.lanes32", "emulate", "16 lane chains instead of 32",
+                partial(emulation_variant, lanes=16)),
+        Control("gemm_q.decl_half_depth", "gemm_q.lanes32", "adversarial",
+                "the real op, its sum declared half as deep as it runs", decl=shallow_decl),
+    ]
+
+
+__all__ = ["quant_kinds", "quant_controls", "quant_data", "run_gemm_q", "emulate_gemm_q", "check_gemm_q"]

@@ -1,0 +1,446 @@
+/* lmtail: y = a @ W^T over GGUF Q8_0 / Q4_1 weight blocks, in the declared "lanes32" order
+ * (CPU kernels, all bit-equal; docs/quant.md, kernels/quant.py's gemm_q_decl).
+ *
+ * Shape legend: M rows of activations, K the summed axis (a multiple of 32), NB = K/32
+ * blocks per weight row, N output columns (the weight's rows, GGUF row-major).
+ *   a    [M, lda]     fp32                     activations, a[m*lda + k] for k < K
+ *   w    [N, NB, BS]  bytes                    GGUF blocks, row n's blocks contiguous
+ *        Q8_0 (BS = 34): d fp16, q[32] int8;   value j = fp32(d) * q[j]       (exact)
+ *        Q4_1 (BS = 20): d fp16, m fp16, qs[16]; q[j] = qs[j] & 15, q[j+16] = qs[j] >> 4
+ *                                              value j = fl32(fp32(d) * q[j] + fp32(m))
+ *                                              (d*q is exact: one rounding, an fma)
+ *   out  [M, ldc]     fp32                     out[m*ldc + n] for n < N
+ *
+ * Numerics (the declaration): for every (m, n) on its own, with w = the values above
+ *   l[j] = +0 for j = 0..31
+ *   for block b = 0, 1, ..., NB-1, for j = 0..31:  l[j] = fma(a[m, 32b+j], w[n, 32b+j], l[j])
+ *   for h = 16, 8, 4, 2, 1: for j < h: l[j] = l[j] + l[j+h]      (the halving tree)
+ *   out = l[0], a NaN stored as 0x7FC00000.
+ * Every fma and add rounds once to nearest-even in fp32 with IEEE gradual underflow: MXCSR is
+ * pinned to 0x1F80 (to nearest, exceptions masked, FTZ and DAZ off) for the call. inf/NaN
+ * follow IEEE. Paths: "avx512" (2 zmm per 32 lanes), "avx2" (4 ymm), "c" (plain C, the fma
+ * emulated exactly in double). Blocking over rows and columns only picks which elements share
+ * a dequantized block; every element is computed by one thread, whole.
+ */
+#include "lmtail_kernels.h"
+
+enum { FMT_Q8_0 = 0, FMT_Q4_1 = 1 };
+enum { ISA_C = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+/* Blocking: a unit is a chunk of columns taken by one thread. M == 1 reads the blocks
+ * directly (two columns at a time; AVX-512: 2 zmm per block). M >= 2 runs AVX2 code on both
+ * vector paths: 2 <= M < LANES_MIN_M reads the blocks directly, rows in pairs; M >=
+ * LANES_MIN_M takes the lanes path (lanes_unit). Threads: each gets at least MIN_WEIGHT
+ * weights (or MIN_WORK multiply-adds). */
+/* PREFETCH: the direct paths prefetch each weight row this many bytes ahead (the head at
+ * M = 1, read from DRAM, ran about 2x faster with it on Zen 3; cached sizes: no change). */
+enum { PREFETCH = 256 };
+enum { QK = 32, LANES_MIN_M = 8, LANES_PANEL = 1 << 16, MIN_WEIGHT = 1 << 16, MIN_WORK = 1 << 20 };
+
+typedef struct {
+    const float *a;
+    const float *at; /* [M, 32, NB] lane-major copy of a (the lanes path) */
+    const uint8_t *w;
+    float *out;
+    int64_t lda, ldc, M, N, K, nb, bs, chunk, units;
+    int fmt, isa, lanes; /* lanes: M >= LANES_MIN_M on a vector path (lanes_unit) */
+    int64_t next, done; /* next unit to take, units finished (atomic) */
+} job_t;
+
+static inline uint16_t ld16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+/* fp16 bits -> fp32, exact (subnormal halves become normal floats; inf/NaN kept). */
+static inline float half_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
+    if (e == 0x1F) return u2f(sign | 0x7F800000u | (mant << 13));
+    if (e == 0) return u2f(f2u((float)mant * 0x1p-24f) | sign); /* mant * 2^-24: exact */
+    return u2f(sign | ((e + 112) << 23) | (mant << 13));
+}
+
+/* ---------------------------------------------------------------- plain C */
+/* fma(a, b, c) rounded once to fp32 (IEEE, gradual underflow), without libm: a*b is exact in
+ * double; s + err = a*b + c exactly (TwoSum); rounding s to odd first makes the double ->
+ * float conversion round the exact value correctly (53 >= 24 + 2 bits). */
+static inline float fma_rn(float a, float b, float c) {
+    const double p = (double)a * (double)b, cd = c, s = p + cd;
+    double so = s;
+    uint64_t sb;
+    memcpy(&sb, &s, 8);
+    if ((sb & 0x7FF0000000000000ull) != 0x7FF0000000000000ull) { /* finite */
+        const double bb = s - p, err = (p - (s - bb)) + (cd - bb);
+        if (err != 0 && !(sb & 1)) {
+            sb += ((err > 0) == (s > 0)) ? 1 : (uint64_t)-1;
+            memcpy(&so, &sb, 8);
+        }
+    }
+    return (float)so;
+}
+
+/* The 32 values of one block (the format's exact fp32 values). */
+static void deq_block_c(const uint8_t *blk, int fmt, float *v) {
+    const float d = half_to_f32(ld16(blk));
+    if (fmt == FMT_Q8_0) {
+        for (int j = 0; j < QK; ++j) v[j] = d * (float)(int8_t)blk[2 + j];
+        return;
+    }
+    const float m = half_to_f32(ld16(blk + 2));
+    for (int j = 0; j < QK / 2; ++j) { /* d*q exact; one rounding of the add */
+        v[j] = d * (float)(blk[4 + j] & 15) + m;
+        v[j + 16] = d * (float)(blk[4 + j] >> 4) + m;
+    }
+}
+
+static void deq_row_c(const job_t *j, int64_t n, float *v) {
+    for (int64_t b = 0; b < j->nb; ++b) deq_block_c(j->w + (n * j->nb + b) * j->bs, j->fmt, v + QK * b);
+}
+
+static float tree_c(float *l) {
+    for (int h = 16; h >= 1; h >>= 1)
+        for (int i = 0; i < h; ++i) l[i] = l[i] + l[i + h];
+    return l[0];
+}
+
+static void unit_c(const job_t *j, int64_t c0, int64_t c1, float *wrow) {
+    for (int64_t n = c0; n < c1; ++n) {
+        deq_row_c(j, n, wrow);
+        for (int64_t m = 0; m < j->M; ++m) {
+            const float *am = j->a + m * j->lda;
+            float l[QK] = {0};
+            for (int64_t b = 0; b < j->nb; ++b)
+                for (int i = 0; i < QK; ++i) l[i] = fma_rn(am[QK * b + i], wrow[QK * b + i], l[i]);
+            j->out[m * j->ldc + n] = canon_nan(tree_c(l));
+        }
+    }
+}
+
+#if defined(__x86_64__)
+#define AI inline __attribute__((always_inline))
+/* ---------------------------------------------------------------- AVX2 (+FMA, F16C) */
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+/* 8 -> 1 of the halving tree: l[j] += l[j+4], l[j] += l[j+2], l[0] += l[1]. */
+static AI AVX2 float tree8(__m256 t) {
+    const __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    const __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));
+    return _mm_cvtss_f32(_mm_add_ss(v, _mm_shuffle_ps(v, v, 1)));
+}
+
+/* acc[i] holds lanes 8i..8i+7: l[j] += l[j+16], then l[j] += l[j+8], then tree8. */
+static AI AVX2 float tree_avx2(const __m256 *acc) {
+    return tree8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3])));
+}
+
+/* The block's 32 values in 4 ymm (lanes 8i..8i+7 in v[i]). */
+static AI AVX2 void deq_avx2(const uint8_t *blk, int fmt, __m256 *v) {
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(ld16(blk)));
+    if (fmt == FMT_Q8_0) {
+        for (int i = 0; i < 4; ++i) {
+            const __m128i q = _mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * i));
+            v[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+        }
+        return;
+    }
+    (void)d;
+    int32_t dm;
+    memcpy(&dm, blk, 4);
+    const __m128 h = _mm_cvtph_ps(_mm_cvtsi32_si128(dm)); /* [d, m, 0, 0] */
+    const __m256 d2 = _mm256_broadcastss_ps(h), m = _mm256_broadcastss_ps(_mm_movehdup_ps(h));
+    /* bytes qs[8p..8p+7] widened: low nibbles are weights 8p.., high nibbles 16+8p.. */
+    const __m256i f = _mm256_set1_epi32(15);
+    const __m256i x0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 4)));
+    const __m256i x1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 12)));
+    const __m256i q[4] = {_mm256_and_si256(x0, f), _mm256_and_si256(x1, f), _mm256_srli_epi32(x0, 4),
+                          _mm256_srli_epi32(x1, 4)};
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_fmadd_ps(d2, _mm256_cvtepi32_ps(q[i]), m);
+}
+
+/* M == 1: columns n, n+1 (C = 1 or 2) straight from the blocks. */
+static AI AVX2 void direct_avx2(const job_t *j, int64_t n, int C, int fmt) {
+    __m256 acc[2][4], v[4];
+    for (int c = 0; c < 2; ++c)
+        for (int i = 0; i < 4; ++i) acc[c][i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < j->nb; ++b) {
+        const float *ab = j->a + QK * b;
+        for (int c = 0; c < C; ++c) {
+            const uint8_t *blk = j->w + ((n + c) * j->nb + b) * j->bs;
+            _mm_prefetch((const char *)blk + PREFETCH, _MM_HINT_T0);
+            deq_avx2(blk, fmt, v);
+            for (int i = 0; i < 4; ++i)
+                acc[c][i] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + 8 * i), v[i], acc[c][i]);
+        }
+    }
+    for (int c = 0; c < C; ++c) j->out[n + c] = canon_nan(tree_avx2(acc[c]));
+}
+
+/* 2 <= M < LANES_MIN_M: rows m0, m0+1 (R = 1 or 2) of column n straight from the blocks. */
+static AI AVX2 void pair_avx2(const job_t *j, int64_t m0, int R, int64_t n, int fmt) {
+    __m256 acc[2][4], v[4];
+    for (int r = 0; r < 2; ++r)
+        for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < j->nb; ++b) {
+        const uint8_t *blk = j->w + (n * j->nb + b) * j->bs;
+        _mm_prefetch((const char *)blk + PREFETCH, _MM_HINT_T0);
+        deq_avx2(blk, fmt, v);
+        for (int r = 0; r < R; ++r) {
+            const float *ab = j->a + (m0 + r) * j->lda + QK * b;
+            for (int i = 0; i < 4; ++i)
+                acc[r][i] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + 8 * i), v[i], acc[r][i]);
+        }
+    }
+    for (int r = 0; r < R; ++r) j->out[(m0 + r) * j->ldc + n] = canon_nan(tree_avx2(acc[r]));
+}
+
+/* The lanes path (AVX2, M >= LANES_MIN_M): the same lane chains, computed lane by lane,
+ * 8 columns to a register, so a fma takes a broadcast activation and a vector of 8 columns:
+ * R (<= 4) rows x C (<= 3) groups of 8 columns per register tile, 7 loads per 12 fmas.
+ * The activations are copied once per call lane-major (each lane's NB values contiguous);
+ * the unit's weights are dequantized once into a panel, 8 columns to a vector:
+ *   at [M, 32, NB]:      at[(m*32 + l)*NB + b] = a[m, 32b + l]
+ *   pt [G, 32, NB, 8]:   pt[((g*32 + l)*NB + b)*8 + i] = w[c0 + 8g + i, 32b + l] (0 past c1)
+ * Lane l's chain over b = 0..NB-1 is parked in lb[l] (its final value), then the halving
+ * tree runs on lb: lb[l] += lb[l+h]. Each element's steps are the declared ones. */
+static AI AVX2 void lanes_tile(const job_t *j, const float *pt, int64_t m, int R, int64_t g,
+                               int C, int64_t c0, int64_t c1, float *lb) {
+    const int64_t nb = j->nb;
+    for (int l = 0; l < QK; ++l) {
+        __m256 acc[4][3];
+        for (int r = 0; r < 4; ++r)
+            for (int c = 0; c < 3; ++c) acc[r][c] = _mm256_setzero_ps();
+        const float *wl[3], *al[4];
+        for (int c = 0; c < C; ++c) wl[c] = pt + ((g + c) * QK + l) * nb * 8;
+        for (int r = 0; r < R; ++r) al[r] = j->at + ((m + r) * QK + l) * nb;
+        for (int64_t b = 0; b < nb; ++b) {
+            __m256 wv[3];
+            for (int c = 0; c < C; ++c) wv[c] = _mm256_load_ps(wl[c] + 8 * b);
+            for (int r = 0; r < R; ++r) {
+                const __m256 av = _mm256_broadcast_ss(al[r] + b);
+                for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(av, wv[c], acc[r][c]);
+            }
+        }
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < C; ++c) _mm256_store_ps(lb + ((l * 4 + r) * 3 + c) * 8, acc[r][c]);
+    }
+    for (int h = 16; h >= 1; h >>= 1)
+        for (int l = 0; l < h; ++l)
+            for (int r = 0; r < R; ++r)
+                for (int c = 0; c < C; ++c) {
+                    float *x = lb + ((l * 4 + r) * 3 + c) * 8;
+                    const float *y = lb + (((l + h) * 4 + r) * 3 + c) * 8;
+                    _mm256_store_ps(x, _mm256_add_ps(_mm256_load_ps(x), _mm256_load_ps(y)));
+                }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c)
+            for (int i = 0; i < 8; ++i) {
+                const int64_t n = c0 + 8 * (g + c) + i;
+                if (n < c1) j->out[(m + r) * j->ldc + n] = canon_nan(lb[(r * 3 + c) * 8 + i]);
+            }
+}
+
+static AVX2 void lanes_unit(const job_t *j, int64_t c0, int64_t c1, float *pt, int fmt) {
+    const int64_t nb = j->nb, G = (c1 - c0 + 7) / 8;
+    float *lb = pt + j->chunk * j->K; /* [32, 4, 3, 8] */
+    float tmp[8 * QK] __attribute__((aligned(32))); /* [8 columns, 32 lanes] of one block */
+    __m256 v[4];
+    for (int64_t g = 0; g < G; ++g) { /* 8 columns' blocks, transposed 8 x 8 in registers */
+        const int64_t cols = c1 - c0 - 8 * g < 8 ? c1 - c0 - 8 * g : 8;
+        for (int64_t b = 0; b < nb; ++b) {
+            for (int64_t c = 0; c < 8; ++c) {
+                const uint8_t *blk = j->w + ((c0 + 8 * g + c) * nb + b) * j->bs;
+                if (c >= cols) for (int q = 0; q < 4; ++q) v[q] = _mm256_setzero_ps();
+                else if (fmt == FMT_Q8_0) deq_avx2(blk, FMT_Q8_0, v);
+                else deq_avx2(blk, FMT_Q4_1, v);
+                for (int q = 0; q < 4; ++q) _mm256_store_ps(tmp + c * QK + 8 * q, v[q]);
+            }
+            for (int q = 0; q < 4; ++q) {
+                __m256 r[8], t[8];
+                for (int c = 0; c < 8; ++c) r[c] = _mm256_load_ps(tmp + c * QK + 8 * q);
+                for (int c = 0; c < 8; c += 2) {
+                    t[c] = _mm256_unpacklo_ps(r[c], r[c + 1]);
+                    t[c + 1] = _mm256_unpackhi_ps(r[c], r[c + 1]);
+                }
+                for (int c = 0; c < 8; c += 4) {
+                    r[c] = _mm256_shuffle_ps(t[c], t[c + 2], 0x44);
+                    r[c + 1] = _mm256_shuffle_ps(t[c], t[c + 2], 0xEE);
+                    r[c + 2] = _mm256_shuffle_ps(t[c + 1], t[c + 3], 0x44);
+                    r[c + 3] = _mm256_shuffle_ps(t[c + 1], t[c + 3], 0xEE);
+                }
+                for (int c = 0; c < 4; ++c) { /* lane 8q + c and 8q + c + 4 of the 8 columns */
+                    float *lo = pt + ((g * QK + 8 * q + c) * nb + b) * 8, *hi = lo + 4 * nb * 8;
+                    _mm256_store_ps(lo, _mm256_permute2f128_ps(r[c], r[c + 4], 0x20));
+                    _mm256_store_ps(hi, _mm256_permute2f128_ps(r[c], r[c + 4], 0x31));
+                }
+            }
+        }
+    }
+    for (int64_t m = 0; m < j->M; m += 4) { /* these rows of at stay in L1 over the panel */
+        const int R = j->M - m < 4 ? (int)(j->M - m) : 4;
+        for (int64_t g = 0; g < G; g += 3) {
+            const int C = G - g < 3 ? (int)(G - g) : 3;
+#define LT(RR, CC) if (R == RR && C == CC) lanes_tile(j, pt, m, RR, g, CC, c0, c1, lb)
+            LT(4, 3); else LT(4, 2); else LT(4, 1); else LT(3, 3); else LT(3, 2); else LT(3, 1);
+            else LT(2, 3); else LT(2, 2); else LT(2, 1); else LT(1, 3); else LT(1, 2); else LT(1, 1);
+#undef LT
+        }
+    }
+}
+
+/* M < LANES_MIN_M: M == 1 two columns at a time, else each column's rows in pairs (the
+ * column's blocks stay in L1 between the pairs). */
+static AI AVX2 void unit_avx2_fmt(const job_t *j, int64_t c0, int64_t c1, int fmt) {
+    if (j->M == 1) {
+        for (int64_t n = c0; n < c1; n += 2) { /* C constant: the accumulators stay in registers */
+            if (c1 - n >= 2) direct_avx2(j, n, 2, fmt);
+            else direct_avx2(j, n, 1, fmt);
+        }
+        return;
+    }
+    for (int64_t n = c0; n < c1; ++n)
+        for (int64_t m = 0; m < j->M; m += 2) {
+            if (j->M - m >= 2) pair_avx2(j, m, 2, n, fmt);
+            else pair_avx2(j, m, 1, n, fmt);
+        }
+}
+
+static AVX2 void unit_avx2(const job_t *j, int64_t c0, int64_t c1, float *panel) {
+    if (j->lanes) lanes_unit(j, c0, c1, panel, j->fmt); /* M >= LANES_MIN_M */
+    else if (j->fmt == FMT_Q8_0) unit_avx2_fmt(j, c0, c1, FMT_Q8_0);
+    else unit_avx2_fmt(j, c0, c1, FMT_Q4_1);
+}
+
+/* ---------------------------------------------------------------- AVX-512 */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+
+/* acc[0] holds lanes 0..15, acc[1] 16..31: l[j] += l[j+16], l[j] += l[j+8], then tree8. */
+static AI AVX512 float tree_512(const __m512 *acc) {
+    const __m512 s = _mm512_add_ps(acc[0], acc[1]);
+    return tree8(_mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1)));
+}
+
+static AI AVX512 void deq_512(const uint8_t *blk, int fmt, __m512 *v) {
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(ld16(blk)));
+    if (fmt == FMT_Q8_0) {
+        for (int i = 0; i < 2; ++i) {
+            const __m128i q = _mm_loadu_si128((const __m128i *)(blk + 2 + 16 * i));
+            v[i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+        }
+        return;
+    }
+    const __m512 m = _mm512_set1_ps(_cvtsh_ss(ld16(blk + 2)));
+    const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 4)), f = _mm_set1_epi8(15);
+    const __m128i q[2] = {_mm_and_si128(qs, f), _mm_and_si128(_mm_srli_epi16(qs, 4), f)};
+    for (int i = 0; i < 2; ++i) v[i] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q[i])), m);
+}
+
+static AI AVX512 void direct_512(const job_t *j, int64_t n, int C, int fmt) {
+    __m512 acc[2][2], v[2];
+    for (int c = 0; c < 2; ++c) acc[c][0] = acc[c][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < j->nb; ++b) {
+        const float *ab = j->a + QK * b;
+        for (int c = 0; c < C; ++c) {
+            const uint8_t *blk = j->w + ((n + c) * j->nb + b) * j->bs;
+            _mm_prefetch((const char *)blk + PREFETCH, _MM_HINT_T0);
+            deq_512(blk, fmt, v);
+            for (int i = 0; i < 2; ++i)
+                acc[c][i] = _mm512_fmadd_ps(_mm512_loadu_ps(ab + 16 * i), v[i], acc[c][i]);
+        }
+    }
+    for (int c = 0; c < C; ++c) j->out[n + c] = canon_nan(tree_512(acc[c]));
+}
+
+/* AVX-512 reads the blocks directly at M == 1 (2 zmm per block); more rows run the AVX2
+ * code (an AVX-512 CPU has AVX2, FMA and F16C: lmtail_gemm_q_has checks). */
+static AVX512 void unit_512(const job_t *j, int64_t c0, int64_t c1, float *panel) {
+    if (j->M > 1) {
+        unit_avx2(j, c0, c1, panel);
+        return;
+    }
+    for (int64_t n = c0; n < c1; n += 2) { /* C and fmt constant: registers, no branches */
+        const int two = c1 - n >= 2;
+        if (j->fmt == FMT_Q8_0) {
+            if (two) direct_512(j, n, 2, FMT_Q8_0);
+            else direct_512(j, n, 1, FMT_Q8_0);
+        } else {
+            if (two) direct_512(j, n, 2, FMT_Q4_1);
+            else direct_512(j, n, 1, FMT_Q4_1);
+        }
+    }
+}
+#endif
+
+/* ---------------------------------------------------------------- workers */
+static void *worker(void *arg) {
+    job_t *j = (job_t *)arg;
+    const unsigned csr = lmtail_mxcsr_pin(LMTAIL_MXCSR_IEEE);
+    /* the panel: plain C one row [K]; the lanes path [chunk, K] and its parked lanes */
+    float *panel = NULL;
+    const int64_t rows = j->isa == ISA_C ? 1 : j->lanes ? j->chunk : 0;
+    const int64_t extra = j->lanes ? QK * 4 * 3 * 8 : 0; /* the lanes path's lb */
+    const int ok = rows == 0 || !posix_memalign((void **)&panel, 64, sizeof(float) * (rows * j->K + extra));
+    while (ok) { /* a worker without a panel takes no unit; the others take them all */
+        const int64_t u = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+        if (u >= j->units) break;
+        const int64_t c0 = u * j->chunk, c1 = j->N - c0 < j->chunk ? j->N : c0 + j->chunk;
+#if defined(__x86_64__)
+        if (j->isa == ISA_AVX512) unit_512(j, c0, c1, panel);
+        else if (j->isa == ISA_AVX2) unit_avx2(j, c0, c1, panel);
+        else
+#endif
+            unit_c(j, c0, c1, panel);
+        __atomic_fetch_add(&j->done, 1, __ATOMIC_RELAXED);
+    }
+    free(panel);
+    lmtail_mxcsr_restore(csr);
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- exported */
+/* 1 if this CPU runs `isa` (0 c, 1 avx2: AVX2+FMA+F16C, 2 avx512: F/BW/VL/DQ+F16C). */
+int lmtail_gemm_q_has(int isa) {
+    if (isa == ISA_C) return 1;
+#if defined(__x86_64__)
+    const int f16c = lmtail_cpu_has(LMTAIL_CPU_F16C);
+    if (isa == ISA_AVX2) return f16c && lmtail_cpu_has(LMTAIL_ISA_AVX2);
+    if (isa == ISA_AVX512)
+        return f16c && lmtail_cpu_has(LMTAIL_ISA_AVX512) && lmtail_cpu_has(LMTAIL_ISA_AVX2);
+#endif
+    return 0;
+}
+
+/* out = a @ W^T in the lanes32 order on up to nthreads threads with `isa`. fmt: 0 Q8_0,
+ * 1 Q4_1. Returns 0 on success, -1 on an unavailable isa, -2 when a buffer cannot be
+ * allocated, -3 on a bad shape or format. */
+int lmtail_gemm_q(const float *a, int64_t lda, const uint8_t *w, int fmt, int64_t N, int64_t K,
+                  float *out, int64_t ldc, int64_t M, int nthreads, int isa) {
+    if (!lmtail_gemm_q_has(isa)) return -1;
+    if ((fmt != FMT_Q8_0 && fmt != FMT_Q4_1) || K <= 0 || K % QK || N < 0 || M < 0) return -3;
+    if (M == 0 || N == 0) return 0;
+    job_t j;
+    memset(&j, 0, sizeof j);
+    j.a = a; j.lda = lda; j.w = w; j.fmt = fmt; j.N = N; j.K = K; j.nb = K / QK;
+    j.bs = fmt == FMT_Q8_0 ? 34 : 20; j.out = out; j.ldc = ldc; j.M = M; j.isa = isa;
+    if (nthreads < 1) nthreads = 1;
+    const int64_t by_weight = N * K / MIN_WEIGHT, by_work = M * N * K / MIN_WORK;
+    const int64_t work = by_weight > by_work ? by_weight : by_work;
+    if (nthreads > work) nthreads = work < 1 ? 1 : (int)work;
+    /* about 4 units per thread (even widths); the lanes path: multiples of 24 columns, a
+     * panel of at most LANES_PANEL floats, about 2 units per thread or more */
+    j.chunk = ((N + 4 * nthreads - 1) / (4 * nthreads) + 1) / 2 * 2;
+    j.lanes = isa != ISA_C && M >= LANES_MIN_M;
+    float *at = NULL;
+    if (j.lanes) {
+        const int64_t most = LANES_PANEL / K / 24 * 24, even = (N + 2 * nthreads - 1) / (2 * nthreads);
+        j.chunk = (even + 23) / 24 * 24;
+        if (j.chunk > most) j.chunk = most;
+        if (j.chunk < 24) j.chunk = 24;
+        if (posix_memalign((void **)&at, 64, sizeof(float) * M * K)) return -2;
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t l = 0; l < QK; ++l)
+                for (int64_t b = 0; b < j.nb; ++b) at[(m * QK + l) * j.nb + b] = a[m * lda + QK * b + l];
+        j.at = at;
+    }
+    if (j.chunk < 2) j.chunk = 2;
+    j.units = (N + j.chunk - 1) / j.chunk;
+    if (nthreads > j.units) nthreads = (int)j.units;
+    lmtail_parallel(worker, &j, nthreads);
+    free(at);
+    return j.done == j.units ? 0 : -2;
+}

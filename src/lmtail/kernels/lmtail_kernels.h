@@ -1,0 +1,398 @@
+/* lmtail_kernels.h: what every lmtail C kernel shares, in one place (#included by every .c
+ * under kernels/; _cc.py hashes this file into each library's cache key, so a change here
+ * rebuilds them all).
+ *
+ *   bits     f2u / u2f, bf16 widening, daz16 (DAZ on a bf16), canon_nan
+ *   MXCSR    lmtail_mxcsr_pin(LMTAIL_MXCSR_IEEE | LMTAIL_MXCSR_FTZ_DAZ) / _restore: every
+ *            worker pins the rounding mode (to nearest, exceptions masked) and FTZ/DAZ state
+ *            its declared order needs, and restores the caller's on the way out
+ *   exp64    numerics.exp64's float64 ops for the shifted term exp64(z == m ? 0 : z - m),
+ *            z <= m, scalar and 8 lanes (AVX-512); K[17] = INV_LN2, LN2_HI, LN2_LO,
+ *            C[0..13] comes from Python (numerics.exp64_constants()): no constant here
+ *   cpu      lmtail_cpu_features(): LMTAIL_CPU_* bits from cpuid (via the compiler's
+ *            probe) and, for AMX, the OS permission (arch_prctl)
+ *   threads  lmtail_parallel(fn, job, n): fn(job) on the caller and n-1 helpers of a
+ *            per-library pool (helpers live for the process, spin SPIN_NS for the next
+ *            call, then sleep); a busy pool or a failed helper start falls back to threads
+ *            made for the call. Which thread runs a unit never changes a bit: each kernel
+ *            hands out whole rows / tiles through its own atomic counter.
+ * Everything is static: each library compiled from a .c holds its own copy (one pool per
+ * library, one source).
+ */
+#ifndef LMTAIL_KERNELS_H
+#define LMTAIL_KERNELS_H
+
+#include <stdint.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#include <pthread.h>
+#include <time.h>
+#include <unistd.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#include <cpuid.h>
+#include <sys/syscall.h>
+#endif
+
+#define LMTAIL_UNUSED __attribute__((unused))
+
+/* ================================================================ bits */
+static inline LMTAIL_UNUSED uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline LMTAIL_UNUSED float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+/* bf16 -> fp32 is exact: the 16 bits shifted left */
+static inline LMTAIL_UNUSED float bf16_to_f32(uint16_t b) { return u2f((uint32_t)b << 16); }
+static inline LMTAIL_UNUSED double bf16_to_double(uint16_t b) { return (double)bf16_to_f32(b); }
+/* DAZ on a bf16 pattern: a subnormal (exponent 0, mantissa != 0) reads as the zero of its sign */
+static inline LMTAIL_UNUSED uint16_t daz16(uint16_t b) { return (b & 0x7F80u) ? b : (uint16_t)(b & 0x8000u); }
+static inline LMTAIL_UNUSED float bf16_daz(uint16_t b) { return u2f((uint32_t)daz16(b) << 16); }
+/* every NaN stored as the canonical quiet NaN 0x7FC00000 */
+static inline LMTAIL_UNUSED float canon_nan(float x) { return x != x ? u2f(0x7FC00000u) : x; }
+
+/* ================================================================ MXCSR */
+#define LMTAIL_MXCSR_IEEE 0x1F80u                     /* to nearest, masked, FTZ/DAZ off */
+#define LMTAIL_MXCSR_FTZ_DAZ (0x1F80u | 0x8000u | 0x0040u) /* ... with FTZ and DAZ on */
+static inline LMTAIL_UNUSED unsigned lmtail_mxcsr_pin(unsigned csr) {
+#if defined(__x86_64__)
+    const unsigned old = _mm_getcsr();
+    _mm_setcsr(csr);
+    return old;
+#else
+    (void)csr;
+    return 0;
+#endif
+}
+static inline LMTAIL_UNUSED void lmtail_mxcsr_restore(unsigned old) {
+#if defined(__x86_64__)
+    _mm_setcsr(old);
+#else
+    (void)old;
+#endif
+}
+
+/* ================================================================ exp64 */
+enum { K_INV = 0, K_HI = 1, K_LO = 2, K_C0 = 3, LMTAIL_NK = 17 };
+
+/* 2**n for integer n in [-1022, 1023]: the exponent bits */
+static inline LMTAIL_UNUSED double pow2(int64_t n) {
+    const uint64_t u = (uint64_t)(n + 1023) << 52;
+    double f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline LMTAIL_UNUSED int64_t clampi(int64_t x, int64_t lo, int64_t hi) {
+    return x < lo ? lo : (x > hi ? hi : x);
+}
+
+/* round half to even for |x| < 2**51 (MXCSR round-to-nearest): the sign of a zero result
+ * may differ from torch.round's, which no later op can see (n only enters as n*HI, n*LO
+ * subtracted from a nonzero xc or from +0, and through its integer value). */
+static inline LMTAIL_UNUSED double round_even(double x) {
+    const double big = 6755399441055744.0; /* 1.5 * 2**52 */
+    const double t = x + big;              /* no fast-math: the compiler keeps both roundings */
+    return t - big;
+}
+
+/* 1/s when s is a power of two 2**e, e in [-1022, 1023] (so 2**-e is a float64, normal or
+ * subnormal, and exact), else 0. Then x * (1/s) and x / s are both the exact real x * 2**-e
+ * rounded once, the same bits for every x: the common s = 1 and power-of-two divisors skip
+ * the division. */
+static inline LMTAIL_UNUSED double exact_inverse(double s) {
+    uint64_t u;
+    memcpy(&u, &s, sizeof u);
+    const uint64_t ex = (u >> 52) & 0x7FF;
+    if ((u & ((1ULL << 52) - 1)) != 0 || ex == 0 || ex == 0x7FF) return 0.0;
+    return 1.0 / s;
+}
+
+/* exp64(z == m ? 0 : z - m) for z <= m, z not NaN: numerics.exp64's ops in its order (clamp
+ * at -746 (d <= 0: the clamp at 710 never bites), n = round-half-even(xc * INV_LN2),
+ * r = (xc - n*HI) - n*LO, the degree-13 Horner, times 2**n, split as (p * 2**n1) * 2**n2
+ * when n < -1022, 0 below -745). */
+static inline LMTAIL_UNUSED double shifted_exp1(double z, double m, const double *K) {
+    const double d = z == m ? 0.0 : z - m;
+    const double xc = d < -746.0 ? -746.0 : d;
+    const double n = round_even(xc * K[K_INV]);
+    const double r = (xc - n * K[K_HI]) - n * K[K_LO];
+    double p = r * K[K_C0 + 13];
+    for (int j = 12; j >= 1; --j) p = (p + K[K_C0 + j]) * r;
+    p = p + K[K_C0];
+    const int64_t ni = (int64_t)n;
+    const int64_t n1 = ni >= -1022 ? 0 : (ni >> 1); /* floor(n / 2) */
+    const int64_t n2 = ni - n1;
+    double y = (p * pow2(clampi(n1, -1022, 1023))) * pow2(clampi(n2, -1022, 1023));
+    if (d < -745.0) y = 0.0;
+    return y;
+}
+
+#if defined(__x86_64__)
+#define LMTAIL_AVX512F __attribute__((target("avx512f")))
+enum { EXP8_U = 4 }; /* vectors per shifted_exp8 call */
+
+/* 2**n for 8 integer-valued n in [-1022, 1023]: the exponent bits. */
+static inline __attribute__((always_inline)) LMTAIL_AVX512F __m512d pow2_8(__m512d n) {
+    const __m512i e = _mm512_cvtepi32_epi64(_mm512_cvtpd_epi32(n));
+    return _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_add_epi64(e, _mm512_set1_epi64(1023)), 52));
+}
+
+/* shifted_exp1 on EXP8_U x 8 lanes: the same ops in the same order; KV[c] = K[c] broadcast.
+ * The EXP8_U independent vectors go through each step together, so the 26-op Horner
+ * dependency chain of one vector hides behind the others'. */
+static inline __attribute__((always_inline)) LMTAIL_AVX512F void
+shifted_exp8(__m512d *y, const __m512d *z, __m512d mv, const __m512d *KV) {
+    const __m512d zero = _mm512_setzero_pd();
+    const __m512d lo = _mm512_set1_pd(-1022.0), hi = _mm512_set1_pd(1023.0);
+    __m512d d[EXP8_U], n[EXP8_U], r[EXP8_U], p[EXP8_U];
+#pragma GCC unroll 4
+    for (int u = 0; u < EXP8_U; ++u) {
+        const __mmask8 eq = _mm512_cmp_pd_mask(z[u], mv, _CMP_EQ_OQ);
+        d[u] = _mm512_mask_mov_pd(_mm512_sub_pd(z[u], mv), eq, zero);
+        const __m512d xc = _mm512_max_pd(d[u], _mm512_set1_pd(-746.0)); /* d <= 0, never NaN */
+        n[u] = _mm512_roundscale_pd(_mm512_mul_pd(xc, KV[K_INV]),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        r[u] = _mm512_sub_pd(_mm512_sub_pd(xc, _mm512_mul_pd(n[u], KV[K_HI])),
+                             _mm512_mul_pd(n[u], KV[K_LO]));
+        p[u] = _mm512_mul_pd(r[u], KV[K_C0 + 13]);
+    }
+#pragma GCC unroll 12
+    for (int j = 12; j >= 1; --j)
+#pragma GCC unroll 4
+        for (int u = 0; u < EXP8_U; ++u) p[u] = _mm512_mul_pd(_mm512_add_pd(p[u], KV[K_C0 + j]), r[u]);
+#pragma GCC unroll 4
+    for (int u = 0; u < EXP8_U; ++u) {
+        p[u] = _mm512_add_pd(p[u], KV[K_C0]);
+        const __mmask8 sub = _mm512_cmp_pd_mask(n[u], lo, _CMP_LT_OQ);
+        __m512d e;
+        if (!sub) { /* every lane n1 = 0: (p * 2**0) * 2**n, and p * 1.0 = p exactly */
+            e = _mm512_mul_pd(p[u], pow2_8(n[u]));
+        } else {
+            const __m512d half = _mm512_roundscale_pd(_mm512_mul_pd(n[u], _mm512_set1_pd(0.5)),
+                                                      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+            const __m512d n1 = _mm512_mask_mov_pd(zero, sub, half);
+            const __m512d n2 = _mm512_sub_pd(n[u], n1);
+            e = _mm512_mul_pd(_mm512_mul_pd(p[u], pow2_8(_mm512_min_pd(_mm512_max_pd(n1, lo), hi))),
+                              pow2_8(_mm512_min_pd(_mm512_max_pd(n2, lo), hi)));
+        }
+        y[u] = _mm512_mask_mov_pd(e, _mm512_cmp_pd_mask(d[u], _mm512_set1_pd(-745.0), _CMP_LT_OQ), zero);
+    }
+}
+#endif
+
+/* ================================================================ cpu */
+enum {
+    LMTAIL_CPU_AVX2 = 1 << 0, LMTAIL_CPU_FMA = 1 << 1, LMTAIL_CPU_AVX512F = 1 << 2,
+    LMTAIL_CPU_AVX512BW = 1 << 3, LMTAIL_CPU_AVX512VL = 1 << 4, LMTAIL_CPU_AVX512DQ = 1 << 5,
+    LMTAIL_CPU_AMX_BF16 = 1 << 6, /* AMX-BF16 and AMX-TILE, and the OS lets this process use tiles */
+    LMTAIL_CPU_AVX512_BF16 = 1 << 7, LMTAIL_CPU_F16C = 1 << 8,
+};
+/* the ISA sets the kernels dispatch on */
+#define LMTAIL_ISA_AVX512 (LMTAIL_CPU_AVX512F | LMTAIL_CPU_AVX512BW | LMTAIL_CPU_AVX512VL | LMTAIL_CPU_AVX512DQ)
+#define LMTAIL_ISA_AVX2 (LMTAIL_CPU_AVX2 | LMTAIL_CPU_FMA)
+
+#if defined(__x86_64__)
+#define LMTAIL_ARCH_GET_XCOMP_PERM 0x1022
+#define LMTAIL_ARCH_REQ_XCOMP_PERM 0x1023
+#define LMTAIL_XFEATURE_XTILEDATA 18
+static unsigned lmtail_cpu_bits = 0;
+static pthread_once_t lmtail_cpu_once = PTHREAD_ONCE_INIT;
+
+static void lmtail_cpu_probe(void) {
+    unsigned bits = 0;
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2")) bits |= LMTAIL_CPU_AVX2;
+    if (__builtin_cpu_supports("fma")) bits |= LMTAIL_CPU_FMA;
+    if (__builtin_cpu_supports("avx512f")) bits |= LMTAIL_CPU_AVX512F;
+    if (__builtin_cpu_supports("avx512bw")) bits |= LMTAIL_CPU_AVX512BW;
+    if (__builtin_cpu_supports("avx512vl")) bits |= LMTAIL_CPU_AVX512VL;
+    if (__builtin_cpu_supports("avx512dq")) bits |= LMTAIL_CPU_AVX512DQ;
+    if (__builtin_cpu_supports("f16c")) bits |= LMTAIL_CPU_F16C;
+    unsigned int eax, ebx, ecx, edx;
+    if (__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax & (1u << 5)))
+        bits |= LMTAIL_CPU_AVX512_BF16;
+    if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && (edx & (1u << 22)) && (edx & (1u << 24)) &&
+        !syscall(SYS_arch_prctl, LMTAIL_ARCH_REQ_XCOMP_PERM, LMTAIL_XFEATURE_XTILEDATA)) {
+        unsigned long perm = 0;
+        if (!syscall(SYS_arch_prctl, LMTAIL_ARCH_GET_XCOMP_PERM, &perm) &&
+            (perm & (1ul << LMTAIL_XFEATURE_XTILEDATA)))
+            bits |= LMTAIL_CPU_AMX_BF16;
+    }
+    lmtail_cpu_bits = bits;
+}
+
+/* The LMTAIL_CPU_* bits of this CPU (and OS, for AMX); probed once. */
+static inline LMTAIL_UNUSED unsigned lmtail_cpu_features(void) {
+    pthread_once(&lmtail_cpu_once, lmtail_cpu_probe);
+    return lmtail_cpu_bits;
+}
+#else
+static inline LMTAIL_UNUSED unsigned lmtail_cpu_features(void) { return 0; }
+#endif
+
+/* 1 when every bit of `isa` (LMTAIL_ISA_* or LMTAIL_CPU_*) is present; 0 always passes. */
+static inline LMTAIL_UNUSED int lmtail_cpu_has(unsigned isa) { return (lmtail_cpu_features() & isa) == isa; }
+
+/* ================================================================ the thread pool */
+enum { LMTAIL_MAXT = 64, LMTAIL_SPIN_NS = 200000 };
+typedef void *(*lmtail_worker_fn)(void *);
+
+typedef struct {
+    pthread_mutex_t mu, call;
+    pthread_cond_t go, done;
+    pid_t pid;
+    int nhelpers, sleepers, main_sleeps;
+    uint64_t gen;         /* written under mu, read by spinning helpers (atomic) */
+    lmtail_worker_fn fn;  /* this generation's job while open (NULL once closed) */
+    void *job;
+    int want;             /* helpers 1..want-1 may join it */
+    int active;           /* helpers that joined and are still running (atomic) */
+    uint64_t born[LMTAIL_MAXT]; /* helper i was created at generation born[i] */
+} lmtail_pool_t;
+
+static lmtail_pool_t lmtail_pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .call = PTHREAD_MUTEX_INITIALIZER,
+                                    .go = PTHREAD_COND_INITIALIZER, .done = PTHREAD_COND_INITIALIZER};
+static pthread_once_t lmtail_pool_once = PTHREAD_ONCE_INIT;
+
+static void lmtail_pool_reset(void) { /* a fresh process: no helpers, nothing locked */
+    lmtail_pool_t *P = &lmtail_pool;
+    pthread_mutex_init(&P->mu, NULL);
+    pthread_mutex_init(&P->call, NULL);
+    pthread_cond_init(&P->go, NULL);
+    pthread_cond_init(&P->done, NULL);
+    P->pid = getpid();
+    P->nhelpers = P->sleepers = P->main_sleeps = P->want = P->active = 0;
+    P->gen = 0;
+    P->fn = NULL;
+    P->job = NULL;
+}
+
+static void lmtail_pool_init(void) {
+    lmtail_pool.pid = getpid();
+    pthread_atfork(NULL, NULL, lmtail_pool_reset);
+}
+
+static inline int64_t lmtail_now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static inline void lmtail_cpu_relax(void) {
+#if defined(__x86_64__)
+    _mm_pause();
+#endif
+}
+
+static void *lmtail_pool_helper(void *arg) {
+    lmtail_pool_t *P = &lmtail_pool;
+    const int idx = (int)(intptr_t)arg;
+    uint64_t seen = P->born[idx]; /* the generation before the first one it may run */
+    for (;;) {
+        const int64_t until = lmtail_now_ns() + LMTAIL_SPIN_NS;
+        for (int n = 0; __atomic_load_n(&P->gen, __ATOMIC_ACQUIRE) == seen; ++n) {
+            lmtail_cpu_relax();
+            if ((n & 63) == 63 && lmtail_now_ns() > until) break;
+        }
+        pthread_mutex_lock(&P->mu);
+        while (P->gen == seen) {
+            ++P->sleepers;
+            pthread_cond_wait(&P->go, &P->mu);
+            --P->sleepers;
+        }
+        seen = P->gen;
+        const lmtail_worker_fn fn = P->fn;
+        void *job = P->job;
+        const int mine = fn != NULL && idx < P->want;
+        if (mine) __atomic_add_fetch(&P->active, 1, __ATOMIC_RELAXED);
+        pthread_mutex_unlock(&P->mu);
+        if (!mine) continue;
+        fn(job);
+        if (__atomic_sub_fetch(&P->active, 1, __ATOMIC_ACQ_REL) == 0) {
+            pthread_mutex_lock(&P->mu);
+            if (P->main_sleeps) pthread_cond_signal(&P->done);
+            pthread_mutex_unlock(&P->mu);
+        }
+    }
+    return NULL;
+}
+
+/* fn(job) on the caller and nthreads-1 pool helpers. Returns 0, or -1 when the pool is busy
+ * or cannot grow to nthreads-1 helpers (nothing run then). Helper i (1-based) joins the job
+ * when i < want and the caller has not closed it yet (the caller closes it when fn returns
+ * on its thread, i.e. no unit is left to take), so a helper that wakes late costs nothing;
+ * the caller then waits only for the helpers that joined. */
+static int lmtail_pool_run(lmtail_worker_fn fn, void *job, int nthreads) {
+    lmtail_pool_t *P = &lmtail_pool;
+    pthread_once(&lmtail_pool_once, lmtail_pool_init);
+    if (P->pid != getpid()) lmtail_pool_reset();
+    if (pthread_mutex_trylock(&P->call)) return -1;
+    while (P->nhelpers < nthreads - 1) {
+        pthread_t t;
+        pthread_attr_t at;
+        pthread_attr_init(&at);
+        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+        P->born[P->nhelpers + 1] = P->gen; /* gen changes only under `call` */
+        const int bad = pthread_create(&t, &at, lmtail_pool_helper, (void *)(intptr_t)(P->nhelpers + 1));
+        pthread_attr_destroy(&at);
+        if (bad) break;
+        ++P->nhelpers;
+    }
+    if (P->nhelpers < nthreads - 1) {
+        pthread_mutex_unlock(&P->call);
+        return -1;
+    }
+    pthread_mutex_lock(&P->mu);
+    P->fn = fn;
+    P->job = job;
+    P->want = nthreads;
+    __atomic_store_n(&P->active, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&P->gen, P->gen + 1, __ATOMIC_RELEASE);
+    if (P->sleepers) pthread_cond_broadcast(&P->go);
+    pthread_mutex_unlock(&P->mu);
+    fn(job); /* returns when no unit is left to take */
+    pthread_mutex_lock(&P->mu);
+    P->fn = NULL; /* closed: later helpers skip it; `active` counts the ones inside */
+    P->job = NULL;
+    pthread_mutex_unlock(&P->mu);
+    const int64_t until = lmtail_now_ns() + LMTAIL_SPIN_NS;
+    for (int n = 0; __atomic_load_n(&P->active, __ATOMIC_ACQUIRE) != 0; ++n) {
+        lmtail_cpu_relax();
+        if ((n & 63) == 63 && lmtail_now_ns() > until) break;
+    }
+    pthread_mutex_lock(&P->mu);
+    while (__atomic_load_n(&P->active, __ATOMIC_ACQUIRE) != 0) {
+        P->main_sleeps = 1;
+        pthread_cond_wait(&P->done, &P->mu);
+    }
+    P->main_sleeps = 0;
+    pthread_mutex_unlock(&P->mu);
+    pthread_mutex_unlock(&P->call);
+    return 0;
+}
+
+/* fn(job) on up to nthreads threads, the caller's included (clamped to [1, LMTAIL_MAXT]):
+ * one thread runs it inline; more use the pool, or, when the pool is busy (a concurrent
+ * call) or cannot grow, threads made for this call (if one cannot start, the others take
+ * its units). fn must take its units from an atomic counter in job until none is left. */
+static LMTAIL_UNUSED void lmtail_parallel(lmtail_worker_fn fn, void *job, int nthreads) {
+    if (nthreads > LMTAIL_MAXT) nthreads = LMTAIL_MAXT;
+    if (nthreads <= 1) {
+        fn(job);
+        return;
+    }
+    if (!lmtail_pool_run(fn, job, nthreads)) return;
+    pthread_t tid[LMTAIL_MAXT];
+    int started = 0;
+    for (int t = 1; t < nthreads; ++t, ++started)
+        if (pthread_create(&tid[t], NULL, fn, job)) break;
+    fn(job);
+    for (int t = 1; t <= started; ++t) pthread_join(tid[t], NULL);
+}
+
+/* The pool helpers this library has started in this process (a forked child starts with none). */
+static inline LMTAIL_UNUSED int lmtail_pool_helpers(void) {
+    pthread_once(&lmtail_pool_once, lmtail_pool_init);
+    return lmtail_pool.pid == getpid() ? __atomic_load_n(&lmtail_pool.nhelpers, __ATOMIC_RELAXED) : 0;
+}
+
+#endif /* LMTAIL_KERNELS_H */

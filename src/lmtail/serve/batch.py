@@ -1,0 +1,107 @@
+"""One decode step of SmolLM2's declared body for R rows, each row with ITS OWN KV cache
+and position (the continuous batch: rows joined at different steps, so their caches hold
+different lengths).
+
+    tokens [R] --embed--> x [R, H] --add_rms--> (h, y)        rows stacked
+    per layer:
+      qkv  = gemm_bf16(y, w_qkv)                              rows stacked  [R, qd + 2 kvd]
+      row r: rope_qkv(qkv[r], pos_r) -> cache_r, q_r;          per row, own cache / position
+             attend(q_r, cache_r)                             [1, 1, nh, hd]
+      h, y = add_rms(gemm_bf16(a, w_o), h)                    rows stacked
+      h, y = add_rms(gemm_bf16(silu_mul(gemm_bf16(y, w_gu)), w_down), h)
+    returns h [R, H] fp32 (the pre-final-norm hidden: decode_tail's input)
+
+Why a row's bytes equal the same row decoded alone (llama.forward with B = 1, T = 1):
+every stacked op is row-invariant by declaration (gemm_bf16: each output's sum reads one
+row of the activations; add_rms / silu_mul: one row at a time), and the per-row ops are
+the very calls llama's declared body makes for one row (rope_qkv, attend with pad 0 at
+the row's own s0 = cache.length). tests/test_serve.py checks it bit for bit against
+llama.forward, rows joining and leaving. Only the declared body (ops.body == "declared")
+is supported: the fp32 body's BLAS is not row-invariant in general.
+
+Caches here are one-row KVCache values (pad [0]); `grow` reallocates one with more slots
+(the filled slots copied: attention reads position-ordered keys only, so the extra
+capacity changes no byte).
+
+Shape legend: R rows, H hidden, nh / nkv query / KV heads, hd head dim, qd = nh*hd,
+kvd = nkv*hd, F FFN width, L layers, S cache slots.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from ..kernels.gemm import gemm_bf16
+from ..model import body as decl
+from ..model.gguf_loader import LlamaConfig, ModelBundle
+from ..model.llama import KVCache, Ops, new_cache, norm_fn
+
+GROW_SLOTS = 256  # a cache grows by at least this many slots at a time
+
+
+def row_cache(cfg: LlamaConfig, capacity: int) -> KVCache:
+    """An empty one-row cache (pad 0) with `capacity` slots (<= the context length)."""
+    return new_cache(cfg, pad=torch.zeros(1, dtype=torch.int64), capacity=capacity)
+
+
+def grow(cfg: LlamaConfig, cache: KVCache, need: int) -> KVCache:
+    """`cache` if it holds `need` slots, else a copy with capacity min(context, max(need,
+    capacity + GROW_SLOTS)); the filled slots copied, length kept. ValueError past the context."""
+    if need <= cache.capacity:
+        return cache
+    if need > cfg.context_length:
+        raise ValueError(f"need must be <= the context length {cfg.context_length}; got {need}")
+    cap = min(cfg.context_length, max(need, cache.capacity + GROW_SLOTS))
+    new = new_cache(cfg, pad=cache.pad, capacity=cap)
+    s = cache.length
+    for i in range(cfg.n_layers):
+        new.k[i][..., :s] = cache.k[i][..., :s]
+        new.v[i][:, :, :s] = cache.v[i][:, :, :s]
+    new.length = s
+    return new
+
+
+@functools.lru_cache(maxsize=4)
+def _gammas(bundle: ModelBundle):
+    """(attn_norm[0..L-1] + final_norm, ffn_norm[0..L-1]) as contiguous fp32 [H] tensors."""
+    attn = [lw.attn_norm.float().contiguous() for lw in bundle.layers] + [bundle.final_norm.float().contiguous()]
+    return attn, [lw.ffn_norm.float().contiguous() for lw in bundle.layers]
+
+
+def step_rows(bundle: ModelBundle, tokens: torch.Tensor, caches: list[KVCache], ops: Ops) -> torch.Tensor:
+    """Feed tokens [R] int64 (row r's next token) through the declared body, row r at
+    position caches[r].length of its own one-row cache (which must hold one more slot:
+    see grow); appends each row's key/value. Returns h [R, H] fp32, row r bytes-equal to
+    llama.forward(bundle, tokens[r, None, None], caches[r], ops=ops)[0][0, 0]."""
+    cfg = bundle.config
+    if ops.body != "declared":
+        raise ValueError(f"ops.body must be 'declared' (row-invariant linears); got {ops.body!r}")
+    if tokens.dim() != 1 or tokens.dtype != torch.int64 or tokens.shape[0] != len(caches):
+        raise ValueError(f"tokens must be [R={len(caches)}] int64; got {tuple(tokens.shape)} {tokens.dtype}")
+    for c in caches:
+        if c.pad.shape != (1,) or int(c.pad[0]) != 0 or c.length + 1 > c.capacity:
+            raise ValueError(f"each cache must be one row, pad 0, with a free slot; got pad {c.pad.tolist()}, "
+                             f"length {c.length}, capacity {c.capacity}")
+    R, nh, hd = len(caches), cfg.n_heads, cfg.head_dim
+    cos_t, sin_t = decl.rope_table(cfg.context_length, cfg.head_dim, cfg.rope_base)  # [ctx, hd/2]
+    norm = norm_fn(ops, cfg.eps)
+    attn_g, ffn_g = _gammas(bundle)
+    pos = [torch.tensor([[c.length]], dtype=torch.int64) for c in caches]  # R x [1, 1]
+    x = bundle.embed[tokens]  # [R, H] fp32
+    h, y = norm(x, torch.zeros(x.shape, dtype=torch.bfloat16), attn_g[0])  # bf16 residual stream
+    weights = bundle.packed16 if ops.gemm_order == "amx32" and bundle.packed16 else bundle.linears16
+    scale = 1.0 / math.sqrt(hd)
+    for i, l16 in enumerate(weights):
+        qkv = gemm_bf16(y, l16.w_qkv, order=ops.gemm_order)  # [R, qd + 2 kvd]
+        a = torch.empty(R, nh * hd, dtype=torch.float32)  # [R, qd]
+        for r, c in enumerate(caches):
+            q = decl.rope_qkv(qkv[r:r + 1], cos_t, sin_t, pos[r], c.k[i], c.v[i], s0=c.length, nh=nh)  # [1, 1, nh, hd]
+            a[r] = decl.attend(q, c.k[i], c.v[i], c.pad, s0=c.length, scale=scale).view(-1)
+        h, y = norm(gemm_bf16(a.to(torch.bfloat16), l16.w_o, order=ops.gemm_order), h, ffn_g[i])
+        gu = gemm_bf16(y, l16.w_gu, order=ops.gemm_order)  # [R, 2F]
+        h, y = norm(gemm_bf16(decl.silu_mul_bf16(gu), l16.w_down, order=ops.gemm_order), h, attn_g[i + 1])
+    for c in caches:
+        c.length += 1
+    return h.float()

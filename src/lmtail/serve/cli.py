@@ -1,0 +1,117 @@
+"""`lmtail serve` (and `python -m lmtail.serve`): load SmolLM2, start the engine, serve the
+app with uvicorn on 127.0.0.1:8000 by default.
+
+SIGTERM / SIGINT (uvicorn's handlers): stop accepting, let in-flight requests finish for
+at most --shutdown-timeout s (then their connections are cancelled, which cancels their
+jobs), close the engine (waiting and active jobs fail with "server shutting down"; the
+thread joined within the same bound; logged "lmtail engine closed"), then uvicorn re-raises
+the signal, so the process ends as killed by it (status -15 / 143 for SIGTERM, the
+convention). No rank processes exist (--ranks 1 only).
+
+Shape legend: none (a command line).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def configure(ap: argparse.ArgumentParser) -> None:
+    """The `lmtail serve` options, added to `ap`."""
+    ap.description = ("An OpenAI-compatible server (chat / completions, streaming) for SmolLM2-135M-Instruct "
+                      "on lmtail's declared decode, with continuous batching: every response is byte-equal "
+                      "to the same request served alone.")
+    ap.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--ranks", type=int, default=1, help="vocab-parallel tail ranks (only 1 is supported yet)")
+    ap.add_argument("--max-batch", type=int, default=16, help="requests decoding at once")
+    ap.add_argument("--max-queue", type=int, default=64, help="requests waiting at most (beyond: HTTP 429)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--k", type=int, default=256, help="the tail's candidates (the largest top_k accepted)")
+    ap.add_argument("--model-name", default=DEFAULT_MODEL_NAME, help="the id clients pass as `model`")
+    ap.add_argument("--shutdown-timeout", type=float, default=10.0,
+                    help="seconds in-flight requests may take after SIGTERM")
+
+
+def check(args: argparse.Namespace) -> None:
+    """ValueError naming the flag (expected vs got) for a value the server cannot take."""
+    rules = [
+        ("--port", args.port, 0 <= args.port <= 65535, "in [0, 65535]"),
+        ("--ranks", args.ranks, args.ranks == 1, "1 (vocab-parallel serving is not built yet)"),
+        ("--max-batch", args.max_batch, args.max_batch >= 1, ">= 1"),
+        ("--max-queue", args.max_queue, args.max_queue >= 0, ">= 0"),
+        ("--threads", args.threads, args.threads >= 0, ">= 0 (0: torch's default)"),
+        ("--k", args.k, 1 <= args.k <= 49152, "in [1, 49152]"),
+        ("--shutdown-timeout", args.shutdown_timeout, args.shutdown_timeout >= 0, ">= 0"),
+    ]
+    for flag, value, ok, expected in rules:
+        if not ok:
+            raise ValueError(f"{flag} must be {expected}; got {value}")
+
+
+def build(args: argparse.Namespace, bundle=None):
+    """(engine, app) for the parsed flags; bundle None loads the model."""
+    import torch
+
+    from ..model.gguf_loader import load_model
+    from .app import create_app
+    from .engine import Engine
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    bundle = load_model() if bundle is None else bundle
+    engine = Engine(bundle, max_batch=args.max_batch, max_queue=args.max_queue, k=args.k)
+    return engine, create_app(engine, model_name=args.model_name, shutdown_timeout=args.shutdown_timeout)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM / SIGINT (flags already passed `check`)."""
+    import uvicorn
+
+    print("lmtail serve: loading SmolLM2-135M-Instruct ...", file=sys.stderr, flush=True)
+    engine, app = build(args)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    uvicorn.Server(config).run()
+    ok = engine.close(args.shutdown_timeout)
+    return 0 if ok else 1
+
+
+class ThreadServer:
+    """uvicorn serving `app` on a background thread (tests, benchmarks): start() returns
+    once it listens; .port is the bound port (ask for port 0: an ephemeral one);
+    stop(timeout) asks it to exit and joins it."""
+
+    def __init__(self, app, *, host: str = "127.0.0.1", port: int = 0, graceful_s: float = 5.0):
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                                    timeout_graceful_shutdown=graceful_s))
+        self.thread = threading.Thread(target=self.server.run, name="lmtail-serve-http", daemon=True)
+        self.port = None
+
+    def start(self, timeout: float = 60.0) -> "ThreadServer":
+        self.thread.start()
+        t_end = time.monotonic() + timeout
+        while not self.server.started:
+            if time.monotonic() > t_end or not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def stop(self, timeout: float = 30.0) -> bool:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`lmtail serve` on argv (the top-level CLI's parser, checks and one-line errors)."""
+    from ..cli import main as lmtail_main
+
+    return lmtail_main(["serve", *(sys.argv[1:] if argv is None else argv)])

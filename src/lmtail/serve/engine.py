@@ -1,0 +1,422 @@
+"""The continuous-batching engine: one thread owns the model and runs the decode loop;
+requests join the running batch after their own prefill and leave when done.
+
+    submit(Job) --queue (bounded: QueueFull past max_queue)--> engine thread:
+      loop (bounded by nothing but close()):
+        admit: each pending job is prefilled ALONE (a one-row cache, llama.forward in
+               chunks; echo jobs also get their prompt's teacher-forced logprobs), then
+               joins the batch (at most max_batch rows)
+        step:  one decode_tail over the active rows' hidden states (row-invariant), each
+               row's u drawn from its own seed at its own position; tokens appended,
+               finished rows leave; then batch.step_rows (per-row caches) for the rest
+
+A row's tokens and logprobs are therefore the bytes of the same request served alone,
+whatever joins or leaves around it (tests/test_serve.py: bit for bit, with joins and
+leaves, against llama.forward + decode_tail on one row). Events go to the job's `sink`
+(called on the engine thread; the HTTP layer hands them to its event loop):
+Prompt (echo logprobs), Token (one generated token, its text delta), Done, Failed.
+
+Seeds: every job carries one (the HTTP layer picks one from os.urandom for a request
+without): the draw for the token at position p is numerics.draw_u(seed, p), p =
+len(prompt) + tokens generated so far, as in lmtail generate.
+
+Shape legend: R active rows, H hidden, V vocab, k candidates, P prompt positions.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..kernels.rowmass import row_mass
+from ..model.gguf_loader import ModelBundle
+from ..model.llama import KVCache, Ops, forward, lmtail_ops
+from ..numerics import log64
+from ..sampler import SamplingParams, sampling_tensor
+from ..tail import decode_tail
+from . import batch
+
+PREFILL_CHUNK = 256  # prompt positions per forward call (cache-invariant: no byte depends on it)
+SCORE_ROWS = 64  # positions per teacher-forced tail call
+
+
+class QueueFull(RuntimeError):
+    """submit() found max_queue jobs already waiting."""
+
+
+class Closed(RuntimeError):
+    """submit() after close()."""
+
+
+# ---------------------------------------------------------------------------------------
+# jobs and events
+# ---------------------------------------------------------------------------------------
+@dataclass
+class Job:
+    """One request as the engine sees it (validated by the HTTP layer).
+
+    prompt_ids: the prompt's token ids (>= 1); params: SamplingParams with `seed` set;
+    max_tokens >= 0 (0: only the echo logprobs); stop: strings that end the text (not
+    included); logprobs: None (none) or n >= 0 alternatives per token; echo_logprobs:
+    report the prompt's teacher-forced logprobs; sink(event) on the engine thread."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    sink: Callable
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    echo_logprobs: bool = False
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.monotonic)
+
+    def cancel(self) -> None:
+        """Ask the engine to drop this job at its next step (frees its slot)."""
+        self.cancelled.set()
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Teacher-forced logprobs of prompt tokens 1..P-1 (token 0 has none)."""
+
+    logprobs: list[float]  # [P - 1] fp32 values
+    top: list[list[tuple[int, float]]] | None  # [P - 1] x n (id, logprob), with logprobs=n
+
+
+@dataclass(frozen=True)
+class Token:
+    """One generated token: id, its logprob (fp32 value), top alternatives, and the text
+    that became visible with it (may be "": held back for a stop string or a partial
+    UTF-8 character)."""
+
+    id: int
+    logprob: float
+    top: list[tuple[int, float]] | None
+    text: str
+    special: bool  # a stop token (end of turn / text): no text of its own
+
+
+@dataclass(frozen=True)
+class Done:
+    """The job finished: finish_reason "stop" (a stop token or string) or "length"."""
+
+    finish_reason: str
+    completion_tokens: int
+    text: str  # the full completion text (stop string excluded)
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The job was dropped: cancelled, engine closed, or an error (message)."""
+
+    message: str
+
+
+# ---------------------------------------------------------------------------------------
+# logprobs from the tail's mirror (the sampler's declared numerics)
+# ---------------------------------------------------------------------------------------
+def mirror_lse(logits: torch.Tensor) -> torch.Tensor:
+    """The sampler's full-row log-sum-exp at T = 1 of logits [R, V] fp32: lse1 =
+    m + log64(s) of kernels.rowmass.row_mass over the bf16 mirror widened to float64
+    (sampler.sampling_plan's `lse1`). Returns [R] float64."""
+    row64 = logits.to(torch.bfloat16).double()  # [R, V]
+    m, s, _ = row_mass(row64, torch.ones(row64.shape[0], dtype=torch.float64))
+    return m + log64(s)
+
+
+def values_logprobs(values: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """fp32(v - lse1) for bf16 (or bf16-exact) values [R, n] and lse [R] float64: the
+    sampler's logprob of a token whose mirror value is v. Returns [R, n] fp32."""
+    return (values.double() - lse[:, None]).to(torch.float32)
+
+
+# ---------------------------------------------------------------------------------------
+# text: incremental decode with stop strings
+# ---------------------------------------------------------------------------------------
+class TextTracker:
+    """The visible completion text of a growing id list: special ids contribute no text;
+    text is held back while it ends in a partial UTF-8 character (U+FFFD) or in a prefix
+    of a stop string; a stop string ends the text before it."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]):
+        self.tok, self.stop = tokenizer, stop
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def feed(self, token_id: int) -> tuple[str, bool]:
+        """(new visible text, stop string hit) after appending token_id."""
+        self.ids.append(token_id)
+        text = self.tok.decode(self.ids)
+        for s in self.stop:
+            at = text.find(s)
+            if at >= 0:
+                return self._advance(text[:at]), True
+        hold = 1 if text.endswith("\ufffd") else 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), hold, -1):
+                if text.endswith(s[:n]):
+                    hold = n
+                    break
+        return self._advance(text[:len(text) - hold]), False
+
+    def flush(self) -> str:
+        """The rest of the text (at the end of a job that did not hit a stop string)."""
+        return self._advance(self.tok.decode(self.ids))
+
+    def _advance(self, visible: str) -> str:
+        if len(visible) <= len(self.sent) or not visible.startswith(self.sent):
+            return ""
+        delta, self.sent = visible[len(self.sent):], visible
+        return delta
+
+
+# ---------------------------------------------------------------------------------------
+# one active row
+# ---------------------------------------------------------------------------------------
+@dataclass
+class Row:
+    """An active request: its one-row cache (grown as needed), the hidden state the next
+    tail step reads, its text so far, and how many tokens it has generated."""
+
+    job: Job
+    cache: KVCache
+    x: torch.Tensor  # [H] fp32: the hidden state the next tail step reads
+    text: TextTracker
+    generated: int = 0
+
+    @property
+    def position(self) -> int:
+        """The position of the token the next step emits."""
+        return len(self.job.prompt_ids) + self.generated
+
+
+class Engine:
+    """Owns `bundle` on one thread (start()); submit() jobs from any thread.
+
+    max_batch: active rows at most; max_queue: waiting jobs at most (QueueFull beyond);
+    k: the tail's candidate count (top_k must be <= k; the same k for every request, so a
+    request's bytes never depend on its neighbours' top_k); body: "batched"
+    (batch.step_rows, the default) or "rows" (llama.forward per row: the reference);
+    ops: the declared body (llama.lmtail_ops())."""
+
+    def __init__(self, bundle: ModelBundle, *, max_batch: int = 16, max_queue: int = 64, k: int = 256,
+                 body: str = "batched", ops: Ops | None = None):
+        if max_batch < 1 or max_queue < 0:
+            raise ValueError(f"max_batch must be >= 1 and max_queue >= 0; got {max_batch}, {max_queue}")
+        if body not in ("batched", "rows"):
+            raise ValueError(f"body must be 'batched' or 'rows'; got {body!r}")
+        if not 1 <= k <= bundle.config.vocab:
+            raise ValueError(f"k must be in [1, {bundle.config.vocab}]; got {k}")
+        self.bundle, self.max_batch, self.max_queue, self.k, self.body = bundle, max_batch, max_queue, k, body
+        self.ops = lmtail_ops() if ops is None else ops
+        if self.ops.body != "declared":
+            raise ValueError(f"ops.body must be 'declared'; got {self.ops.body!r}")
+        self._pending: collections.deque[Job] = collections.deque()
+        self._rows: list[Row] = []
+        self._cv = threading.Condition()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0  # decode steps run (a counter for /health and the tests)
+        self.max_rows_seen = 0
+
+    # ---- the public side ----------------------------------------------------------------
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def start(self) -> "Engine":
+        """Start the engine thread (once)."""
+        if self._thread is not None:
+            raise RuntimeError("the engine is already started")
+        self._thread = threading.Thread(target=self._run, name="lmtail-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def submit(self, job: Job) -> None:
+        """Queue a job (Closed after close(); QueueFull when max_queue jobs wait)."""
+        with self._cv:
+            if self._closing:
+                raise Closed("the engine is shutting down")
+            if len(self._pending) >= self.max_queue:
+                raise QueueFull(f"{len(self._pending)} requests are already waiting")
+            self._pending.append(job)
+            self._cv.notify()
+
+    def load(self) -> dict:
+        """{"active": rows decoding, "waiting": jobs queued, "steps": decode steps so far}."""
+        with self._cv:
+            return {"active": len(self._rows), "waiting": len(self._pending), "steps": self.steps}
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """Stop: waiting and active jobs get Failed("server shutting down"); the thread
+        is joined for at most `timeout` s. True when it ended."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        if self._thread is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    # ---- the engine thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._pending or self._rows or self._closing):
+                    self._cv.wait()
+                if self._closing:
+                    dropped = list(self._pending) + [r.job for r in self._rows]
+                    self._pending.clear()
+                    self._rows = []
+                    break
+                admit = []
+                while self._pending and len(self._rows) + len(admit) < self.max_batch:
+                    admit.append(self._pending.popleft())
+            for job in admit:
+                self._guard(job, self.admit)
+            if self._rows:
+                try:
+                    self.step()
+                except Exception as e:  # a bug: fail the rows, keep serving
+                    rows, self._rows = self._rows, []
+                    for r in rows:
+                        _emit(r.job, Failed(f"engine error: {e!r}"))
+        for job in dropped:
+            _emit(job, Failed("server shutting down"))
+
+    def _guard(self, job: Job, fn) -> None:
+        try:
+            fn(job)
+        except Exception as e:
+            _emit(job, Failed(f"engine error: {e!r}"))
+
+    def admit(self, job: Job) -> None:
+        """Prefill job alone; emit its echo logprobs; join the batch (or finish). The
+        engine thread's first move (public so tests can drive a schedule without it)."""
+        if job.cancelled.is_set():
+            _emit(job, Failed("cancelled"))
+            return
+        cfg, ids = self.bundle.config, job.prompt_ids
+        first = min(max(job.max_tokens, 1), batch.GROW_SLOTS)  # slots past the prompt; grown as needed
+        cache = batch.row_cache(cfg, min(cfg.context_length, len(ids) + first))
+        x, prompt = self._prefill(ids, cache, job.logprobs if job.echo_logprobs else None)
+        if prompt is not None:
+            _emit(job, prompt)
+        row = Row(job=job, cache=cache, x=x, text=TextTracker(self.bundle.tokenizer, job.stop))
+        if job.max_tokens == 0:
+            _emit(job, Done("length", 0, ""))
+            return
+        with self._cv:
+            self._rows.append(row)
+            self.max_rows_seen = max(self.max_rows_seen, len(self._rows))
+
+    def _prefill(self, ids: list[int], cache: KVCache, echo_n: int | None):
+        """llama.forward over ids in chunks; returns (h of the last position [H], Prompt or None)."""
+        t = torch.tensor([ids], dtype=torch.int64)  # [1, P]
+        hs = []
+        for t0 in range(0, len(ids), PREFILL_CHUNK):
+            h, _ = forward(self.bundle, t[:, t0:t0 + PREFILL_CHUNK], cache, ops=self.ops)  # [1, c, H]
+            hs.append(h[0])
+        hall = torch.cat(hs)  # [P, H]
+        prompt = None
+        if echo_n is not None and len(ids) == 1:
+            prompt = Prompt([], [] if echo_n else None)
+        elif echo_n is not None:
+            lps, top = score_positions(self.bundle, hall[:-1], torch.tensor(ids[1:]), n=echo_n)
+            prompt = Prompt(lps, top)
+        return hall[-1].contiguous(), prompt
+
+    def step(self) -> None:
+        """One tail step over the active rows, then one body step for those still active
+        (the engine thread's second move)."""
+        rows = [r for r in self._rows if not r.job.cancelled.is_set()]
+        for r in self._rows:
+            if r.job.cancelled.is_set():
+                _emit(r.job, Failed("cancelled"))
+        if not rows:
+            with self._cv:
+                self._rows = []
+            return
+        x = torch.stack([r.x for r in rows])  # [R, H]
+        sp = self.step_params(rows)  # [R, 5]
+        want = [r.job.logprobs is not None and r.job.logprobs > 0 for r in rows]
+        out = decode_tail(x, self.bundle.final_norm, self.bundle.lm_head_weight_t, eps=self.bundle.config.eps,
+                          k=self.k, sampling_params=sp, emit_logits=any(want))
+        lse = mirror_lse(out.logits[torch.tensor(want)]) if any(want) else None  # [R_want]
+        keep, w = [], 0
+        stop_ids = self.bundle.tokenizer.stop_ids
+        for i, r in enumerate(rows):
+            tid, lp = int(out.tokens[i]), float(out.logprobs[i])
+            top = None
+            if want[i]:
+                n = r.job.logprobs
+                vals = values_logprobs(out.topk_values[i:i + 1, :n], lse[w:w + 1])[0]  # [n]
+                top = list(zip(out.topk_indices[i, :n].tolist(), vals.tolist()))
+                w += 1
+            r.generated += 1
+            special = tid in stop_ids
+            delta, hit = ("", False) if special else r.text.feed(tid)
+            finish = "stop" if special or hit else ("length" if r.generated >= r.job.max_tokens else None)
+            if finish is not None and not hit:
+                delta += r.text.flush()
+            _emit(r.job, Token(tid, lp, top, delta, special))
+            if finish is not None:
+                _emit(r.job, Done(finish, r.generated, r.text.sent))
+            else:
+                keep.append((r, tid))
+        self.steps += 1
+        if keep:
+            self._body([r for r, _ in keep], torch.tensor([t for _, t in keep], dtype=torch.int64))
+        with self._cv:
+            self._rows = [r for r, _ in keep]
+
+    def step_params(self, rows: list[Row]) -> torch.Tensor:
+        """[R, 5] fp32 sampling rows: each row's params, u drawn at ITS OWN position."""
+        return sampling_tensor([r.job.params for r in rows], positions=[r.position for r in rows])
+
+    def _body(self, rows: list[Row], tokens: torch.Tensor) -> None:
+        """Feed each row's new token through the body; row.x becomes its next hidden state."""
+        cfg = self.bundle.config
+        for r in rows:
+            r.cache = batch.grow(cfg, r.cache, r.cache.length + 1)
+        if self.body == "batched":
+            h = batch.step_rows(self.bundle, tokens, [r.cache for r in rows], self.ops)  # [R, H]
+        else:
+            h = torch.cat([forward(self.bundle, tokens[i, None, None], r.cache, ops=self.ops)[0][0]
+                           for i, r in enumerate(rows)])  # [R, H]
+        for i, r in enumerate(rows):
+            r.x = h[i].contiguous()
+
+
+def _emit(job: Job, event) -> None:
+    try:
+        job.sink(event)
+    except Exception:  # a sink that fails (its client is gone) must not stop the engine
+        job.cancel()
+
+
+def score_positions(bundle: ModelBundle, h: torch.Tensor, targets: torch.Tensor, *, n: int | None,
+                    k: int = 1) -> tuple[list[float], list[list[tuple[int, float]]] | None]:
+    """Teacher-forced logprobs: row p of h [P', H] (the hidden state at position p) scores
+    targets[p] (the token at p + 1), by the tail's norm + head GEMM (decode_tail, no
+    sampling) and the sampler's declared logprob fp32(v - lse1): the bytes decode_tail
+    reports when it emits that token from that hidden state. n: top alternatives per
+    position (None: none). Returns ([P'] floats, [P'] x n (id, logprob) or None)."""
+    lps: list[float] = []
+    tops: list[list[tuple[int, float]]] | None = [] if n else None
+    cfg = bundle.config
+    for p0 in range(0, h.shape[0], SCORE_ROWS):
+        hb = h[p0:p0 + SCORE_ROWS].contiguous()  # [c, H]
+        out = decode_tail(hb, bundle.final_norm, bundle.lm_head_weight_t, eps=cfg.eps, k=max(k, n or 1),
+                          emit_logits=True)
+        lse = mirror_lse(out.logits)  # [c]
+        v = out.logits.to(torch.bfloat16).gather(1, targets[p0:p0 + SCORE_ROWS, None])  # [c, 1]
+        lps += values_logprobs(v, lse)[:, 0].tolist()
+        if n:
+            tv = values_logprobs(out.topk_values[:, :n], lse)  # [c, n]
+            tops += [list(zip(ids, vals)) for ids, vals in zip(out.topk_indices[:, :n].tolist(), tv.tolist())]
+    return lps, tops

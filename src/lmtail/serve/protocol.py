@@ -1,0 +1,329 @@
+"""The OpenAI request bodies: parsing and validation into one typed Request, and the
+token / logprob formatting of the responses.
+
+Every field is checked by one table (FIELDS: name -> endpoint set, check); an unknown
+field, a wrong type or an out-of-range value is an ApiError (HTTP 400, OpenAI's error
+shape, `param` naming the field). Supported: model, messages | prompt, max_tokens
+(max_completion_tokens), temperature [0, 2], top_p (0, 1], top_k (vLLM: -1 or 0 off,
+1..k), min_p [0, 1], seed (int64; absent: one from os.urandom, reported back), stop
+(a string or up to 4), stream, stream_options.include_usage, n = 1, logprobs
+(chat: bool + top_logprobs 0..20; completions: int 0..20), echo (completions), user;
+presence_penalty / frequency_penalty only at 0 (not implemented otherwise).
+
+Shape legend: none (JSON values).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from ..sampler import SamplingParams
+
+MAX_LOGPROBS = 20
+MAX_STOP = 4
+INT64 = (-(1 << 63), (1 << 63) - 1)
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the legacy completions API's default
+
+
+class ApiError(Exception):
+    """An OpenAI-shaped error: status, message, param (the field), type, code."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(param: str, expected: str, got) -> ApiError:
+    return ApiError(400, f"{param} must be {expected}; got {got!r:.200}", param=param)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One validated request. prompt_ids: the tokens the model sees; params: with the seed
+    (given or picked); logprobs: None, or n alternatives (chat: top_logprobs)."""
+
+    kind: str  # "chat" | "completions"
+    model: str
+    prompt_ids: list[int]
+    prompt_text: str
+    params: SamplingParams
+    seed: int
+    max_tokens: int
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    logprobs: int | None
+    echo: bool
+
+
+# ---------------------------------------------------------------------------------------
+# field checks: value -> normalized value, or raise ApiError via bad()
+# ---------------------------------------------------------------------------------------
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _num_in(lo, hi, *, lo_open=False):
+    def check(name, v):
+        if v is None:
+            return None
+        ok = _is_num(v) and (v > lo if lo_open else v >= lo) and v <= hi
+        if not ok:
+            raise bad(name, f"a number in {'(' if lo_open else '['}{lo}, {hi}]", v)
+        return float(v)
+    return check
+
+
+def _int_in(lo, hi):
+    def check(name, v):
+        if v is None:
+            return None
+        if not (_is_int(v) and lo <= v <= hi):
+            raise bad(name, f"an integer in [{lo}, {hi}]", v)
+        return v
+    return check
+
+
+def _bool(name, v):
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise bad(name, "a boolean", v)
+    return v
+
+
+def _str(name, v):
+    if v is not None and not isinstance(v, str):
+        raise bad(name, "a string", v)
+    return v
+
+
+def _zero(name, v):
+    if v is not None and not (_is_num(v) and v == 0):
+        raise bad(name, "0 (not supported otherwise)", v)
+    return v
+
+
+def _stop(name, v):
+    if v is None:
+        return ()
+    items = [v] if isinstance(v, str) else v
+    if not (isinstance(items, list) and len(items) <= MAX_STOP and all(isinstance(s, str) and s for s in items)):
+        raise bad(name, f"a non-empty string or a list of at most {MAX_STOP} non-empty strings", v)
+    return tuple(items)
+
+
+def _stream_options(name, v):
+    if v is None:
+        return False
+    if not isinstance(v, dict) or set(v) - {"include_usage"} or not isinstance(v.get("include_usage", False), bool):
+        raise bad(name, 'an object {"include_usage": bool}', v)
+    return v.get("include_usage", False)
+
+
+def _messages(name, v):
+    ok = isinstance(v, list) and v
+    out = []
+    for i, m in enumerate(v if ok else []):
+        if (not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant")
+                or set(m) - {"role", "content", "name"}):
+            raise bad(f"{name}[{i}]", 'an object {"role": system|user|assistant, "content": ...}', m)
+        c = m.get("content")
+        if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                       and isinstance(p.get("text"), str) for p in c):
+            c = "".join(p["text"] for p in c)
+        if not isinstance(c, str):
+            raise bad(f"{name}[{i}].content", "a string (or a list of text parts)", c)
+        out.append({"role": m["role"], "content": c})
+    if not out:
+        raise bad(name, "a non-empty list of messages", v)
+    return out
+
+
+def _prompt(name, v):
+    """A string, a list of token ids, or a list holding one of those (n = 1)."""
+    if isinstance(v, list) and len(v) == 1 and (isinstance(v[0], str) or isinstance(v[0], list)):
+        v = v[0]
+    if isinstance(v, str) and v:
+        return v
+    if isinstance(v, list) and v and all(_is_int(t) for t in v):
+        return list(v)
+    raise bad(name, "a non-empty string or a non-empty list of token ids (one prompt)", v)
+
+
+BOTH, CHAT, COMP = ("chat", "completions"), ("chat",), ("completions",)
+FIELDS = {
+    "model": (BOTH, _str),
+    "messages": (CHAT, _messages),
+    "prompt": (COMP, _prompt),
+    "max_tokens": (BOTH, None),  # checked with the prompt length
+    "max_completion_tokens": (CHAT, None),
+    "temperature": (BOTH, _num_in(0, 2)),
+    "top_p": (BOTH, _num_in(0, 1, lo_open=True)),
+    "top_k": (BOTH, None),  # checked against the server's k
+    "min_p": (BOTH, _num_in(0, 1)),
+    "seed": (BOTH, _int_in(*INT64)),
+    "stop": (BOTH, _stop),
+    "stream": (BOTH, _bool),
+    "stream_options": (BOTH, _stream_options),
+    "n": (BOTH, _int_in(1, 1)),
+    "user": (BOTH, _str),
+    "presence_penalty": (BOTH, _zero),
+    "frequency_penalty": (BOTH, _zero),
+    "logprobs": (BOTH, None),  # bool (chat) or int (completions)
+    "top_logprobs": (CHAT, _int_in(0, MAX_LOGPROBS)),
+    "echo": (COMP, _bool),
+}
+
+
+def parse(kind: str, body, *, tokenizer, model: str, context: int, k: int) -> Request:
+    """Validate a request body (already JSON-decoded) for endpoint `kind` ("chat" or
+    "completions"); ApiError naming the first bad field. context: the model's context
+    length (prompt + max_tokens must fit); k: the largest top_k the server takes."""
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object; got {type(body).__name__}")
+    for name in body:
+        if name not in FIELDS or kind not in FIELDS[name][0]:
+            raise ApiError(400, f"Unrecognized request argument supplied: {name}", param=name)
+    v = {}
+    for name, (_, check) in FIELDS.items():
+        if check is not None and kind in FIELDS[name][0]:
+            v[name] = check(name, body.get(name))
+    need = "messages" if kind == "chat" else "prompt"
+    if need not in body or "model" not in body or v["model"] is None:
+        missing = "model" if "model" not in body or v["model"] is None else need
+        raise ApiError(400, f"{missing} is required", param=missing)
+    if v["model"] != model:
+        raise ApiError(404, f"The model {v['model']!r} does not exist (this server has {model!r})",
+                       param="model", code="model_not_found")
+    if v["stream_options"] and not v["stream"]:
+        raise bad("stream_options", "given only with stream=true", body["stream_options"])
+    logprobs, echo = _logprobs(kind, body, v), bool(v.get("echo"))
+    if kind == "chat":
+        text = tokenizer.apply_chat_template(v["messages"])
+        ids = tokenizer.encode(text)
+    elif isinstance(v["prompt"], str):
+        text, ids = v["prompt"], tokenizer.encode(v["prompt"])
+    else:
+        ids = v["prompt"]
+        bad_id = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
+        if bad_id:
+            raise bad("prompt", f"token ids in [0, {tokenizer.vocab_size})", bad_id[0])
+        text = tokenizer.decode(ids, skip_special=False)
+    if not ids:
+        raise bad(need, "a prompt of at least one token", body[need])
+    if len(ids) >= context:
+        raise ApiError(400, f"{need} must be shorter than the context ({context} tokens); got {len(ids)} tokens",
+                       param=need)
+    max_tokens = _max_tokens(kind, body, len(ids), context, echo)
+    top_k = body.get("top_k")
+    if top_k is not None and not (_is_int(top_k) and (top_k == -1 or 0 <= top_k <= k)):
+        raise bad("top_k", f"an integer in [0, {k}] or -1 (0 and -1 disable it)", top_k)
+    seed = v["seed"] if v["seed"] is not None else int.from_bytes(os.urandom(8), "little") >> 1
+    temperature = 1.0 if v["temperature"] is None else v["temperature"]
+    params = SamplingParams(top_k=max(top_k or 0, 0), top_p=1.0 if v["top_p"] is None else v["top_p"],
+                            temperature=temperature, min_p=v["min_p"] or 0.0, seed=seed)
+    return Request(kind=kind, model=model, prompt_ids=list(ids), prompt_text=text, params=params, seed=seed,
+                   max_tokens=max_tokens, stop=v["stop"], stream=bool(v["stream"]),
+                   include_usage=bool(v["stream_options"]), logprobs=logprobs, echo=echo)
+
+
+def _logprobs(kind: str, body: dict, v: dict) -> int | None:
+    lp = body.get("logprobs")
+    if kind == "chat":
+        _bool("logprobs", lp)
+        top = v["top_logprobs"]
+        if top is not None and not lp:
+            raise bad("top_logprobs", "given only with logprobs=true", top)
+        return (top or 0) if lp else None
+    if v["echo"] and lp is None:
+        return None
+    return _int_in(0, MAX_LOGPROBS)("logprobs", lp)
+
+
+def _max_tokens(kind: str, body: dict, n_prompt: int, context: int, echo: bool) -> int:
+    name = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
+    mt = body.get(name)
+    room = context - n_prompt
+    if mt is None:
+        return room if kind == "chat" else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
+    lo = 0 if echo else 1
+    if not (_is_int(mt) and lo <= mt):
+        hint = " (0 only with echo)" if not echo and kind == "completions" else ""
+        raise bad(name, f"an integer >= {lo}{hint}", mt)
+    if mt > room:
+        raise ApiError(400, f"{name} must be <= {room} (context {context} - {n_prompt} prompt tokens); got {mt}",
+                       param=name)
+    return mt
+
+
+# ---------------------------------------------------------------------------------------
+# tokens as the API shows them
+# ---------------------------------------------------------------------------------------
+def _byte_decoder() -> dict[str, int]:
+    """The inverse of GPT-2's bytes_to_unicode (the ByteLevel alphabet)."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTES = _byte_decoder()
+
+
+def token_bytes(tokenizer, tid: int) -> bytes:
+    """The raw bytes of token `tid` (a special token: its name in UTF-8)."""
+    s = tokenizer.backend.id_to_token(tid)
+    if tid in tokenizer.special_ids or s is None or any(c not in _BYTES for c in s):
+        return (s or "").encode()
+    return bytes(_BYTES[c] for c in s)
+
+
+def token_str(tokenizer, tid: int) -> str:
+    return token_bytes(tokenizer, tid).decode("utf-8", errors="replace")
+
+
+def chat_logprob(tokenizer, tid: int, lp: float, top) -> dict:
+    """One entry of choices[].logprobs.content (chat)."""
+    b = token_bytes(tokenizer, tid)
+    return {"token": b.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(b),
+            "top_logprobs": [{"token": token_str(tokenizer, i), "logprob": v, "bytes": list(token_bytes(tokenizer, i))}
+                             for i, v in (top or [])]}
+
+
+class CompletionLogprobs:
+    """choices[].logprobs of the legacy completions API, built token by token."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.tokens, self.token_logprobs, self.top_logprobs, self.text_offset = [], [], [], []
+        self.offset = 0
+
+    def add(self, tid: int, lp: float | None, top) -> None:
+        s = token_str(self.tok, tid)
+        self.tokens.append(s)
+        self.token_logprobs.append(lp)
+        self.top_logprobs.append(None if top is None else {token_str(self.tok, i): v for i, v in top})
+        self.text_offset.append(self.offset)
+        self.offset += len(s)
+
+    def take(self) -> dict:
+        """The entries added since the last take() (streaming) or all of them."""
+        out = {"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top_logprobs,
+               "text_offset": self.text_offset}
+        self.tokens, self.token_logprobs, self.top_logprobs, self.text_offset = [], [], [], []
+        return out
