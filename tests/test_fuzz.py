@@ -35,6 +35,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import bits
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -62,10 +63,6 @@ META = torch.device("meta")
 # ---------------------------------------------------------------------------------------
 # shared helpers
 # ---------------------------------------------------------------------------------------
-def bits(t: torch.Tensor) -> torch.Tensor:
-    views = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
-             torch.float64: torch.int64}
-    return t.view(views[t.dtype]) if t.dtype in views else t
 
 
 def same(a, b) -> bool:

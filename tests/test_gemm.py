@@ -16,6 +16,7 @@ import numba
 import numpy as np
 import pytest
 import torch
+from conftest import same_bits
 
 from lmtail.kernels import cpu
 from lmtail.kernels import gemm as G
@@ -74,8 +75,6 @@ def underflow_data(M, H, V, seed):
     return _bf16(a.float() * 2.0**-70), _bf16(w.float() * 2.0**-70)
 
 
-def same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
-    return x.shape == y.shape and torch.equal(x.view(torch.int32), y.view(torch.int32))
 
 
 def backend_impl(backend):
@@ -136,17 +135,17 @@ def bf16_output(a, w):
 # property checks (each returns True when the property holds)
 # ---------------------------------------------------------------------------------------
 def check_matches_reference(impl, a, w, ref=None) -> bool:
-    return same_bytes(impl(a, w), gemm_chain_emulation(a, w) if ref is None else ref)
+    return same_bits(impl(a, w), gemm_chain_emulation(a, w) if ref is None else ref)
 
 
 def check_batch_invariant(impl, a, w, Ms=(1, 2, 3, 4, 7, 8, 64, 128)) -> bool:
     full = impl(a, w)  # [M, V]
     perm = torch.randperm(a.shape[0], generator=torch.Generator().manual_seed(5))
-    ok = same_bytes(impl(a[perm], w), full[perm])
+    ok = same_bits(impl(a[perm], w), full[perm])
     for m in Ms:
         m = min(m, a.shape[0])
-        ok &= same_bytes(impl(a[:m], w), full[:m])
-        ok &= same_bytes(impl(a[m - 1:m], w), full[m - 1:m])  # solo
+        ok &= same_bits(impl(a[:m], w), full[:m])
+        ok &= same_bits(impl(a[m - 1:m], w), full[m - 1:m])  # solo
     return ok
 
 
@@ -159,7 +158,7 @@ def check_thread_invariant(impl, a, w) -> bool:
         two = impl(a, w)
     finally:
         torch.set_num_threads(before)
-    return same_bytes(one, two)
+    return same_bits(one, two)
 
 
 def check_slice_invariant(impl, a, w, cuts=((0, 1), (3, 70), (5, 600), (255, 257))) -> bool:
@@ -167,7 +166,7 @@ def check_slice_invariant(impl, a, w, cuts=((0, 1), (3, 70), (5, 600), (255, 257
     ok = True
     for c0, c1 in cuts:
         c1 = min(c1, w.shape[1])
-        ok &= same_bytes(impl(a, w[:, c0:c1].contiguous()), full[:, c0:c1])
+        ok &= same_bits(impl(a, w[:, c0:c1].contiguous()), full[:, c0:c1])
     return ok
 
 
@@ -220,7 +219,7 @@ def test_matches_reference_special_values(backend, shape):
     for seed in seeds:
         a, w, ref = cached_case(special_data, *shape, seed)
         out = backend_impl(backend)(a, w)
-        assert same_bytes(out, ref), (backend, shape, seed)
+        assert same_bits(out, ref), (backend, shape, seed)
         nan = torch.isnan(ref)
         assert 0 < nan.sum() < nan.numel()  # the data really mixes NaN and numbers
         assert bool((ref.view(torch.int32)[nan] == 0x7FC00000).all())  # canonical NaN
@@ -324,7 +323,7 @@ def test_thread_invariant_numba_backend():
         two = impl(a, w)
     finally:
         numba.set_num_threads(before)
-    assert same_bytes(one, two)
+    assert same_bits(one, two)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -332,7 +331,7 @@ def test_repeatable(backend):
     a, w = special_data(64, 200, 600, 4, p=0.002)
     impl = backend_impl(backend)
     first = impl(a, w)
-    assert all(same_bytes(impl(a, w), first) for _ in range(3))
+    assert all(same_bits(impl(a, w), first) for _ in range(3))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -348,17 +347,17 @@ def test_row_blocks_into_preallocated_out():
     for r0, r1 in ((0, 3), (3, 11), (11, 20)):
         got = gemm_bf16_chain(a[r0:r1], w, out=blocks[r0:r1])
         assert got.data_ptr() == blocks[r0:r1].data_ptr()
-    assert same_bytes(blocks, full)
+    assert same_bits(blocks, full)
     wide = torch.full((20, 310), 7.0)  # row stride 310 > V: the pad columns stay untouched
     gemm_bf16_chain(a, w, out=wide[:, 4:304])
-    assert same_bytes(wide[:, 4:304].contiguous(), full)
+    assert same_bits(wide[:, 4:304].contiguous(), full)
     assert bool((wide[:, :4] == 7).all() and (wide[:, 304:] == 7).all())
 
 
 def test_strided_activations():
     a, w = rand_data(10, 64, 100, 4)
     at = a.t().contiguous().t()  # same values, column-major
-    assert same_bytes(gemm_bf16_chain(at, w), gemm_bf16_chain(a, w))
+    assert same_bits(gemm_bf16_chain(at, w), gemm_bf16_chain(a, w))
 
 
 def test_flush_denormal_caller_cannot_change_bits():
@@ -373,7 +372,7 @@ def test_flush_denormal_caller_cannot_change_bits():
         got = gemm_bf16_chain(a, w)
     finally:
         torch.set_flush_denormal(False)
-    assert same_bytes(got, want)
+    assert same_bits(got, want)
     assert bool((want.view(torch.int32).abs() < 0x00800000).any())  # subnormal results
 
 
@@ -381,7 +380,7 @@ def test_numba_fallback_when_c_kernel_unavailable(monkeypatch):
     a, w = special_data(7, 50, 130, 6)
     monkeypatch.setattr(G, "_c_library", lambda: None)
     assert G.available_backends("chain") == ("numba",)
-    assert same_bytes(gemm_bf16_chain(a, w), gemm_chain_emulation(a, w))
+    assert same_bits(gemm_bf16_chain(a, w), gemm_chain_emulation(a, w))
 
 
 def test_empty_and_zero_depth():
@@ -551,8 +550,8 @@ def test_amx32_backends_match_reference(shape):
     for b in EMULATIONS:
         if b == "c" and shape[0] * shape[1] * shape[2] > 3e6:
             continue  # the plain C path is checked on the smaller shapes (it is slow)
-        assert same_bytes(gemm_bf16(a, w, order="amx32", backend=b), ref), (b, shape)
-        assert same_bytes(gemm_bf16(a, pw, order="amx32", backend=b), ref), (b, shape, "packed")
+        assert same_bits(gemm_bf16(a, w, order="amx32", backend=b), ref), (b, shape)
+        assert same_bits(gemm_bf16(a, pw, order="amx32", backend=b), ref), (b, shape, "packed")
 
 
 @pytest.mark.parametrize("maker", [special_data, underflow_data_ftz])
@@ -563,7 +562,7 @@ def test_amx32_special_values(maker, shape):
         a, w, ref = amx32_case(maker, *shape, seed)
         for b in EMULATIONS:
             for ww in (w, pack_weight(w)):
-                assert same_bytes(gemm_bf16(a, ww, order="amx32", backend=b), ref), (b, seed)
+                assert same_bits(gemm_bf16(a, ww, order="amx32", backend=b), ref), (b, seed)
         bits = ref.view(torch.int32)
         if maker is special_data:
             nan = torch.isnan(ref)
@@ -585,8 +584,8 @@ def test_amx_matches_emulation():
                          (underflow_data_ftz, (16, 576, 50))):
         a, w = maker(*shape, 0)
         want = gemm_bf16(a, w, order="amx32", backend=EMULATIONS[0])
-        assert same_bytes(gemm_bf16(a, w, order="amx32", backend="amx"), want), shape
-        assert same_bytes(gemm_bf16(a, pack_weight(w), order="amx32", backend="amx"), want)
+        assert same_bits(gemm_bf16(a, w, order="amx32", backend="amx"), want), shape
+        assert same_bits(gemm_bf16(a, pack_weight(w), order="amx32", backend="amx"), want)
 
 
 # ---------------------------------------------------------------------------------------
@@ -718,7 +717,7 @@ def test_amx32_reference_is_exact_rational_arithmetic():
     for maker in (rand_data, underflow_data_ftz):
         a, w = maker(2, 45, 3, 7)
         a.view(torch.int16)[0, 3] = 0x0041  # a subnormal input
-        assert same_bytes(amx32_ref(a, w), _amx32_rational(a, w)), maker.__name__
+        assert same_bits(amx32_ref(a, w), _amx32_rational(a, w)), maker.__name__
 
 
 # ---------------------------------------------------------------------------------------
@@ -731,8 +730,8 @@ def test_amx32_batch_thread_layout_invariant(backend):
     assert check_thread_invariant(amx32_impl(backend), a, w)
     assert check_slice_invariant(amx32_impl(backend), a[:9], w)
     one = amx32_impl(backend, threads=1)(a, w)
-    assert same_bytes(amx32_impl(backend, packed=True, threads=2)(a, w), one)
-    assert all(same_bytes(amx32_impl(backend, threads=2)(a, w), one) for _ in range(2))
+    assert same_bits(amx32_impl(backend, packed=True, threads=2)(a, w), one)
+    assert all(same_bits(amx32_impl(backend, threads=2)(a, w), one) for _ in range(2))
 
 
 def test_amx32_many_rows_few_columns_split_rows_over_threads():
@@ -740,8 +739,8 @@ def test_amx32_many_rows_few_columns_split_rows_over_threads():
     a, w = rand_data(300, 576, 192, 4)
     for b in EMULATIONS:
         one = amx32_impl(b, threads=1)(a, w)
-        assert same_bytes(amx32_impl(b, threads=2)(a, w), one), b
-    assert same_bytes(one, amx32_ref(a, w))
+        assert same_bits(amx32_impl(b, threads=2)(a, w), one), b
+    assert same_bits(one, amx32_ref(a, w))
 
 
 def test_amx32_few_rows_split_columns_over_threads():
@@ -756,7 +755,7 @@ def test_amx32_few_rows_split_columns_over_threads():
             for threads in (1, 2, 3):
                 for ww in (w, pack_weight(w)):
                     got = gemm_bf16(a, ww, order="amx32", backend=b, threads=threads)
-                    assert same_bytes(got, ref), (M, H, V, b, threads)
+                    assert same_bits(got, ref), (M, H, V, b, threads)
 
 
 def test_amx32_thread_pool_concurrent_callers():
@@ -771,7 +770,7 @@ def test_amx32_thread_pool_concurrent_callers():
     def loop():
         for _ in range(30):
             for b in EMULATIONS:
-                if not same_bytes(gemm_bf16(a, w, order="amx32", backend=b, threads=2), ref):
+                if not same_bits(gemm_bf16(a, w, order="amx32", backend=b, threads=2), ref):
                     bad.append(b)
 
     ts = [threading.Thread(target=loop) for _ in range(2)]
@@ -796,7 +795,7 @@ def test_amx32_thread_pool_after_fork():
         try:
             before = lib.lmtail_amx32_pool_helpers()
             got = gemm_bf16(a, w, order="amx32", backend=EMULATIONS[0], threads=2)
-            ok = before == 0 and lib.lmtail_amx32_pool_helpers() == 1 and same_bytes(got, want)
+            ok = before == 0 and lib.lmtail_amx32_pool_helpers() == 1 and same_bits(got, want)
             os.write(wfd, b"1" if ok else b"0")
         finally:
             os._exit(0)
@@ -825,7 +824,7 @@ def test_amx32_wide_tiles_for_few_rows():
             for threads in (1, 2):
                 for ww in (w, pack_weight(w)):
                     got = gemm_bf16(a, ww, order="amx32", backend=b, threads=threads)
-                    assert same_bytes(got, ref), (M, V, b, threads)
+                    assert same_bits(got, ref), (M, V, b, threads)
 
 
 @pytest.mark.parametrize("M", range(1, 7))
@@ -841,7 +840,7 @@ def test_amx32_streamed_strips_every_row_count(M):
         for b in EMULATIONS:
             for threads in (1, 2):
                 got = gemm_bf16(a, w, order="amx32", backend=b, threads=threads)
-                assert same_bytes(got, ref), (maker.__name__, M, H, b, threads)
+                assert same_bits(got, ref), (maker.__name__, M, H, b, threads)
 
 
 def test_amx32_row_blocks_and_strides():
@@ -850,9 +849,9 @@ def test_amx32_row_blocks_and_strides():
     wide = torch.full((20, 310), 7.0)
     for r0, r1 in ((0, 3), (3, 11), (11, 20)):
         gemm_bf16(a[r0:r1], w, order="amx32", out=wide[r0:r1, 4:304])
-    assert same_bytes(wide[:, 4:304].contiguous(), full)
+    assert same_bits(wide[:, 4:304].contiguous(), full)
     assert bool((wide[:, :4] == 7).all() and (wide[:, 304:] == 7).all())
-    assert same_bytes(gemm_bf16(a.t().contiguous().t(), w, order="amx32"), full)
+    assert same_bits(gemm_bf16(a.t().contiguous().t(), w, order="amx32"), full)
 
 
 def test_amx32_caller_flush_denormal_cannot_change_bits():
@@ -864,7 +863,7 @@ def test_amx32_caller_flush_denormal_cannot_change_bits():
         got = {b: gemm_bf16(a, w, order="amx32", backend=b) for b in EMULATIONS}
     finally:
         torch.set_flush_denormal(False)
-    assert all(same_bytes(got[b], want[b]) for b in EMULATIONS)
+    assert all(same_bits(got[b], want[b]) for b in EMULATIONS)
 
 
 def test_amx32_empty_and_zero_depth():
@@ -889,11 +888,11 @@ def test_pack_weight_layout():
 # ---------------------------------------------------------------------------------------
 def test_amx32_planted_variants_are_caught():
     a, w, ref = amx32_case(rand_data, 7, 2880, 133, 2880 % 7 + 7 + 133 - 140)
-    assert same_bytes(gemm_bf16(a, w, order="amx32"), ref)
-    assert not same_bytes(gemm_bf16(a, w, order="chain"), ref)  # the sequential chain
-    assert not same_bytes(R.gemm_amx32_emulation(a, w, lane_pair_last=True), ref)
+    assert same_bits(gemm_bf16(a, w, order="amx32"), ref)
+    assert not same_bits(gemm_bf16(a, w, order="chain"), ref)  # the sequential chain
+    assert not same_bits(R.gemm_amx32_emulation(a, w, lane_pair_last=True), ref)
     a, w, ref = amx32_case(underflow_data_ftz, 9, 61, 101, 0)
-    assert not same_bytes(R.gemm_amx32_emulation(a, w, ftz=False), ref)  # no FTZ / DAZ
+    assert not same_bits(R.gemm_amx32_emulation(a, w, ftz=False), ref)  # no FTZ / DAZ
 
 
 def _adversarial_chain_data():

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import bits
 
 
 
@@ -43,9 +44,6 @@ BF = torch.bfloat16
 REPO = Path(__file__).resolve().parents[1]
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else (
-        t.view(torch.int32) if t.dtype == torch.float32 else t)
 
 
 def same(a, b) -> bool:

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import bits
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from lmtail import norms
@@ -247,8 +248,6 @@ def test_lmtail_ops_forward_nll(bundle, gpl_ids, monkeypatch):
 # ---------------------------------------------------------------------------------------
 # row invariance of the body, bitwise
 # ---------------------------------------------------------------------------------------
-def bits(t):
-    return t.contiguous().view(torch.int32)
 
 
 def rows_invariant(linear, x, w, perm) -> bool:

@@ -15,6 +15,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from conftest import same_bits
 
 from lmtail.kernels import cpu
 from lmtail.kernels import quant as Q
@@ -29,9 +30,6 @@ SEEDS = (0, 1, 2)
 ISA_NEEDS = {"avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"), "avx2": ("avx2", "fma"), "c": ()}
 
 
-def same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
-    return x.shape == y.shape and torch.equal(x.contiguous().view(torch.int32),
-                                              y.contiguous().view(torch.int32))
 
 
 def rand_weight(N, K, fmt, seed, scale=0.05) -> QuantWeight:
@@ -158,8 +156,8 @@ def test_emulation_is_the_declared_order(fmt):
     w = rand_weight(3, 96, fmt, 4)
     a = rand_a(2, 96, 4)
     want = lanes32_scalar(a.numpy(), dequantize(w).numpy())
-    assert same_bytes(lanes_emulation(a, dequantize(w)), torch.from_numpy(want))
-    assert not same_bytes(lanes_emulation(a, dequantize(w), lanes=16), torch.from_numpy(want))
+    assert same_bits(lanes_emulation(a, dequantize(w)), torch.from_numpy(want))
+    assert not same_bits(lanes_emulation(a, dequantize(w), lanes=16), torch.from_numpy(want))
 
 
 # ---------------------------------------------------------------------------------------
@@ -183,10 +181,10 @@ def test_backends_bit_equal_to_emulation(fmt, seed):
     for M, N, K in SHAPES:  # odd M and N; K = 32 * odd: not a multiple of 256
         w, a = rand_weight(N, K, fmt, seed), rand_a(M, K, seed)
         want = lanes_emulation(a, dequantize(w))
-        assert same_bytes(gemm_q(a, w, backend="torch"), want)
+        assert same_bits(gemm_q(a, w, backend="torch"), want)
         for be in C_BACKENDS:
             for th in (1, 2, 3):  # N * K = 243,808 for the first two shapes: 3 threads work
-                assert same_bytes(gemm_q(a, w, backend=be, threads=th), want), (M, N, K, be, th)
+                assert same_bits(gemm_q(a, w, backend=be, threads=th), want), (M, N, K, be, th)
 
 
 @pytest.mark.parametrize("fmt", Q.FORMATS)
@@ -194,12 +192,12 @@ def test_planted_variants_are_told_apart(fmt):
     M, N, K = 3, 41, 192
     w, a = rand_weight(N, K, fmt, 7), rand_a(M, K, 7)
     got = gemm_q(a, w)
-    assert same_bytes(got, lanes_emulation(a, dequantize(w)))
+    assert same_bits(got, lanes_emulation(a, dequantize(w)))
     for lanes in (16, 64):
-        assert not same_bytes(got, lanes_emulation(a, dequantize(w), lanes=lanes)), lanes
+        assert not same_bits(got, lanes_emulation(a, dequantize(w), lanes=lanes)), lanes
     if fmt == "Q4_1":
-        assert not same_bytes(got, lanes_emulation(a, dequantize_nibbles_swapped(w)))
-        assert not same_bytes(got, emulation_m_split(a, w))
+        assert not same_bits(got, lanes_emulation(a, dequantize_nibbles_swapped(w)))
+        assert not same_bits(got, emulation_m_split(a, w))
 
 
 def test_rows_do_not_depend_on_the_batch():
@@ -210,11 +208,11 @@ def test_rows_do_not_depend_on_the_batch():
         a = rand_a(512, 576, 8)
         full = gemm_q(a, w, threads=1)
         for M in (1, 4, 16, 100):
-            assert same_bytes(gemm_q(a[:M], w), full[:M]), M
+            assert same_bits(gemm_q(a[:M], w), full[:M]), M
         for th in (2, 3):
-            assert same_bytes(gemm_q(a, w, threads=th), full), th
-        assert same_bytes(gemm_q(a.flip(0), w), full.flip(0))
-        assert same_bytes(gemm_q(a[5:6], w), full[5:6])
+            assert same_bits(gemm_q(a, w, threads=th), full), th
+        assert same_bits(gemm_q(a.flip(0), w), full.flip(0))
+        assert same_bits(gemm_q(a[5:6], w), full[5:6])
 
 
 def test_out_and_strided_inputs():
@@ -223,10 +221,10 @@ def test_out_and_strided_inputs():
     want = gemm_q(a, w)
     buf = torch.full((6, 50), 7.0)
     res = gemm_q(a, w, out=buf[:, 2:47])
-    assert res.data_ptr() == buf[:, 2:47].data_ptr() and same_bytes(buf[:, 2:47], want)
+    assert res.data_ptr() == buf[:, 2:47].data_ptr() and same_bits(buf[:, 2:47], want)
     assert bool((buf[:, :2] == 7).all() and (buf[:, 47:] == 7).all())
     at = a.t().contiguous().t()  # column-major: same values
-    assert same_bytes(gemm_q(at, w), want)
+    assert same_bits(gemm_q(at, w), want)
     assert gemm_q(a[:0], w).shape == (0, 45)
 
 
@@ -253,13 +251,13 @@ def test_specials_and_subnormals_bit_equal(fmt):
         want = lanes_emulation(a, dequantize(w))
         for be in C_BACKENDS:
             got = gemm_q(a, w, backend=be)
-            assert same_bytes(got, want), be
+            assert same_bits(got, want), be
         nan = torch.isnan(want)
         assert bool((want[nan].view(torch.int32) == 0x7FC00000).all())
     sub = want.view(torch.int32).abs()
     assert bool(((sub > 0) & (sub < 0x00800000)).any())  # subnormal results are kept
     daz = torch.where(a.abs() < 2.0**-126, torch.zeros_like(a), a)  # planted: DAZ reads
-    assert not same_bytes(lanes_emulation(daz, dequantize(w)), want)
+    assert not same_bits(lanes_emulation(daz, dequantize(w)), want)
 
 
 def test_caller_flush_denormal_cannot_change_bits():
@@ -275,7 +273,7 @@ def test_caller_flush_denormal_cannot_change_bits():
     finally:
         torch.set_flush_denormal(False)
     for be in C_BACKENDS:
-        assert same_bytes(got[be], want[be]), be
+        assert same_bits(got[be], want[be]), be
 
 
 # ---------------------------------------------------------------------------------------
@@ -315,7 +313,7 @@ def test_smollm2_real_weights():
     a = rand_a(3, 576, 12)
     for w in (wq, head):
         out = gemm_q(a, w, threads=2)
-        assert same_bytes(out, lanes_emulation(a, dequantize(w)))
+        assert same_bits(out, lanes_emulation(a, dequantize(w)))
         assert in_range(out, *gemm_q_range(a, w, gemm_q_decl(576, w.fmt))).all()
 
 
@@ -369,4 +367,4 @@ def test_torch_fallback_without_c_kernel(monkeypatch):
     monkeypatch.setattr(Q, "_library", lambda: None)
     assert Q.available_backends() == ("torch",)
     w, a = rand_weight(9, 64, "Q4_1", 14), rand_a(2, 64, 14)
-    assert same_bytes(gemm_q(a, w), lanes_emulation(a, dequantize(w)))
+    assert same_bits(gemm_q(a, w), lanes_emulation(a, dequantize(w)))

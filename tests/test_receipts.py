@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import bits
 from scipy import stats as sp
 from scipy.special import log_softmax
 
@@ -21,8 +22,6 @@ from lmtail.receipts.receipt import make_receipt, parse_comparison, select_arms
 from lmtail.receipts.texts import CANDIDATES, Passage, find_texts, read_text
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int32)
 
 
 # ---------------------------------------------------------------------------------------
