@@ -926,7 +926,7 @@ def test_amx32_range_from_the_declared_depth():
 # validation of the options
 # ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw, msg", [
-    (dict(order="pairwise"), r"order must be one of \('chain', 'amx32'\); got 'pairwise'"),
+    (dict(order="pairwise"), r"order must be one of \('chain', 'amx32', 'dp32'\); got 'pairwise'"),
     (dict(order="amx32", backend="cuda"), r"backend must be one of .* got 'cuda'"),
     (dict(order="chain", backend="avx2"), r"backend must be one of .* order='chain'"),
     (dict(order="amx32", threads=0), "threads must be an int >= 1 or None; got 0"),
@@ -942,7 +942,7 @@ def test_amx32_bad_options_write_nothing(kw, msg):
 
 def test_packed_weight_needs_amx32_and_matching_h():
     a, w = rand_data(3, 8, 5, 0)
-    with pytest.raises(ValueError, match="a PackedWeight needs order='amx32'; got order='chain'"):
+    with pytest.raises(ValueError, match="a PackedWeight needs order='amx32' or 'dp32'; got order='chain'"):
         gemm_bf16(a, pack_weight(w), order="chain")
     with pytest.raises(ValueError, match=r"H mismatch: a is \[M, H\] = \(3, 7\)"):
         gemm_bf16(a[:, :7], pack_weight(w), order="amx32")

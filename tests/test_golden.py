@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from lmtail.kernels import rows_tail as fused
+from lmtail.kernels.gemm import gemm_bf16
 from lmtail.kernels.quant import QuantWeight, gemm_q
 from lmtail.kernels.rowmass import row_mass
 from lmtail.kernels.rows_tail import rows_tail_decl
@@ -180,6 +181,7 @@ def body_outputs() -> dict:
     wide = _bf16(np.random.default_rng(7).standard_normal((8, 1000)) * 2)
     out["rows_tail.debug_mass"] = digest(_fused_mass(rows), _fused_mass(wide))
     out.update(quant_outputs())
+    out.update(dp32_outputs())
     return out
 
 
@@ -214,6 +216,19 @@ def quant_outputs() -> dict:
     a[1, ::5], a[2, :64] = 0.0, rng.standard_normal(64) * 2.0**-130  # zeros; subnormal products
     a = _f32(a)
     return {f"gemm_q.{f.lower()}": digest(gemm_q(a, _quant_weight(f, 37, 256, rng))) for f in ("Q8_0", "Q4_1")}
+
+
+def dp32_outputs() -> dict:
+    """gemm_bf16(order="dp32")'s output bits on fixed data: random (H = 2880, 61), special
+    values (NaN, +-inf, subnormals), products around 2^-126 (FTZ decides)."""
+    rng = np.random.default_rng(31)
+    a, w = _bf16(rng.standard_normal((7, 2880))), _bf16(rng.standard_normal((2880, 45)) * 0.05)
+    s_a, s_w = _bf16(rng.standard_normal((5, 61))), _bf16(rng.standard_normal((61, 33)))
+    s_a.view(torch.int16)[0, ::7], s_w.view(torch.int16)[::5, 3] = 0x7F80, 0x0041  # +inf; subnormals
+    s_a.view(torch.int16)[2, 4], s_w[6, ::2] = 0x7FC1, 0.0  # a NaN; zeros (inf * 0)
+    u_a, u_w = _bf16(rng.standard_normal((4, 260)) * 2.0**-62), _bf16(rng.standard_normal((260, 17)) * 2.0**-62)
+    return {"gemm_bf16.dp32": digest(*(gemm_bf16(x, y, order="dp32")
+                                       for x, y in ((a, w), (s_a, s_w), (u_a, u_w))))}
 
 
 def _field(out, name):
@@ -274,6 +289,9 @@ GOLDEN = {  # taken at the commit before this file was added (x86-64, the defaul
     "rows_tail.debug_mass": "fc7fbad86a5f50d0",
     "gemm_q.q8_0": "b168dd617048f98d",
     "gemm_q.q4_1": "ef5a24bd48eb256c",
+    # gemm_bf16 in the dp32 order (taken when it was added; the avx2 and c backends and
+    # reference.gemm.gemm_dp32_emulation give the same bytes)
+    "gemm_bf16.dp32": "afbe51fe2a8c88d6",
 }
 
 

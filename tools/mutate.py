@@ -205,6 +205,18 @@ MUTANTS = (
            anchor="lmtail_gemm_q("),
     Mutant("quant.decl_depth", "src/lmtail/kernels/quant.py", "depth=nb + 5,", "depth=nb // 2 + 5,",
            ("test_contract.py", "test_quant.py"), "gemm_q_decl's depth: half the lane chain"),
+    # gemm_bf16 in the dp32 order
+    Mutant("gemm_dp32.c.even_first_avx2", "src/lmtail/kernels/gemm_dp32.c",
+           "t[r][0] = _mm256_fmadd_ps(ae, we0, _mm256_fmadd_ps(ao, wo0, t[r][0]));",
+           "t[r][0] = _mm256_fmadd_ps(ao, wo0, _mm256_fmadd_ps(ae, we0, t[r][0]));",
+           K + ("test_dp32.py",), "AVX2 dp32: each pair's even lane first (columns 0-7 of a strip)",
+           anchor="lmtail_dp32_gemm("),
+    Mutant("gemm_dp32.c.acc_no_ftz_c", "src/lmtail/kernels/gemm_dp32.c",
+           "c[v] = add_ftz(first && b == 0 ? 0.0f : c[v], t[v]);",
+           "c[v] = (first && b == 0 ? 0.0f : c[v]) + t[v];",
+           ("test_dp32.py",), "plain-C dp32: the block add acc + t without FTZ", anchor="lmtail_dp32_gemm("),
+    Mutant("gemm.dp32_decl_depth", "src/lmtail/kernels/gemm.py", "depth=32 + nb,", "depth=16 + nb,",
+           ("test_dp32.py",), "gemm_decl(H, 'dp32')'s depth: half the pair chain"),
 )
 
 

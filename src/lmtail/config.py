@@ -31,7 +31,7 @@ class TailConfig:
     nan_fold (False): NaN lanes rank below -inf in top-k and carry no mass in the sampler.
     emit_logits (True): return the fp32 shard logits [gbs, V_s].
     debug_taps (False): return top-k stage taps.
-    gemm_order: the lm_head GEMM's declared order, one of kernels.gemm.ORDERS: "amx32"
+    gemm_order: the lm_head GEMM's declared order, one of kernels.gemm.TAIL_ORDERS: "amx32"
         (AMX's block order, FTZ/DAZ) or "chain" (the sequential fp32 chain); default
         kernels.gemm.DEFAULT_ORDER ("amx32"), the one default of every GEMM in lmtail.
     tail_path ("fused"): how the owned rows' top-k + sampler run, one of tail.TAIL_PATHS:

@@ -48,7 +48,7 @@ import torch
 from . import exchange
 from .checks import check_eps, gamma32, is_int, need, need_tensor, undefined_rows
 from .config import TailConfig
-from .kernels.gemm import ORDERS as GEMM_ORDERS
+from .kernels.gemm import TAIL_ORDERS as GEMM_ORDERS
 from .kernels.gemm import gemm_bf16, gemm_decl
 from .kernels import rows_tail as rows_kernel
 from .layout import validate_layout

@@ -7,6 +7,8 @@ Kinds, each run through gates 1-4 and the byte gates:
                special values and the FTZ data case by case)
   gemm.chain   the same for order="chain" (depth H, gradual underflow) and
                reference.gemm.gemm_chain_emulation
+  gemm.dp32    the same for order="dp32" (VDPBF16PS's order: DAZ inputs, FTZ slack, depth
+               32 + ceil(H/32)) and reference.gemm.gemm_dp32_emulation
 
 Data dicts ("gemm data"): a [M, H] bf16, w [H, V] bf16, order (one of kernels.gemm.ORDERS).
 Controls swap the op (another order, a wrong emulation variant, a bf16-rounded output)
@@ -25,10 +27,11 @@ from functools import partial
 import numpy as np
 import torch
 
-from ..kernels.gemm import ORDERS, gemm_bf16, gemm_decl
+from ..kernels.gemm import ORDERS, TAIL_ORDERS, gemm_bf16, gemm_decl
 from ..numerics import Decl
 from ..reference.contract import range_margin
-from ..reference.gemm import gemm_amx32_emulation, gemm_chain_emulation, gemm_range, in_range
+from ..reference.gemm import (gemm_amx32_emulation, gemm_chain_emulation, gemm_dp32_emulation,
+                              gemm_range, in_range)
 from .harness import Case, Control, Kind, Verdict, diff_outputs
 
 # bf16 bit patterns: NaN, +-inf, +-0, subnormals, the smallest normal, +-max, 2^-75, 2^64
@@ -76,7 +79,8 @@ def run_gemm(data) -> dict:
 
 def emulate_gemm(data) -> dict:
     """The declared order, one rounding at a time (reference.gemm)."""
-    emu = gemm_chain_emulation if data["order"] == "chain" else gemm_amx32_emulation
+    emu = {"chain": gemm_chain_emulation, "amx32": gemm_amx32_emulation,
+           "dp32": gemm_dp32_emulation}[data["order"]]
     return {"out": emu(data["a"], data["w"])}
 
 
@@ -115,7 +119,18 @@ def bf16_output(data) -> dict:
 
 def other_order(data) -> dict:
     """Control: the other declared order posing as this one."""
-    return {"out": gemm_bf16(data["a"], data["w"], order=next(o for o in ORDERS if o != data["order"]))}
+    return {"out": gemm_bf16(data["a"], data["w"], order=next(o for o in TAIL_ORDERS if o != data["order"]))}
+
+
+def order_as(order: str, data) -> dict:
+    """Control: gemm_bf16 in `order` posing as data["order"]."""
+    return {"out": gemm_bf16(data["a"], data["w"], order=order)}
+
+
+def dp32_variant(data, **defect) -> dict:
+    """Control: reference.gemm.gemm_dp32_emulation with one planted switch."""
+    with np.errstate(all="ignore"):  # acc_ieee / ftz=False: plain numpy adds that may overflow
+        return {"out": gemm_dp32_emulation(data["a"], data["w"], **defect)}
 
 
 def amx32_variant(data, **defect) -> dict:
@@ -187,10 +202,16 @@ def _at_bound(order, v=5):
     """Data whose `order` errs close to its declared bound (half the depth is too narrow):
       chain (H = 256): w[0] = 1, w[1:] = 5*2^-26: every add rounds up by 3/8 ulp of 1;
       amx32 (H = 64, NB = 2): w[0] = 1, the other 15 even lanes of block 0 and lane 32
-        2^-24: 16 = 14 + NB adds, each a tie back to 1, against the declared 19 u."""
+        2^-24: 16 = 14 + NB adds, each a tie back to 1, against the declared 19 u;
+      dp32 (H = 64, NB = 2): w[1] = 1 (the first lane of the chain), the other 31 lanes of
+        block 0 2^-24: 31 fmas, each a tie back to 1, against the declared 34 u."""
     h = 256 if order == "chain" else 64
     if order == "chain":
         w = torch.full((h, v), 5 * 2.0**-26)
+    elif order == "dp32":
+        w = torch.where(torch.arange(h)[:, None].expand(h, v) < 32, 2.0**-24, 0.0)
+        w[1] = 1.0
+        return dict(a=torch.ones(2, h).bfloat16(), w=w.bfloat16(), order=order)
     else:
         lane = torch.arange(h)[:, None].expand(h, v)
         w = torch.where(((lane < 32) & (lane % 2 == 0)) | (lane % 32 == 0), 2.0**-24, 0.0)
@@ -234,6 +255,22 @@ def gemm_controls() -> list[Control]:
         Control("gemm.chain.amx32_bytes", "gemm.chain", "emulate", "the amx32 order posing as the chain", other_order),
         Control("gemm.chain.bf16_output", "gemm.chain", "random", "the result rounded to bf16", bf16_output),
         Control("gemm.chain.decl_half_depth", "gemm.chain", "adversarial",
+                "the real op, its sum declared half as deep as it runs", decl=shallow_decl),
+        Control("gemm.dp32.even_first", "gemm.dp32", "emulate", "each pair's even lane before its odd lane",
+                partial(dp32_variant, even_first=True)),
+        Control("gemm.dp32.acc_not_daz", "gemm.dp32", "special",
+                "the accumulators t and acc read without DAZ and kept subnormal (no FTZ on them)",
+                partial(dp32_variant, acc_ieee=True)),
+        Control("gemm.dp32.one_chain", "gemm.dp32", "emulate", "no block partial: one fma chain over every lane",
+                partial(dp32_variant, single_chain=True)),
+        Control("gemm.dp32.amx32_bytes", "gemm.dp32", "emulate", "the amx32 order posing as dp32",
+                partial(order_as, "amx32")),
+        Control("gemm.dp32.chain_bytes", "gemm.dp32", "emulate", "the sequential chain posing as dp32",
+                partial(order_as, "chain")),
+        Control("gemm.dp32.chain_range", "gemm.dp32", "adversarial",
+                "the sequential chain posing as dp32: 1 + 2879 * 2^-24 loses 2879 u", partial(order_as, "chain")),
+        Control("gemm.dp32.bf16_output", "gemm.dp32", "random", "the result rounded to bf16", bf16_output),
+        Control("gemm.dp32.decl_half_depth", "gemm.dp32", "adversarial",
                 "the real op, its sum declared half as deep as it runs", decl=shallow_decl),
     ]
 

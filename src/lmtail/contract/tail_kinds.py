@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from ..config import TailConfig
-from ..kernels.gemm import ORDERS as GEMM_ORDERS
+from ..kernels.gemm import TAIL_ORDERS as GEMM_ORDERS
 from ..kernels.gemm import gemm_bf16
 from ..kernels.rowmass import row_mass
 from ..kernels.rows_tail import available_backends as fused_backends

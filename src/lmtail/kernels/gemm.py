@@ -1,4 +1,4 @@
-"""The bf16 GEMM with a declared summation order: "chain" or "amx32".
+"""The bf16 GEMM with a declared summation order: "chain", "amx32" or "dp32".
 
 Shape legend:
   M  rows of activations (gbs, or a row block of it)
@@ -19,7 +19,12 @@ docs/gemm.md) that every backend reproduces bit for bit. Per output element:
       zero of its sign); every fma and add flushed with FTZ (a result tiny after rounding
       becomes the zero of its sign). One sum, fp32, depth 16 + 1 + NB. This is the order
       of AMX TDPBF16PS, and an FMA emulation of it runs on any CPU.
-Both store a NaN result as the canonical quiet NaN 0x7FC00000; inf follows IEEE.
+  "dp32": acc = +0; for each 32-lane block b in order (lanes past H are +0 * +0): t = +0;
+      for j = 0..15: t = fma(a[2j+1], w[2j+1], t), then t = fma(a[2j], w[2j], t) (odd lane
+      of the pair first); then acc = fl32(acc + t). DAZ on every input, FTZ on every fma
+      and add (as amx32). One sum, fp32, depth 32 + NB. This is VDPBF16PS per fp32 lane
+      (AVX512-BF16), and an FMA emulation of it runs on any CPU.
+All store a NaN result as the canonical quiet NaN 0x7FC00000; inf follows IEEE.
 Byte for byte, a row's result does not depend on M or the other rows, the thread count,
 the backend, repeats, the weight layout (plain or packed), or column slicing.
 amx32 threads come from a per-process pool (kernels/gemm_amx32.c; a forked child starts
@@ -33,8 +38,12 @@ measurement: on some CPUs a later one is faster for few rows):
   amx32 : "amx" (tile instructions; CPUs with AMX-BF16), "avx512", "avx2" (vector fmas
           under MXCSR FTZ|DAZ), "c" (plain C, the fma emulated exactly, FTZ/DAZ in
           software) (kernels/gemm_amx32.c); no fallback without a C compiler.
+  dp32  : "avx512bf16" (VDPBF16PS; CPUs with AVX512-BF16), "avx512", "avx2" (vector fmas
+          under MXCSR FTZ|DAZ), "c" (plain C, FTZ/DAZ in software) (kernels/gemm_dp32.c);
+          no fallback without a C compiler.
 The default order is DEFAULT_ORDER = "amx32" (gemm_bf16, gemm_decl, the model body, TailConfig).
-`pack_weight(w)` makes the one-time load layout (VNNI pairs) that AMX reads directly.
+`pack_weight(w)` makes the one-time load layout (VNNI pairs) that AMX and VDPBF16PS read
+(amx32 and dp32 take it; the chain takes the plain tensor).
 """
 from __future__ import annotations
 
@@ -49,7 +58,10 @@ from lmtail.kernels import _backend, cpu
 from lmtail.kernels._cc import kernel_library
 from lmtail.numerics import Decl, SumDecl
 
-ORDERS = ("chain", "amx32")
+ORDERS = ("chain", "amx32", "dp32")  # the orders gemm_bf16 and gemm_decl take
+# the orders the tail and the model body take (TailConfig.gemm_order; receipts index it):
+# dp32 joins them once the tail's logits kinds certify it
+TAIL_ORDERS = ("chain", "amx32")
 DEFAULT_ORDER = "amx32"  # the one default GEMM order (gemm_bf16, gemm_decl, the body, the tail)
 
 
@@ -78,6 +90,23 @@ def gemm_decl(H: int, order: str = DEFAULT_ORDER) -> Decl:
                                 "each, lanes past H are +0*+0), acc = acc + (e + o), blocks "
                                 "b = 0..ceil(H/32)-1 in order from acc = +0",
                           flush=True, roundings=34 * nb),),
+        )
+    if order == "dp32":
+        nb = -(-H // 32)
+        return Decl(
+            op="gemm_bf16_dp32",
+            rounding_points=(
+                "inputs: a subnormal bf16 is read as the zero of its sign (DAZ)",
+                "t = fl32(t + a*w) per lane of a 32-lane block, the pair's odd lane then its "
+                "even lane (fma), FTZ",
+                "acc = fl32(acc + t) per block in order, FTZ",
+                "FTZ: a result tiny after rounding becomes the zero of its sign",
+                "NaN result -> canonical quiet NaN 0x7FC00000"),
+            sums=(SumDecl(name="gemm", dtype="fp32", depth=32 + nb,
+                          order="per 32-lane block: one fma chain t from +0 over the lane "
+                                "pairs j = 0..15, odd lane then even (lanes past H are +0*+0), "
+                                "acc = acc + t, blocks b = 0..ceil(H/32)-1 in order from acc = +0",
+                          flush=True, roundings=33 * nb),),
         )
     raise ValueError(f"order must be one of {ORDERS}; got {order!r}")
 
@@ -150,8 +179,8 @@ def _validate(a: torch.Tensor, w, out: torch.Tensor | None) -> None:
 def _validate_options(order: str, w, backend: str | None, threads: int | None) -> None:
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}; got {order!r}")
-    if isinstance(w, PackedWeight) and order != "amx32":
-        raise ValueError(f"a PackedWeight needs order='amx32'; got order={order!r} "
+    if isinstance(w, PackedWeight) and order == "chain":
+        raise ValueError(f"a PackedWeight needs order='amx32' or 'dp32'; got order={order!r} "
                          "(pass the plain [H, V] tensor for the chain)")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
                                 or threads < 1):
@@ -171,6 +200,10 @@ _amx32_lib = kernel_library("gemm_amx32.c", {
     "lmtail_amx32_pool_helpers": ((), _INT),
     "lmtail_amx32_gemm": ([_P, _I64, _P, _I64, _INT, _P] + [_I64] * 4 + [_INT] * 2, _INT),
 }, what="gemm amx32", fallback="no amx32 backend")
+_dp32_lib = kernel_library("gemm_dp32.c", {
+    "lmtail_dp32_has": ([_INT], _INT),
+    "lmtail_dp32_gemm": ([_P, _I64, _P, _I64, _INT, _P] + [_I64] * 4 + [_INT] * 2, _INT),
+}, what="gemm dp32", fallback="no dp32 backend")
 
 
 def _c_library():
@@ -181,6 +214,11 @@ def _c_library():
 def _amx32_library():
     """The compiled amx32 kernels, or None (no compiler, failed build)."""
     return _amx32_lib()
+
+
+def _dp32_library():
+    """The compiled dp32 kernels, or None (no compiler, failed build)."""
+    return _dp32_lib()
 
 
 def _chain_c(isa: int):
@@ -206,7 +244,10 @@ def _chain_numba(a, w, out, threads):
     _gemm_numba.chain(a, w, out)
 
 
-def _amx32_c(isa: int, name: str):
+def _amx32_c(isa: int, name: str, library=lambda: _amx32_library(), entry="lmtail_amx32_gemm",
+             order="amx32"):
+    """The backend `name` of the amx32 kernel, or of any kernel with its C signature and
+    weight layouts (plain or PackedWeight): dp32 passes its library and entry point."""
     def run(a, w, out, threads):
         M, H = a.shape
         if a.stride(1) != 1:
@@ -219,10 +260,10 @@ def _amx32_c(isa: int, name: str):
             wt, V = w, w.shape[1]
             ldw = V
         ldc = out.stride(0) if M > 1 else V
-        rc = _amx32_library().lmtail_amx32_gemm(a.data_ptr(), lda, wt.data_ptr(), ldw, int(packed),
-                                                out.data_ptr(), M, H, V, ldc, threads, isa)
+        rc = getattr(library(), entry)(a.data_ptr(), lda, wt.data_ptr(), ldw, int(packed),
+                                       out.data_ptr(), M, H, V, ldc, threads, isa)
         if rc != 0:
-            raise RuntimeError(f"gemm_bf16 amx32 backend {name!r} failed (code {rc}: "
+            raise RuntimeError(f"gemm_bf16 {order} backend {name!r} failed (code {rc}: "
                                f"{'ISA unavailable' if rc == -1 else 'out of memory'})")
     return run
 
@@ -244,12 +285,19 @@ GEMM = {
         _backend.Backend("avx2", _amx32_c(1, "avx2"), _has(lambda: _amx32_library(), "avx2", "fma")),
         _backend.Backend("c", _amx32_c(0, "c"), _has(lambda: _amx32_library())),
     )),
+    "dp32": _backend.Dispatch("gemm_bf16 dp32", tuple(
+        _backend.Backend(name, _amx32_c(isa, name, lambda: _dp32_library(), "lmtail_dp32_gemm", "dp32"),
+                         _has(lambda: _dp32_library(), *features))
+        for name, isa, features in (("avx512bf16", 3, (*_AVX512, "avx512_bf16")),
+                                    ("avx512", 2, _AVX512), ("avx2", 1, ("avx2", "fma")),
+                                    ("c", 0, ())))),
 }
 
 
 def available_backends(order: str = DEFAULT_ORDER) -> tuple[str, ...]:
     """The backends this machine runs for `order`, in the fixed preference order (all give
-    the same bytes). amx32 without a C compiler: () (gemm_bf16 then raises RuntimeError)."""
+    the same bytes). amx32 / dp32 without a C compiler: () (gemm_bf16 then raises
+    RuntimeError)."""
     if order not in GEMM:
         raise ValueError(f"order must be one of {ORDERS}; got {order!r}")
     return GEMM[order].names()
@@ -265,7 +313,7 @@ def _run(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, backend: str,
 def gemm_unchecked(a: torch.Tensor, w, row: _backend.Backend, threads: int,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """gemm_bf16 on arguments validated once by the caller (the model body): a [M, H] bf16,
-    w [H, V] bf16 C-contiguous or a PackedWeight (amx32 rows only), row = GEMM[order].pick(...),
+    w [H, V] bf16 C-contiguous or a PackedWeight (amx32 / dp32 rows only), row = GEMM[order].pick(...),
     threads >= 1. Returns out [M, V] fp32 (allocated when None)."""
     M, H = a.shape
     V = w.V if isinstance(w, PackedWeight) else w.shape[1]
@@ -283,7 +331,7 @@ def gemm_unchecked(a: torch.Tensor, w, row: _backend.Backend, threads: int,
 # public API
 # ---------------------------------------------------------------------------------------
 def pack_weight(w: torch.Tensor) -> PackedWeight:
-    """The one-time load layout of w [H, V] bf16 for order="amx32" (see PackedWeight).
+    """The one-time load layout of w [H, V] bf16 for order="amx32" or "dp32" (see PackedWeight).
     Raises ValueError on a non-bf16, non-2-D, non-CPU or non-contiguous w."""
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"w must be a torch.Tensor [H, V]; got {type(w).__name__}")
@@ -300,11 +348,11 @@ def pack_weight(w: torch.Tensor) -> PackedWeight:
 
 def gemm_bf16(a: torch.Tensor, w, *, order: str = DEFAULT_ORDER, out: torch.Tensor | None = None,
               backend: str | None = None, threads: int | None = None) -> torch.Tensor:
-    """out = a @ w in the declared summation `order` ("chain" or "amx32"; module docstring,
+    """out = a @ w in the declared summation `order` ("chain", "amx32" or "dp32"; module docstring,
     docs/gemm.md, `gemm_decl(H, order)`).
 
     a [M, H] bf16 (any strides); w [H, V] bf16 C-contiguous, or `pack_weight(w)` (amx32
-    only) -> [M, V] fp32. out: optional [M, V] fp32 destination with unit column stride and
+    and dp32) -> [M, V] fp32. out: optional [M, V] fp32 destination with unit column stride and
     row stride >= V (e.g. a row block `full[r0:r1]`); returned when given.
     backend: one of available_backends(order) (None = the first: a fixed order, not a
     measurement); threads: worker threads
@@ -312,12 +360,12 @@ def gemm_bf16(a: torch.Tensor, w, *, order: str = DEFAULT_ORDER, out: torch.Tens
     w or repeats. The GIL is released while the kernel runs.
     Raises TypeError for a non-tensor a or w; ValueError (nothing written) on wrong dtypes,
     ranks, an H mismatch, a non-contiguous w, a bad out, order, backend or threads;
-    RuntimeError for amx32 on a machine without a C compiler.
+    RuntimeError for amx32 or dp32 on a machine without a C compiler.
     """
     _validate(a, w, out)
     _validate_options(order, w, backend, threads)
     if not available_backends(order):
-        raise RuntimeError("gemm_bf16 order='amx32' needs its C kernel, which could not be "
+        raise RuntimeError(f"gemm_bf16 order={order!r} needs its C kernel, which could not be "
                            "built on this machine (see the RuntimeWarning)")
     row = GEMM[order].pick(backend, what=f" for order={order!r} on this machine")
     nthreads = torch.get_num_threads() if threads is None else threads

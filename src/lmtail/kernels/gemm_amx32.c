@@ -44,7 +44,6 @@ enum { STREAM_MR = 4 }; /* the most rows stream_512 takes; 5 and 6 are faster on
  * MR512 rows (where reading w is the cost), MIN_WEIGHT weight elements (256 KiB). */
 enum { MIN_WORK = 1 << 20, MIN_WEIGHT = 1 << 17 };
 
-#define F32_MIN_BITS 0x00800000u
 
 typedef struct {
     const uint16_t *w;  /* plain [H, ldw] or packed [Kp/2, 2*Vp] */
@@ -69,40 +68,6 @@ static inline uint16_t w_at(const job_t *j, int64_t k, int64_t v) {
 }
 
 /* ---------------------------------------------------------------- plain C */
-/* fma(a, b, c) rounded once to fp32, then FTZ (tininess after rounding). a*b is exact in
- * double (bf16 x bf16: 16 bits); s + err = a*b + c exactly (TwoSum); rounding s to odd
- * first makes the double -> float conversion round the exact value correctly. The exact
- * value is tiny iff, rounded to 24 bits with an unbounded exponent, it is below 2^-126:
- * iff |x| < 2^-126 - 2^-151 (the tie goes up), i.e. float result below 2^-126, or equal to
- * it with |s_odd| < 2^-126 - 2^-151 (an even double: s_odd equals it only when exact). */
-static inline float fma_ftz(float a, float b, float c) {
-    const double p = (double)a * (double)b, cd = c, s = p + cd;
-    double so = s;
-    uint64_t sb;
-    memcpy(&sb, &s, 8);
-    if ((sb & 0x7FF0000000000000ull) != 0x7FF0000000000000ull) { /* finite */
-        const double bb = s - p, err = (p - (s - bb)) + (cd - bb);
-        if (err != 0 && !(sb & 1)) {
-            sb += ((err > 0) == (s > 0)) ? 1 : (uint64_t)-1;
-            memcpy(&so, &sb, 8);
-        }
-    }
-    const float r = (float)so;
-    const uint32_t u = f2u(r), mag = u & 0x7FFFFFFFu;
-    const double B = 0x1.ffffffp-127; /* 2^-126 - 2^-151 */
-    if (mag < F32_MIN_BITS || (mag == F32_MIN_BITS && so < B && so > -B))
-        return u2f(u & 0x80000000u);
-    return r;
-}
-
-/* x + y rounded once, then FTZ. x, y are never subnormal here, so the exact sum is a
- * multiple of 2^-149 and is tiny iff the rounded sum is below 2^-126. */
-static inline float add_ftz(float x, float y) {
-    const float r = x + y;
-    const uint32_t u = f2u(r);
-    return (u & 0x7FFFFFFFu) < F32_MIN_BITS ? u2f(u & 0x80000000u) : r;
-}
-
 /* Widen w[k0:k0+kc, c0:c0+nc] into panel[kc][ldp] (software DAZ; zeros past H, nc). */
 static void panel_c(const job_t *j, int64_t k0, int64_t kc, int64_t c0, int64_t nc, int64_t ldp, float *p) {
     for (int64_t k = 0; k < kc; ++k)

@@ -57,24 +57,6 @@ static inline float half_to_f32(uint16_t h) {
 }
 
 /* ---------------------------------------------------------------- plain C */
-/* fma(a, b, c) rounded once to fp32 (IEEE, gradual underflow), without libm: a*b is exact in
- * double; s + err = a*b + c exactly (TwoSum); rounding s to odd first makes the double ->
- * float conversion round the exact value correctly (53 >= 24 + 2 bits). */
-static inline float fma_rn(float a, float b, float c) {
-    const double p = (double)a * (double)b, cd = c, s = p + cd;
-    double so = s;
-    uint64_t sb;
-    memcpy(&sb, &s, 8);
-    if ((sb & 0x7FF0000000000000ull) != 0x7FF0000000000000ull) { /* finite */
-        const double bb = s - p, err = (p - (s - bb)) + (cd - bb);
-        if (err != 0 && !(sb & 1)) {
-            sb += ((err > 0) == (s > 0)) ? 1 : (uint64_t)-1;
-            memcpy(&so, &sb, 8);
-        }
-    }
-    return (float)so;
-}
-
 /* The 32 values of one block (the format's exact fp32 values). */
 static void deq_block_c(const uint8_t *blk, int fmt, float *v) {
     const float d = half_to_f32(ld16(blk));

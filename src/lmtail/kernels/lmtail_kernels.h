@@ -3,6 +3,7 @@
  * rebuilds them all).
  *
  *   bits     f2u / u2f, bf16 widening, daz16 (DAZ on a bf16), canon_nan
+ *   fma      fma_rn / fma_ftz / add_ftz: exact fp32 fma (round-to-odd double) without libm
  *   MXCSR    lmtail_mxcsr_pin(LMTAIL_MXCSR_IEEE | LMTAIL_MXCSR_FTZ_DAZ) / _restore: every
  *            worker pins the rounding mode (to nearest, exceptions masked) and FTZ/DAZ state
  *            its declared order needs, and restores the caller's on the way out
@@ -48,6 +49,52 @@ static inline LMTAIL_UNUSED uint16_t daz16(uint16_t b) { return (b & 0x7F80u) ? 
 static inline LMTAIL_UNUSED float bf16_daz(uint16_t b) { return u2f((uint32_t)daz16(b) << 16); }
 /* every NaN stored as the canonical quiet NaN 0x7FC00000 */
 static inline LMTAIL_UNUSED float canon_nan(float x) { return x != x ? u2f(0x7FC00000u) : x; }
+
+/* ---------------------------------------------------------------- exact fp32 fma, no libm */
+#define F32_MIN_BITS 0x00800000u /* the bits of 2^-126, the smallest normal float */
+
+/* a*b + c rounded to odd in double: a*b is exact in double (24 + 24 <= 53 bits); s + err =
+ * a*b + c exactly (TwoSum); setting the last bit when err != 0 makes the one double -> float
+ * conversion round the exact value correctly (53 >= 24 + 2 bits). Non-finite s as it is. */
+static inline LMTAIL_UNUSED double fma_odd64(float a, float b, float c) {
+    const double p = (double)a * (double)b, cd = c, s = p + cd;
+    double so = s;
+    uint64_t sb;
+    memcpy(&sb, &s, 8);
+    if ((sb & 0x7FF0000000000000ull) != 0x7FF0000000000000ull) { /* finite */
+        const double bb = s - p, err = (p - (s - bb)) + (cd - bb);
+        if (err != 0 && !(sb & 1)) {
+            sb += ((err > 0) == (s > 0)) ? 1 : (uint64_t)-1;
+            memcpy(&so, &sb, 8);
+        }
+    }
+    return so;
+}
+
+/* fma(a, b, c) rounded once to fp32 (IEEE, gradual underflow). */
+static inline LMTAIL_UNUSED float fma_rn(float a, float b, float c) { return (float)fma_odd64(a, b, c); }
+
+/* fma(a, b, c) rounded once to fp32, then FTZ (tininess after rounding): the exact value is
+ * tiny iff, rounded to 24 bits with an unbounded exponent, it is below 2^-126: iff
+ * |x| < 2^-126 - 2^-151 (the tie goes up), i.e. the float result is below 2^-126, or equal
+ * to it with |so| < 2^-126 - 2^-151 (an even double: so equals it only when exact). */
+static inline LMTAIL_UNUSED float fma_ftz(float a, float b, float c) {
+    const double so = fma_odd64(a, b, c);
+    const float r = (float)so;
+    const uint32_t u = f2u(r), mag = u & 0x7FFFFFFFu;
+    const double B = 0x1.ffffffp-127; /* 2^-126 - 2^-151 */
+    if (mag < F32_MIN_BITS || (mag == F32_MIN_BITS && so < B && so > -B))
+        return u2f(u & 0x80000000u);
+    return r;
+}
+
+/* x + y rounded once, then FTZ. For x, y never subnormal (FTZ results, DAZ inputs) the exact
+ * sum is a multiple of 2^-149 and is tiny iff the rounded sum is below 2^-126. */
+static inline LMTAIL_UNUSED float add_ftz(float x, float y) {
+    const float r = x + y;
+    const uint32_t u = f2u(r);
+    return (u & 0x7FFFFFFFu) < F32_MIN_BITS ? u2f(u & 0x80000000u) : r;
+}
 
 /* ================================================================ MXCSR */
 #define LMTAIL_MXCSR_IEEE 0x1F80u                     /* to nearest, masked, FTZ/DAZ off */

@@ -1,4 +1,4 @@
-"""References for the bf16 GEMM: float64, and obvious emulations of its two declared orders.
+"""References for the bf16 GEMM: float64, and obvious emulations of its three declared orders.
 
 Shape legend:
   M  rows of activations;  H  summed axis;  V  columns;  NB = ceil(H/32) 32-lane blocks
@@ -13,7 +13,10 @@ arithmetic.
   amx32  : per 32-lane block (lanes past H are +0 * +0), e and o = fma chains from +0 over
            the even and odd lanes, then acc = acc + (e + o), blocks in order from acc = +0;
            inputs read with DAZ, every fma and add flushed with FTZ (tininess after rounding).
-Both store a NaN as 0x7FC00000.
+  dp32   : per 32-lane block, t = one fma chain from +0 over the lane pairs j = 0..15, the
+           odd lane 2j+1 then the even lane 2j, then acc = acc + t, blocks in order from
+           acc = +0; DAZ / FTZ as amx32 (VDPBF16PS per fp32 lane).
+All store a NaN as 0x7FC00000.
 """
 from __future__ import annotations
 
@@ -129,6 +132,53 @@ def gemm_amx32_emulation(a: torch.Tensor, w: torch.Tensor, *, lane_pair_last: bo
     return _canon(acc)
 
 
+def _blocks(a: torch.Tensor, w: torch.Tensor, rd) -> tuple[np.ndarray, np.ndarray, int]:
+    """a, w widened (rd: DAZ or identity), +0 past H, cut in 32-lane blocks:
+    ab [NB, M, 32], wb [NB, 32, V], NB."""
+    M, H = a.shape
+    nb = -(-H // 32)
+    a32 = np.zeros((M, 32 * nb), np.float32)  # [M, Kp], +0 past H
+    a32[:, :H] = rd(a.float().numpy())
+    w32 = np.zeros((32 * nb, w.shape[1]), np.float32)  # [Kp, V]
+    w32[:H] = rd(w.float().numpy())
+    return a32.reshape(M, nb, 32).transpose(1, 0, 2), w32.reshape(nb, 32, w.shape[1]), nb
+
+
+def gemm_dp32_emulation(a: torch.Tensor, w: torch.Tensor, *, even_first: bool = False,
+                        acc_ieee: bool = False, single_chain: bool = False,
+                        ftz: bool = True) -> torch.Tensor:
+    """The order "dp32": [M, H] bf16 x [H, V] bf16 -> [M, V] fp32.
+
+    The keyword switches only plant wrong variants for tests (defaults = the declaration):
+    even_first=True runs each pair's even lane before its odd lane; acc_ieee=True reads the
+    accumulators t and acc as IEEE values and keeps their subnormal results (inputs still
+    DAZ; "accumulator not DAZ" alone is the declaration itself, since t and acc are FTZ
+    results and never subnormal); single_chain=True runs one chain t over every lane pair
+    of every block (no block partial, no acc); ftz=False keeps subnormals everywhere.
+    """
+    M, V = a.shape[0], w.shape[1]
+    ieee = acc_ieee or not ftz
+    step = fma_rn if ieee else fma_ftz
+    add = (lambda x, y: x + y) if ieee else add_ftz
+    ab, wb, nb = _blocks(a, w, daz if ftz else (lambda x: x))
+    first, second = (0, 1) if even_first else (1, 0)
+    if single_chain:
+        t = np.zeros((M, V), np.float32)  # [M, V]
+        for b in range(nb):
+            for i in range(0, 32, 2):
+                for d in (first, second):
+                    t = step(ab[b, :, i + d:i + d + 1], wb[b, i + d:i + d + 1, :], t)
+        return _canon(t)
+    t = np.zeros((nb, M, V), np.float32)  # [NB, M, V]: the blocks' chains run side by side
+    for i in range(0, 32, 2):
+        for d in (first, second):
+            t = step(ab[:, :, i + d:i + d + 1], wb[:, i + d:i + d + 1, :], t)
+    acc = np.zeros((M, V), np.float32)  # [M, V], +0
+    for b in range(nb):
+        acc = add(acc, t[b])
+    return _canon(acc)
+
+
 # ---------------------------------------------------------------------------------------
 # float64
 # ---------------------------------------------------------------------------------------
@@ -144,7 +194,8 @@ def gemm_range(a: torch.Tensor, w: torch.Tensor, decl: Decl) -> tuple[np.ndarray
     and d = the depth of the declared sum "gemm" (the most roundings any one product goes
     through):
         |out - S| <= gamma_fp32(d) * mag + 2 n eta + (float64 slack)
-    2 n eta = the sum's underflow(): n = roundings per element (chain: H; amx32: 34 NB),
+    2 n eta = the sum's underflow(): n = roundings per element (chain: H; amx32: 34 NB;
+    dp32: 33 NB),
     eta = the absolute error one underflowing rounding can add (gradual: 2^-150; FTZ:
     2^-126). Elements whose row of a or column of w holds a NaN or inf, or that could
     overflow, get (-inf, +inf).
