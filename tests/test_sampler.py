@@ -217,6 +217,16 @@ def test_greedy_and_explicit_u_need_no_seed():
     assert t[:, 3].tolist() == [0.5, 0.5, 0.5, 0.25]
 
 
+def test_greedy_threshold_is_1e_5():
+    """The declared greedy threshold, 1e-5 (fp32 temperature widened): 9e-6 is greedy (needs no
+    draw), 2e-5 is sampled (needs a seed or u). A threshold moved to 1e-4 (a planted mutant in
+    tools/mutate.py) turns 2e-5 greedy and fails here; literals, not the module's constant."""
+    greedy = sampling_tensor([SamplingParams(temperature=9e-6)])
+    assert greedy[0, 3].item() == 0.5
+    with pytest.raises(ValueError, match=r"request 0: a sampled request \(temperature=2e-05"):
+        sampling_tensor([SamplingParams(temperature=2e-5)])
+
+
 def test_seeded_request_without_positions_is_a_value_error():
     with pytest.raises(ValueError, match=r"positions must be given .* request 1 seeded"):
         sampling_tensor([SamplingParams(u=0.3), SamplingParams(seed=4)])
