@@ -15,6 +15,7 @@ from lmtail.contract import cli as contract_cli
 from lmtail.contract import harness
 from lmtail.contract import tail_kinds as tk
 from lmtail.contract.harness import Case, Config, Control, Verdict, run_control, run_gates, run_kind
+from lmtail.kernels.gemm import gemm_bf16
 from lmtail.reference.contract import range_margin, sample_decision
 from lmtail.reference.tail import sampler_ref
 from lmtail.tail import decode_tail
@@ -74,7 +75,8 @@ def _blind(kind):
 
 
 @pytest.mark.parametrize("ctl_name", ["tail.mean_over_H", "tail.ties_higher_id", "tail.topp_drops_crossing",
-                                      "tail.decl_half_depth", "tail.chain.decl_half_depth", "gemm.amx32.chain_range",
+                                      "tail.decl_half_depth", "tail.chain.decl_half_depth", "tail.dp32.decl_half_depth",
+                                      "gemm.amx32.chain_range",
                                       "gemm.amx32.decl_half_depth", "glue.moe_keep_f32", "glue.router_no_guard",
                                       "body.attend.decl_half_depth", "body.rope.theta_fp32", "body.apply_rope.halves"])
 def test_disabled_check_lets_the_control_pass(ctl_name):
@@ -128,6 +130,19 @@ def test_logits_variant_without_defect_is_the_real_op(dtype, deferred):
         assert harness.same_bytes(tk.logits_variant(d)["logits"], tk.run_logits(d)["logits"]), case.label
     d = tk.tail_random(True, dtype=dtype, deferred=deferred)[0].data
     assert harness.same_bytes(tk.emulate_logits(d)["logits"], tk.run_logits(d)["logits"])
+
+
+@pytest.mark.parametrize("deferred", [True, False])
+def test_dp32_logits_variant_and_emulation_are_the_real_op(deferred):
+    """In gemm_order="dp32" the control body with no defect and the emulate gate's emulation
+    (reference.gemm.gemm_dp32_emulation) give decode_tail's bytes; planted: the amx32 GEMM
+    (the dp32 controls' defect) does not."""
+    for case in tk.in_order(tk.tail_random, "dp32")(True)[:2]:
+        d = dict(case.data, deferred=deferred)
+        real = tk.run_logits(d)["logits"]
+        assert harness.same_bytes(tk.logits_variant(d)["logits"], real), case.label
+        assert harness.same_bytes(tk.emulate_logits(d)["logits"], real), case.label
+        assert not harness.same_bytes(tk.logits_variant(d, defect="amx32_order")["logits"], real), case.label
 
 
 def test_other_variants_without_defect_are_the_real_ops():
@@ -249,11 +264,24 @@ def test_near_bound_data_follows_the_gemm_order():
     chain's round-up data run in amx32 stays inside amx32's halved range (planted: an
     order-blind adversarial gate would let the amx32 control through), amx32's own data does not."""
     kw = dict(dtype=torch.float32, deferred=True, k=None)
-    for built_for, caught in (("chain", False), ("amx32", True)):
-        d = dict(tk._gemm_at_bound(order=built_for, **kw), gemm_order="amx32")
-        out = tk.run_logits(d)
-        assert tk.check_logits(d, out, tk.run_logits, tk.tail_decl_of(d)).ok
-        assert tk.check_logits(d, out, tk.run_logits, tk.shallow_decl(d)).ok is not caught, built_for
+    for order in ("amx32", "dp32"):
+        for built_for, caught in (("chain", False), (order, True)):
+            d = dict(tk._gemm_at_bound(order=built_for, **kw), gemm_order=order)
+            out = tk.run_logits(d)
+            assert tk.check_logits(d, out, tk.run_logits, tk.tail_decl_of(d)).ok
+            assert tk.check_logits(d, out, tk.run_logits, tk.shallow_decl(d)).ok is not caught, (order, built_for)
+
+
+def test_dp32_near_bound_data_errs_as_documented():
+    """_gemm_at_bound(order="dp32"): the dp32 GEMM of a = 1 loses exactly (30 + NB) u = 94 u
+    of the declared depth 32 + NB = 96 (H = 2048); planted: amx32 on the same data loses
+    fewer (its even/odd chains split block 0's lanes), so the data is dp32's own."""
+    d = tk._gemm_at_bound(order="dp32", dtype=torch.float32, deferred=True, k=None)
+    a = torch.ones(1, 2048, dtype=torch.bfloat16)
+    exact = d["w"].double()[:, 0].sum()
+    lost = lambda order: float((exact - gemm_bf16(a, d["w"], order=order)[0, 0].double()) / 2.0**-24)  # noqa: E731
+    assert lost("dp32") == 94.0 and tk.tail_decl_of(d).sum("gemm").depth == 96
+    assert lost("amx32") < 94.0
 
 
 def test_wrong_declaration_control_keeps_the_real_op():
@@ -357,6 +385,22 @@ def _problem(seed=0, gbs=12, h=64, v=500):
 
 def _cert(x, gamma, w, out, sp):
     return certify_tail(x, gamma, w, out, sampling_params=sp, hidden_actual=x.shape[1], interleaved=False, k=16)
+
+
+def test_certify_tail_certifies_the_dp32_tail():
+    """gemm_order="dp32": decode_tail's tokens are certified against float64 with the bound
+    from tail_decl(H, True, "dp32"); planted: a wrong token on a certified row is caught."""
+    x, gamma, w, sp = _problem(seed=3)
+    out = decode_tail(x, gamma, w, k=16, sampling_params=sp, zero_interleaved_pad=False, gemm_order="dp32")
+    c = certify_tail(x, gamma, w, out, sampling_params=sp, hidden_actual=x.shape[1], interleaved=False, k=16,
+                     gemm_order="dp32")
+    assert c["ok"] and c["certified"] >= 15 and c["matched"] == c["certified"], c
+    row = next(i for i in range(12) if i not in c["near_tie_rows"]["sample"])
+    bad_tok = out.tokens.clone()
+    bad_tok[row] = out.topk_indices[row, -1]
+    c2 = certify_tail(x, gamma, w, dict(topk_indices=out.topk_indices, tokens=bad_tok, truncated=out.truncated),
+                      sampling_params=sp, hidden_actual=x.shape[1], interleaved=False, k=16, gemm_order="dp32")
+    assert not c2["ok"] and c2["mismatched"] >= 1
 
 
 def test_certify_tail_certifies_and_catches_a_wrong_token():

@@ -64,7 +64,9 @@ def make_cases():
             cases.append(dict(case, fence=True))
     cases += [dict(vtp=8, hops=(8,), G=1, seed=90, gbs=8, fence=False, hopgroups=False),  # R = 1
               dict(vtp=4, hops=(2, 2), G=1, seed=91, gbs=24, fence=False, hopgroups=True),  # R = 6
-              dict(vtp=2, hops=(2,), G=2, seed=92, gbs=300, fence=True, hopgroups=True)]  # R = 150
+              dict(vtp=2, hops=(2,), G=2, seed=92, gbs=300, fence=True, hopgroups=True),  # R = 150
+              dict(vtp=2, hops=(2,), G=1, seed=93, gbs=16, fence=False, hopgroups=False, gemm_order="dp32"),
+              dict(vtp=8, hops=(2, 4), G=1, seed=94, gbs=GBS, fence=False, hopgroups=False, gemm_order="dp32")]
     return cases
 
 
@@ -75,7 +77,8 @@ def case_inputs(case):
 def tail_kw(case):
     return dict(k=K, hidden_actual=H_U, deferred_rms=case.get("deferred_rms", True),
                 nan_fold=case.get("nan_fold", False), debug_taps=case.get("debug_taps", False),
-                emit_logits=case.get("emit_logits", True))
+                emit_logits=case.get("emit_logits", True),
+                **({"gemm_order": case["gemm_order"]} if "gemm_order" in case else {}))
 
 
 # ---------------------------------------------------------------------------------------

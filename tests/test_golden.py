@@ -4,12 +4,12 @@ declared order flips a bf16 output.
 
 No golden digest depends on an op's order constant (the boundary tests build their inputs
 from a literal strided(256) and the independent scalar emulation): the goldens were taken
-from the ops as declared (the tail: ssq in strided(256), the GEMM in both declared orders,
-named explicitly: "chain" (the sequential fp32 chain) and "amx32" (AMX's block order, the
-default); the norms: strided(256); the router: slice order, sum in the returned order), so
-a change of any declared order, rounding point or tie rule changes a digest. A changed
-digest is either a bug or a change of declaration, and then the golden moves with the
-declaration on purpose (print the new digests with `python tests/test_golden.py`).
+from the ops as declared (the tail: ssq in strided(256), the GEMM in each declared order,
+named explicitly: "chain" (the sequential fp32 chain), "amx32" (AMX's block order, the
+default) and "dp32" (VDPBF16PS's order); the norms: strided(256); the router: slice order,
+sum in the returned order), so a change of any declared order, rounding point or tie rule
+changes a digest. A changed digest is either a bug or a change of declaration, and then
+the golden moves with the declaration on purpose (print the new digests with `python tests/test_golden.py`).
 
 Inputs come from numpy's default_rng (stable across versions and machines) and are
 exactly representable in their dtypes. Digests cover dtype, shape and every bit
@@ -94,11 +94,11 @@ def outputs() -> dict:
     """{name: digest} of every op on its fixed inputs."""
     out = {}
     x, gamma, w = _tail_inputs()
-    for order in ("chain", "amx32"):  # the chain's digests keep their names from before amx32
+    for order in ("chain", "amx32", "dp32"):  # the chain's digests keep their names from before amx32
         for deferred in (True, False):
             t = decode_tail(x, gamma, w, k=16, sampling_params=SP, deferred_rms=deferred, eps=1e-5,
                             hidden_actual=600, zero_interleaved_pad=False, gemm_order=order)
-            tag = ("" if order == "chain" else "amx32.") + ("deferred" if deferred else "legacy")
+            tag = ("" if order == "chain" else f"{order}.") + ("deferred" if deferred else "legacy")
             out[f"decode_tail.{tag}.logits"] = digest(t.logits)
             out[f"decode_tail.{tag}.topk"] = digest(t.topk_values, t.topk_indices)
             out[f"decode_tail.{tag}.tokens_logprobs"] = digest(t.tokens, t.logprobs, t.truncated)
@@ -262,6 +262,14 @@ GOLDEN = {  # taken at the commit before this file was added (x86-64, the defaul
     "decode_tail.amx32.legacy.logits": "e36120bb35ae5358",
     "decode_tail.amx32.legacy.topk": "472f83b964af9fa7",
     "decode_tail.amx32.legacy.tokens_logprobs": "ba56b2453b0d862a",
+    # gemm_order="dp32" (taken when the tail took it; the top-k sets and tokens equal
+    # amx32's here, the logits do not)
+    "decode_tail.dp32.deferred.logits": "81dea2ed901c9b15",
+    "decode_tail.dp32.deferred.topk": "f9f84dff47cc2a6a",
+    "decode_tail.dp32.deferred.tokens_logprobs": "737023d5261c5065",
+    "decode_tail.dp32.legacy.logits": "b37858a028033ba6",
+    "decode_tail.dp32.legacy.topk": "472f83b964af9fa7",
+    "decode_tail.dp32.legacy.tokens_logprobs": "ba56b2453b0d862a",
     "decode_tail.1024_rows.logits": "fdb62d06355c960d",
     "add_rms": "a096ae926f8c763e",
     "moe_add_rms.bf16_slots": "9ce44c60f05ad62b",

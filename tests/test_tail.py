@@ -68,7 +68,8 @@ def test_16bit_input_equals_prewidened(dtype):
     same(a, b)
 
 
-@pytest.mark.parametrize("deferred,gemm_order", [(True, "chain"), (False, "chain"), (True, "amx32"), (False, "amx32")])
+@pytest.mark.parametrize("deferred,gemm_order", [(True, "chain"), (False, "chain"), (True, "amx32"), (False, "amx32"),
+                                                  (True, "dp32"), (False, "dp32")])
 @pytest.mark.parametrize("seed,gbs,h,h_u,interleaved,scale", [
     (0, 1, 96, 88, True, 1.0), (1, 5, 96, 96, True, 1.0), (2, 3, 61, 50, False, 1e-3),
     (3, 4, 128, 120, True, 30.0), (4, 2, 40, 33, False, 1.0)])
@@ -184,7 +185,7 @@ def test_argmax_agrees_with_float64_when_margin_exceeds_bound():
     (dict(hidden_actual=87.5), r"hidden_actual must be an int in \[1, H=96\]; got 87.5"),
     (dict(eps=float("inf")), r"eps must be a finite number >= 0; got inf"),
     (dict(eps=-1e-6), r"eps must be a finite number >= 0; got -1e-06"),
-    (dict(gemm_order="amx"), r"gemm_order must be one of \('chain', 'amx32'\); got 'amx'"),
+    (dict(gemm_order="amx"), r"gemm_order must be one of \('chain', 'amx32', 'dp32'\); got 'amx'"),
     (dict(tail_path="fast"), r"tail_path must be one of \('fused', 'reference'\); got 'fast'"),
     (dict(config=TailConfig(k=8)), r"either as config= or as keywords, not both"),
     (dict(hidden_actual=90), r"interleaved padding needs H and H - H_u divisible by 4"),
@@ -319,6 +320,8 @@ def test_declaration_is_pinned(h, ssq_depth):
         assert (g.dtype, g.depth, g.flush, g.roundings) == ("fp32", 16 + 1 + -(-h // 32), True, 34 * -(-h // 32))
         c = tail_decl(h, deferred, "chain").sum("gemm")
         assert (c.dtype, c.depth, c.flush, c.roundings) == ("fp32", h, False, None)
+        p = tail_decl(h, deferred, "dp32").sum("gemm")
+        assert (p.dtype, p.depth, p.flush) == ("fp32", 32 + -(-h // 32), True)
     assert "strided(256)" in tail_decl(h).sum("ssq").order
 
 
@@ -380,10 +383,56 @@ def test_gemm_order_changes_only_what_its_declaration_allows():
 
 
 @pytest.mark.parametrize("deferred", [True, False])
-def test_amx32_range_declares_daz_and_ftz(deferred):
-    """The default (amx32) GEMM reads subnormal inputs as 0 (DAZ) and flushes tiny results
-    (FTZ); the tail's range takes both from the declared sum's flush. Planted: the same
-    declaration without flush leaves amx32's logits outside on such data."""
+def test_dp32_logits_are_the_dp32_gemm_composed_as_the_tail_composes_it(deferred):
+    """gemm_order="dp32": logits == fp32(gemm_bf16(a, W, order="dp32") * rms) (deferred) or
+    gemm_bf16(a, W, order="dp32") (legacy) on normed_rows' a and rms, and == the same with
+    reference.gemm.gemm_dp32_emulation, byte for byte. Planted: the amx32 order differs."""
+    from lmtail.kernels.gemm import gemm_bf16
+    from lmtail.reference.gemm import gemm_dp32_emulation
+    from lmtail.tail import normed_rows
+
+    x, gamma, w = problem(6, 11, h=160, v=333)
+    cfg = TailConfig(hidden_actual=152, k=4, deferred_rms=deferred, gemm_order="dp32")
+    got = decode_tail(x, gamma, w, config=cfg).logits  # [6, 333]
+    a, rms = normed_rows(x, gamma, cfg)  # [6, 160] bf16, [6] fp32
+    scale = (lambda acc: acc * rms[:, None]) if deferred else (lambda acc: acc)
+    assert torch.equal(bits(got), bits(scale(gemm_bf16(a, w, order="dp32"))))
+    assert torch.equal(bits(got), bits(scale(gemm_dp32_emulation(a, w))))
+    assert not torch.equal(bits(got), bits(scale(gemm_bf16(a, w, order="amx32"))))
+
+
+def test_dp32_tail_is_batch_thread_and_repeat_invariant():
+    """gemm_order="dp32" end to end (sampled): every row alone, the batch, and the batch
+    reversed give the same bytes per row; 1 thread == 2 threads == a repeat."""
+    x, gamma, w = problem(33, 12)
+    sp = params(33, 12)
+    kw = dict(KW, gemm_order="dp32")
+    full = decode_tail(x, gamma, w, sampling_params=sp, **kw)
+    rev = torch.arange(32, -1, -1)
+    back = decode_tail(x[rev], gamma, w, sampling_params=sp[rev], **kw)
+    for f in ("topk_values", "topk_indices", "tokens", "logprobs", "truncated", "logits"):
+        assert torch.equal(bits(getattr(back, f)), bits(getattr(full, f)[rev])), f
+    for r in (0, 5, 32):
+        same(decode_tail(x[r:r + 1], gamma, w, sampling_params=sp[r:r + 1], **kw), full, slice(r, r + 1))
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = decode_tail(x, gamma, w, sampling_params=sp, **kw)
+        torch.set_num_threads(2)
+        two = decode_tail(x, gamma, w, sampling_params=sp, **kw)
+    finally:
+        torch.set_num_threads(n)
+    same(one, full)
+    same(two, full)
+    assert not torch.equal(bits(decode_tail(x, gamma, w, sampling_params=sp, **KW).logits), bits(full.logits))
+
+
+@pytest.mark.parametrize("order", ["amx32", "dp32"])
+@pytest.mark.parametrize("deferred", [True, False])
+def test_amx32_range_declares_daz_and_ftz(deferred, order):
+    """The default (amx32) GEMM and dp32 read subnormal inputs as 0 (DAZ) and flush tiny
+    results (FTZ); the tail's range takes both from the declared sum's flush. Planted: the
+    same declaration without flush leaves their logits outside on such data."""
     from dataclasses import replace
 
     x, gamma, w = problem(4, 3, h=256, v=64)
@@ -391,8 +440,8 @@ def test_amx32_range_declares_daz_and_ftz(deferred):
     for name, (xx, ww) in cases.items():
         kw = dict(eps=1e-5, hidden_actual=256, interleaved=False, deferred_rms=deferred)
         got = decode_tail(xx, gamma, ww, k=1, hidden_actual=256, zero_interleaved_pad=False,
-                          deferred_rms=deferred).logits.double().numpy()
-        decl = tail_decl(256, deferred)
+                          deferred_rms=deferred, gemm_order=order).logits.double().numpy()
+        decl = tail_decl(256, deferred, order)
         lo, hi = logits_range(xx, gamma, ww, decl=decl, **kw)
         assert ((lo <= got) & (got <= hi)).all(), name
         ieee = replace(decl, sums=tuple(replace(s, flush=False) for s in decl.sums))

@@ -32,7 +32,8 @@ class TailConfig:
     emit_logits (True): return the fp32 shard logits [gbs, V_s].
     debug_taps (False): return top-k stage taps.
     gemm_order: the lm_head GEMM's declared order, one of kernels.gemm.TAIL_ORDERS: "amx32"
-        (AMX's block order, FTZ/DAZ) or "chain" (the sequential fp32 chain); default
+        (AMX's block order, FTZ/DAZ), "chain" (the sequential fp32 chain) or "dp32"
+        (VDPBF16PS's order: per 32-lane block an odd-then-even fma chain, FTZ/DAZ); default
         kernels.gemm.DEFAULT_ORDER ("amx32"), the one default of every GEMM in lmtail.
     tail_path ("fused"): how the owned rows' top-k + sampler run, one of tail.TAIL_PATHS:
         "fused" (the one-pass C kernel kernels.rows_tail) or "reference"

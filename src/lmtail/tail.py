@@ -6,7 +6,8 @@
       deferred_rms=True : a = bf16(fp32(x * gamma));  logits = fp32(gemm(a, W) * rms)
       deferred_rms=False: a = bf16(fp32(fp32(x * rms) * gamma));  logits = gemm(a, W)
         gemm = kernels.gemm.gemm_bf16(order=gemm_order): "amx32" (default) per element
-               32-lane blocks of even/odd fp32 fma chains, FTZ/DAZ; "chain" one chain over h
+               32-lane blocks of even/odd fp32 fma chains, FTZ/DAZ; "chain" one chain over h;
+               "dp32" per 32-lane block one odd-then-even fma chain, FTZ/DAZ
       mirror = bf16(logits)                                    [gbs, V_s]
     one rank : mirror is already [R, V] (R = gbs, V = V_s)
     VTP ranks: exchange.exchange_rows moves the mirror's bytes into [R, V] owned rows
@@ -30,7 +31,9 @@ Numerics declared (`tail_decl`; docs/numerics.md has the float64 bounds):
         default): per output, 32-lane blocks in order, each an even and an odd fp32 fma
         chain of 16 from +0, acc = acc + (e + o); subnormal inputs read as 0 (DAZ), tiny
         results flushed (FTZ); depth 16 + 1 + ceil(H/32). "chain": one fp32 fma chain,
-        sequential over h = 0..H-1, IEEE subnormals, depth H.
+        sequential over h = 0..H-1, IEEE subnormals, depth H. "dp32": per output, 32-lane
+        blocks in order, each one fp32 fma chain from +0 over the lane pairs (odd lane, then
+        even), acc = acc + t, FTZ/DAZ as amx32; depth 32 + ceil(H/32).
   rounding points: x*gamma (fp32), a (bf16), ssq/H_u, +eps, sqrt, 1/s (fp32 each),
        acc*rms (fp32), mirror (bf16).
 Every step is row-independent, so a row's bytes never depend on the batch it is in.

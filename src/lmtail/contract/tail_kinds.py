@@ -7,6 +7,7 @@ Kinds (op x variant x dtype), each run through gates 1-4 and the byte gates:
   tail.logits.deferred.bf16   bf16 hidden: the same
   tail.logits.*.fp32.chain    deferred and legacy with gemm_order="chain" (the others run
                               TailConfig's default order, amx32)
+  tail.logits.*.fp32.dp32     deferred and legacy with gemm_order="dp32"
   tail.mirror.bf16            the bf16 mirror: top-k of decode_tail == exact top-k of
                               bf16(its own fp32 logits), values and ids
   tail.topk.exact             exact_topk == reference.tail.topk_ref, exactly
@@ -52,7 +53,7 @@ from ..kernels.rows_tail import rows_tail_decl, rows_tail_fused
 from ..numerics import Decl, U, log64, sqrt_rn32
 from ..orders import sum_squares
 from ..reference.contract import decl_slack, logprob_ref, range_margin, sample_decision
-from ..reference.gemm import gemm_amx32_emulation, gemm_chain_emulation
+from ..reference.gemm import gemm_amx32_emulation, gemm_chain_emulation, gemm_dp32_emulation
 from ..reference.tail import (
     as_np,
     logits_range,
@@ -230,6 +231,10 @@ def check_mirror(data, out, run, decl) -> Verdict:
 # ---------------------------------------------------------------------------------------
 # the tail logits with one planted defect (controls); defect=None is the real op
 # ---------------------------------------------------------------------------------------
+_EMULATIONS = {"chain": gemm_chain_emulation, "amx32": gemm_amx32_emulation, "dp32": gemm_dp32_emulation}
+assert set(_EMULATIONS) == set(GEMM_ORDERS), "every tail order needs its emulation"
+
+
 def _gemm_variant(a, w, defect, order):
     """[gbs, H] bf16 @ [H, V] bf16 -> fp32, in the declared `order` or a planted wrong one."""
     if defect == "fp16_accum":  # the chain kept in fp16: partial sums past 65504 are inf
@@ -250,14 +255,16 @@ def _gemm_variant(a, w, defect, order):
         return gemm_bf16(a[:, perm].contiguous(), w[perm].contiguous(), order=order)
     if defect == "other_order":  # the other declared order posing as this one
         return gemm_bf16(a, w, order=next(o for o in GEMM_ORDERS if o != order))
+    if defect == "amx32_order":  # amx32, the nearest order, posing as this one
+        return gemm_bf16(a, w, order="amx32")
     if defect == "emulate":  # not a defect: the declared order, one exact rounding a step
-        return gemm_chain_emulation(a, w) if order == "chain" else gemm_amx32_emulation(a, w)
+        return _EMULATIONS[order](a, w)
     return gemm_bf16(a, w, order=order)
 
 
 def emulate_logits(data) -> dict:
-    """The declared order emulated step by step (the chain: numerics.fma32 over h; amx32:
-    reference.gemm.gemm_amx32_emulation), for the emulate gate: the op's logits must be
+    """The declared order emulated step by step (the chain: numerics.fma32 over h; amx32,
+    dp32: reference.gemm.gemm_amx32_emulation, gemm_dp32_emulation), for the emulate gate: the op's logits must be
     these bytes."""
     return logits_variant(data, defect="emulate")
 
@@ -412,8 +419,9 @@ def tail_adversarial(fast, *, dtype=torch.float32, deferred=True, k=None, check=
             d.update(k=min(k, 24), nan_fold=False)
         cases.append(Case(f"powers of two, H={h} H_u={h_u}, product 2^17", d,
                           expect=partial(_exact_logits, check=check)))
-    what = ("GEMM chain rounding up at every add (3/4 of the declared bound)" if gemm_order == "chain" else
-            "amx32 GEMM: lane chain and block adds tie back to 1 (78 of the declared 81 u)")
+    what = {"chain": "GEMM chain rounding up at every add (3/4 of the declared bound)",
+            "amx32": "amx32 GEMM: lane chain and block adds tie back to 1 (78 of the declared 81 u)",
+            "dp32": "dp32 GEMM: lane chain and block adds tie back to 1 (94 of the declared 96 u)"}[gemm_order]
     cases.append(Case(what, _gemm_at_bound(dtype=dtype, deferred=deferred, k=k, order=gemm_order)))
     return cases
 
@@ -427,14 +435,22 @@ def _gemm_at_bound(*, dtype, deferred, k, order, v=24):
         of every later block 2^-24 (half an ulp of 1), the rest 0: each of those 14 + NB
         adds is a tie back to 1, (14 + NB) u against the declared (17 + NB) u (a short H
         would leave the gap to half the depth inside the rms range's own slack).
+      dp32 (H = 2048, NB = 64): w[0] = 1, the other 31 lanes of block 0 and lane 0 of every
+        later block 2^-24: block 0's one chain (odd lane first: lane 1 exact, then lane 0's
+        1 + 2^-24 and 30 more) ties back to 1 31 times, the NB - 1 block adds once each,
+        (30 + NB) u against the declared (32 + NB) u.
     The op is inside its declared range; a declaration of half the depth is too narrow."""
     h = 256 if order == "chain" else 2048
+    lane = torch.arange(h)
     if order == "chain":
         w = torch.full((h, v), 5 * 2.0**-26)
-    else:
+    elif order == "amx32":
         w = torch.zeros(h, v)
-        lane = torch.arange(h)
         w[((lane < 32) & (lane % 2 == 0)) | (lane % 32 == 0)] = 2.0**-24
+    else:
+        assert order == "dp32", order
+        w = torch.zeros(h, v)
+        w[(lane < 32) | (lane % 32 == 0)] = 2.0**-24
     w[0] = 1.0
     d = dict(x=torch.ones(2, h).to(dtype), gamma=torch.ones(h), w=w.to(torch.bfloat16), eps=0.0, h_u=h,
              interleaved=False, deferred=deferred, gemm_order=order)
@@ -1045,6 +1061,10 @@ def tail_kinds(ranks: RankRuns | None = None) -> list[Kind]:
                      about="decode_tail logits, deferred rms, gemm_order='chain'"),
         _logits_kind("tail.logits.legacy.fp32.chain", dtype=torch.float32, deferred=False, order="chain",
                      about="decode_tail logits, legacy rms, gemm_order='chain'"),
+        _logits_kind("tail.logits.deferred.fp32.dp32", dtype=torch.float32, deferred=True, order="dp32",
+                     about="decode_tail logits, deferred rms, gemm_order='dp32'"),
+        _logits_kind("tail.logits.legacy.fp32.dp32", dtype=torch.float32, deferred=False, order="dp32",
+                     about="decode_tail logits, legacy rms, gemm_order='dp32'"),
         Kind("tail.mirror.bf16", _mirror_decl, run_mirror, check_mirror,
              {"shapes": partial(tail_shapes, k=64), "random": partial(tail_random, k=64, v=4096),
               "special": partial(tail_special, **mirror_kw), "adversarial": partial(tail_adversarial, **mirror_kw)},
@@ -1077,6 +1097,12 @@ def tail_controls(ranks: RankRuns | None = None) -> list[Control]:
                 "legacy kind: the amx32 GEMM posing as the chain", lv("other_order")),
         Control("tail.chain.decl_half_depth", f"{d32}.chain", "adversarial",
                 "the real op in the chain order, its sums declared half as deep", decl=shallow_decl),
+        Control("tail.dp32.gemm_amx32_order", f"{d32}.dp32", "emulate", "the amx32 GEMM posing as dp32",
+                lv("amx32_order")),
+        Control("tail.dp32.legacy_amx32_order", "tail.logits.legacy.fp32.dp32", "emulate",
+                "legacy kind: the amx32 GEMM posing as dp32", lv("amx32_order")),
+        Control("tail.dp32.decl_half_depth", f"{d32}.dp32", "adversarial",
+                "the real op in the dp32 order, its sums declared half as deep", decl=shallow_decl),
         Control("tail.decl_half_depth", d32, "adversarial",
                 "the real op, its sums declared half as deep as it runs them", decl=shallow_decl),
         Control("tail.eps_dropped", d32, "special", "rms = 1/sqrt(ssq/H_u), no eps", lv("eps_dropped")),

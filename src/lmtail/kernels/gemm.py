@@ -59,9 +59,9 @@ from lmtail.kernels._cc import kernel_library
 from lmtail.numerics import Decl, SumDecl
 
 ORDERS = ("chain", "amx32", "dp32")  # the orders gemm_bf16 and gemm_decl take
-# the orders the tail and the model body take (TailConfig.gemm_order; receipts index it):
-# dp32 joins them once the tail's logits kinds certify it
-TAIL_ORDERS = ("chain", "amx32")
+# the orders the tail takes (TailConfig.gemm_order; receipts index it by position, so new
+# orders go last); the model body takes "chain" and "amx32" (model.llama.Ops checks its own)
+TAIL_ORDERS = ("chain", "amx32", "dp32")
 DEFAULT_ORDER = "amx32"  # the one default GEMM order (gemm_bf16, gemm_decl, the body, the tail)
 
 
