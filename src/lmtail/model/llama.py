@@ -1,4 +1,4 @@
-"""SmolLM2 (llama) forward with a KV cache: prefill, then decode; two bodies, one seam.
+"""SmolLM2 (llama) forward with a KV cache: prefill, then decode; three bodies, one seam.
 
 Block structure, written so that every "residual add + RMSNorm" is ONE call of the seam
 `add_rms(x, residual, gamma, eps=eps) -> (h, y)`, h = x + residual, y = rmsnorm(h) * gamma:
@@ -9,7 +9,9 @@ Block structure, written so that every "residual add + RMSNorm" is ONE call of t
         h, y = add_rms(mlp_l(y), h, attn_norm[l+1] | final_norm)
     return h, y          # h: pre-final-norm hidden (decode_tail's input); y: final-normed
 
-Two bodies (Ops.body):
+Three bodies (Ops.body); "quant" is the declared body with every linear on kernels.quant.gemm_q
+over the GGUF's own Q4_1 blocks (gguf_loader.quant_linears; its bf16 input widened exactly to
+fp32, see linear_q), every other rounding point the declared body's:
   "declared" (lmtail_ops(), the default of generation): every step has a declared order,
       so a row's bytes are the same on every CPU, thread count and batch by construction:
       linears on kernels.gemm.gemm_bf16 (order "amx32" by default) with the bf16 weights
@@ -45,6 +47,7 @@ qd = nh*hd, kvd = nkv*hd.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -55,12 +58,13 @@ import torch.nn.functional as Fn
 
 from ..kernels import body as kbody
 from ..kernels import gemm as gemm_mod
+from ..kernels import quant as quant_mod
 from ..norms import DEFAULT_ORDER, add_rms
 from ..numerics import exp64
 from ..orders import Order
 from . import body as decl
 from .body import SLACK
-from .gguf_loader import LayerWeights, Linears16, LlamaConfig, ModelBundle, Packed16
+from .gguf_loader import LayerWeights, Linears16, LlamaConfig, ModelBundle, Packed16, QuantLinears, quant_linears
 
 
 # ---------------------------------------------------------------------------------------
@@ -76,7 +80,8 @@ def add_rms_fp32(x, residual, gamma, *, eps):
     return h, h * inv * gamma
 
 
-BODIES = ("fp32", "declared")
+BODIES = ("fp32", "declared", "quant")
+QUANT_BODY = "quant"  # the declared body with gemm_q linears on the GGUF's own Q4_1 / Q8_0 blocks
 
 
 @dataclass(frozen=True)
@@ -88,7 +93,9 @@ class Ops:
     body keeps its residual stream in bf16 and calls this directly);
     body: "fp32" (fp32 weights, BLAS in 16-row blocks, tree attention, libm rope: the
     receipts' reference) or "declared" (every linear on gemm_bf16 with bf16 weights in the
-    declared `gemm_order`, attention / rope / silu by model.body's declared orders);
+    declared `gemm_order`, attention / rope / silu by model.body's declared orders) or
+    "quant" (the declared body with every linear on kernels.quant.gemm_q over the GGUF's
+    own Q4_1 / Q8_0 blocks, its bf16 input widened exactly to fp32; gemm_order unused);
     gemm_order: the order of gemm_bf16 for the declared body ("amx32" or "chain");
     fused_norm_lanes: None, or T when add_rms_bf16 IS lmtail.norms.add_rms in the plain
     order strided(T) (the caller's statement; lmtail_ops sets it): the declared body then
@@ -105,8 +112,8 @@ class Ops:
             raise ValueError(f"body must be one of {BODIES}; got {self.body!r}")
         if self.gemm_order not in ("amx32", "chain"):
             raise ValueError(f"gemm_order must be 'amx32' or 'chain'; got {self.gemm_order!r}")
-        if self.body == "declared" and self.add_rms_bf16 is None:
-            raise ValueError("the declared body needs add_rms_bf16 (a bf16 add_rms); got None")
+        if self.body in ("declared", "quant") and self.add_rms_bf16 is None:
+            raise ValueError(f"the {self.body} body needs add_rms_bf16 (a bf16 add_rms); got None")
         lanes = self.fused_norm_lanes
         if lanes is not None and not (isinstance(lanes, int) and lanes >= 32 and lanes % 32 == 0):
             raise ValueError(f"fused_norm_lanes must be None or a positive multiple of 32; got {lanes!r}")
@@ -321,6 +328,24 @@ def linear16(y: torch.Tensor, w: torch.Tensor, *, order: str, row=None, threads:
     return gemm_mod.gemm_unchecked(a, w, row, threads)
 
 
+def linear_q(y: torch.Tensor, ws: tuple, *, row, threads: int) -> torch.Tensor:
+    """The quant body's linear: y [N, in] bf16 (fp32 is rounded once to bf16: the same
+    input as linear16's) widened exactly to fp32, times each QuantWeight of `ws` ([out_i, in])
+    by gemm_q's declared lanes32 order, outputs side by side by columns -> [N, sum out_i]
+    fp32. row, threads: quant.GEMM_Q's backend row and worker count the forward resolved
+    once (its unchecked entry; the weights were checked at load, y's shape per forward).
+    Row-invariant by gemm_q's declaration."""
+    a = (y if y.dtype == torch.bfloat16 else y.to(torch.bfloat16)).float()  # [N, in] exact widening
+    out = torch.empty(a.shape[0], sum(w.shape[0] for w in ws), dtype=torch.float32)  # [N, sum out_i]
+    c0 = 0
+    for w in ws:
+        assert w.shape[1] == a.shape[1]  # the loop's widths match the checked-at-load weights
+        if a.shape[0]:
+            row.run(a, w, out[:, c0:c0 + w.shape[0]], threads)  # a column slice: unit column stride
+        c0 += w.shape[0]
+    return out
+
+
 def attend_unchecked(q, kc, vc, pad, *, s0: int, scale: float, row, threads: int) -> torch.Tensor:
     """body.attend on validated tensors: the backend row (body.ATTEND) and worker count the
     forward resolved once."""
@@ -355,8 +380,8 @@ def declared_kernels(ops: Ops, eps: float, B: int, T: int, nh: int, s0: int) -> 
         silu_mul_bf16=kbody.silu_mul_bf16 if c else decl.silu_mul_bf16)
 
 
-def attention_declared(y, l16: Linears16 | Packed16, cfg: LlamaConfig, kc, vc, *, s0, cos_t, sin_t, pos, pad,
-                       kern: DeclaredKernels):
+def attention_declared(y, l16: Linears16 | Packed16 | QuantLinears, cfg: LlamaConfig, kc, vc, *, s0, cos_t,
+                       sin_t, pos, pad, kern: DeclaredKernels):
     """Causal GQA self-attention of y [B*T, H] bf16 at slots s0..s0+T-1 (the declared body):
     one fused q|k|v GEMM, rope_qkv (declared rope; keys/values written into
     kc [B, nkv, hd, S_cap'] / vc [B, nkv, S_cap', hd]), attend (declared order), the o
@@ -372,7 +397,7 @@ def attention_declared(y, l16: Linears16 | Packed16, cfg: LlamaConfig, kc, vc, *
     return lin(a.view(B * T, nh * hd), l16.w_o)
 
 
-def mlp_declared(y, l16: Linears16 | Packed16, *, kern: DeclaredKernels):
+def mlp_declared(y, l16: Linears16 | Packed16 | QuantLinears, *, kern: DeclaredKernels):
     """SwiGLU on the declared body: fused gate|up GEMM, silu_mul rounded to bf16 (the down
     GEMM's input), down GEMM. y [N, H] bf16 -> [N, H] fp32."""
     lin = kern.linear
@@ -391,9 +416,17 @@ def norm_fn(ops: Ops, eps: float):
     return lambda x, r, g: tuple(ops.add_rms_bf16(x.to(torch.bfloat16), r, g, eps=eps))
 
 
+def _quant_kernels(kern: DeclaredKernels, bundle: ModelBundle) -> tuple[DeclaredKernels, tuple[QuantLinears, ...]]:
+    """The quant body's kernels (the declared body's, with linear_q as the linear) and
+    weights (quant_linears(bundle), whose shapes load checked against the config)."""
+    qlin = quant_linears(bundle)
+    lin = functools.partial(linear_q, row=quant_mod.GEMM_Q.pick(None), threads=torch.get_num_threads())
+    return dataclasses.replace(kern, linear=lin), qlin
+
+
 def _body_declared(bundle: ModelBundle, ids, cache: KVCache, ops: Ops, qpos, s0):
     cfg, layers = bundle.config, bundle.layers
-    if len(bundle.linears16) != cfg.n_layers:
+    if ops.body == "declared" and len(bundle.linears16) != cfg.n_layers:
         raise ValueError("the declared body needs bundle.linears16 (load_model builds it)")
     cos_t, sin_t = decl.rope_table(cfg.context_length, cfg.head_dim, cfg.rope_base)  # [ctx, hd/2]
     pos = qpos.clamp(min=0).contiguous()  # [B, T], < capacity <= context_length (forward checked)
@@ -405,6 +438,8 @@ def _body_declared(bundle: ModelBundle, ids, cache: KVCache, ops: Ops, qpos, s0)
     x = bundle.embed[ids.reshape(-1)]  # [B*T, H] fp32, rounded once to bf16 by the first norm
     h, y = kern.norm(x, torch.zeros(x.shape, dtype=torch.bfloat16), gammas[0])  # bf16 residual stream
     weights = bundle.packed16 if ops.gemm_order == "amx32" and bundle.packed16 else bundle.linears16
+    if ops.body == "quant":
+        kern, weights = _quant_kernels(kern, bundle)
     for i, l16 in enumerate(weights):
         a = attention_declared(y, l16, cfg, cache.k[i], cache.v[i], s0=s0, cos_t=cos_t, sin_t=sin_t,
                                pos=pos, pad=cache.pad, kern=kern)  # [B*T, H] fp32
@@ -448,7 +483,7 @@ def forward(bundle: ModelBundle, ids: torch.Tensor, cache: KVCache, *, ops: Ops 
     if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab:
         raise ValueError(f"ids must be in [0, {cfg.vocab}); got [{int(ids.min())}, {int(ids.max())}]")
     qpos = torch.arange(s0, s0 + T)[None, :] - cache.pad[:, None]  # [B, T] (< 0: pad queries)
-    run = _body_declared if ops.body == "declared" else _body_fp32
+    run = _body_fp32 if ops.body == "fp32" else _body_declared  # "quant" is the declared body on gemm_q
     h, y = run(bundle, ids, cache, ops, qpos, s0)
     cache.length = s0 + T
     return h, y
