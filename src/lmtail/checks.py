@@ -99,10 +99,3 @@ def check_threads(threads) -> None:
     need(threads is None or (is_int(threads) and threads >= 1),
          f"threads must be a positive int or None; got {threads!r}")
 
-
-def pick_backend(backend, have: tuple[str, ...]) -> str:
-    """backend None -> the first of `have`; else it must be one of `have`. Superseded by
-    lmtail.kernels._backend.Dispatch (every kernel op's one dispatch); kept only for
-    kernels/quant.py until it moves there, then to be deleted."""
-    need(backend is None or backend in have, f"backend must be one of {have}; got {backend!r}")
-    return have[0] if backend is None else backend
