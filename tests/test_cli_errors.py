@@ -76,6 +76,9 @@ def cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["receipt", "--texts", "0"], "--texts: expected an int >= 1, got 0"),
         (["receipt", "--model", str(tmp / "missing.gguf")], "--model: no GGUF file at"),
         (["receipt", "--out", str(a_file / "receipt")], "--out: cannot write"),
+        # permission bits pass for root on a read-only mount: the check writes, it does not infer
+        (["receipt", "--out", "/proc/lmtail_receipt"], "--out: cannot write '/proc/lmtail_receipt'"),
+        (["contract", "--json", "/proc/lmtail_c.json"], "--json: cannot write '/proc/lmtail_c.json'"),
         (["receipt", "--arm-module", "no_such_arm_module_xyz"], "--arm-module: cannot import 'no_such_arm_module_xyz'"),
         (["receipt", "--arm-module", "broken_arms"], "RuntimeError: this arm module is broken"),
         (["ab", "--a", "true", "--b", "true", "--rounds", "0"], "--rounds: expected an int >= 1, got 0"),

@@ -20,6 +20,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 DEFAULT_ARMS = ("chain", "amx32", "legacy", "contiguous", "placebo", "placebo_norm", "torch")
@@ -72,27 +73,37 @@ def parse_comparison(text: str):
 
 
 def writable_file(flag: str, path) -> None:
-    """ValueError naming flag unless `path` can be written as a file (an existing file that is
-    writable, or a new name in an existing, writable folder); checked before any work."""
+    """ValueError naming flag unless `path` can be written as a file: tried, not inferred from
+    permission bits (root passes os.access on read-only mounts such as /proc): the file is
+    opened for append (nothing truncated) and, if this call created it, removed again."""
     p = Path(path)
     parent = p.parent if str(p.parent) else Path(".")
     if p.is_dir():
         raise ValueError(f"{flag}: expected a file path, got the folder {str(p)!r}")
     if not parent.is_dir():
         raise ValueError(f"{flag}: the folder {str(parent)!r} of {str(p)!r} does not exist")
-    if not os.access(p if p.exists() else parent, os.W_OK):
-        raise ValueError(f"{flag}: {str(p if p.exists() else parent)!r} is not writable")
+    existed = p.exists()
+    try:
+        with open(p, "a"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot write {str(p)!r} ({e.strerror})") from None
+    if not existed:
+        p.unlink()
 
 
 def writable_dir(flag: str, path: Path) -> None:
-    """ValueError naming flag unless `path` is (or can be made as) a writable folder: an
-    existing folder that is writable, or a new one whose nearest existing parent is."""
+    """ValueError naming flag unless `path` is, or is now made as, a folder a file can be
+    written in: the folder is created (parents too) and a probe file written and removed."""
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise ValueError(f"{flag}: expected a folder, got the file {str(p)!r}")
-    anchor = next(a for a in (p, *p.absolute().parents) if a.exists())
-    if not anchor.is_dir() or not os.access(anchor, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag}: cannot write {str(p)!r} ({str(anchor)!r} is not a writable folder)")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=p):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot write {str(p)!r} ({e.strerror})") from None
 
 
 def arm_modules(names: list[str]) -> list:
