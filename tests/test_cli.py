@@ -21,7 +21,7 @@ from lmtail.demo import synthetic
 EXPECTED_OPTIONS = {
     "demo": ["--synthetic", "--max-new-tokens", "--ranks", "--threads", "--gbs", "--seed", "--vocab"],
     "generate": ["--prompt", "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--min-p",
-                 "--seed", "--ranks", "--raw", "--threads"],
+                 "--seed", "--ranks", "--raw", "--threads", "--body"],
     "contract": ["--kinds", "--json", "--fast", "--ranks", "--decl"],
     "bench": ["--only", "--quick", "--list", "--markdown", "--dir"],
 }

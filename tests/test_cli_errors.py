@@ -78,6 +78,7 @@ def cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["receipt", "--out", str(a_file / "receipt")], "--out: cannot write"),
         # permission bits pass for root on a read-only mount: the check writes, it does not infer
         (["receipt", "--out", "/proc/lmtail_receipt"], "--out: cannot write '/proc/lmtail_receipt'"),
+        (["generate", "--prompt", "hi", "--body", "quant", "--ranks", "2"], "--body: the quant body runs on 1 rank"),
         (["contract", "--json", "/proc/lmtail_c.json"], "--json: cannot write '/proc/lmtail_c.json'"),
         (["receipt", "--arm-module", "no_such_arm_module_xyz"], "--arm-module: cannot import 'no_such_arm_module_xyz'"),
         (["receipt", "--arm-module", "broken_arms"], "RuntimeError: this arm module is broken"),

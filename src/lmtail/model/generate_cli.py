@@ -37,6 +37,9 @@ def configure(ap: argparse.ArgumentParser) -> None:
                     help=f"vocab-parallel ranks of the tail (gloo processes), dividing {SMOLLM2_VOCAB}")
     ap.add_argument("--raw", action="store_true", help="no chat template: continue the text")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: torch default)")
+    ap.add_argument("--body", choices=("declared", "quant"), default="declared",
+                    help="the model body: 'declared' (bf16 weights, the default) or 'quant' (every "
+                         "linear on gemm_q over the GGUF's own Q4_1 blocks; 1 rank)")
 
 
 def check(args: argparse.Namespace) -> None:
@@ -60,6 +63,8 @@ def check(args: argparse.Namespace) -> None:
     for flag, value, ok, expected in rules:
         if not ok:
             raise ValueError(f"{flag}: {flag[2:].replace('-', '_')} must be {expected}; got {value}")
+    if args.body == "quant" and args.ranks != 1:
+        raise ValueError(f"--body: the quant body runs on 1 rank; got --ranks {args.ranks}")
     if args.raw and "" in args.prompt:
         raise ValueError(f"--prompt: with --raw every prompt must be non-empty text (there is no chat "
                          f"template around it); got an empty prompt at row {args.prompt.index('')}")
@@ -90,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .generate import generate
     from .gguf_loader import ModelFileMissing, load_model
+    from .llama import lmtail_ops
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -108,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
             gen = generate(bundle, args.prompt, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                            min_p=args.min_p, seed=[args.seed + b for b in range(b_n)], ranks=args.ranks,
-                           chat=not args.raw, on_step=view.on_step, on_prefill=view.on_prefill)
+                           chat=not args.raw, on_step=view.on_step, on_prefill=view.on_prefill,
+                           ops=lmtail_ops(body=args.body))
     except ValueError as e:
         print(f"lmtail generate: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
