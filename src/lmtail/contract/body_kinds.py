@@ -23,7 +23,6 @@ dim (64), B rows, T new tokens, nh / nkv query / KV heads, S_cap cache slots, H 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from functools import partial
 
 import numpy as np
@@ -35,7 +34,7 @@ from ..numerics import Decl, fma32
 from ..orders import strided
 from ..reference import glue as gref
 from ..reference import model as mref
-from .harness import Case, Control, Kind, Verdict, diff_outputs
+from .harness import Case, Control, Kind, Verdict, diff_outputs, half_depth
 
 F32 = torch.float32
 
@@ -477,14 +476,6 @@ def _attend_kind() -> Kind:
                 emulate=lambda d: {"out": body.attend(d["q"], d["kt"], d["v"], d["pad"], s0=d["s0"], scale=d["scale"],
                                                       backend="torch")},
                 group="body", about="attend -> out, ranges from attend_decl's sums and EXP32_ULP")
-
-
-def half_depth(decl_fn):
-    """Control: `decl_fn`'s declaration with every sum declared half as deep (op unchanged)."""
-    def decl(d):
-        dc = decl_fn(d)
-        return replace(dc, sums=tuple(replace(s, depth=s.depth // 2) for s in dc.sums))
-    return decl
 
 
 # =======================================================================================

@@ -21,7 +21,6 @@ Shape legend: M rows, H the summed axis, V columns; NB = ceil(H/32).
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from functools import partial
 
 import numpy as np
@@ -32,7 +31,7 @@ from ..numerics import Decl
 from ..reference.contract import range_margin
 from ..reference.gemm import (gemm_amx32_emulation, gemm_chain_emulation, gemm_dp32_emulation,
                               gemm_range, in_range)
-from .harness import Case, Control, Kind, Verdict, diff_outputs
+from .harness import Case, Control, Kind, Verdict, diff_outputs, half_depth
 
 # bf16 bit patterns: NaN, +-inf, +-0, subnormals, the smallest normal, +-max, 2^-75, 2^64
 SPECIALS = (0x7FC0, 0x7F80, 0xFF80, 0x0000, 0x8000, 0x0001, 0x807F, 0x0080, 0x7F7F, 0xFF7F,
@@ -64,10 +63,7 @@ def decl_of(data) -> Decl:
     return gemm_decl(data["w"].shape[0], data["order"])
 
 
-def shallow_decl(data) -> Decl:
-    """Control: the declaration with its sum half as deep as the code runs it."""
-    d = decl_of(data)
-    return replace(d, sums=tuple(replace(s, depth=s.depth // 2) for s in d.sums))
+shallow_decl = half_depth(decl_of)  # control: the GEMM's sum declared half as deep as it runs
 
 
 # ---------------------------------------------------------------------------------------

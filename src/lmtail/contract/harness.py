@@ -172,6 +172,15 @@ _INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloa
              torch.float16: torch.int16}
 
 
+def half_depth(decl_fn: Callable) -> Callable:
+    """The planted "declared half as deep" control: data -> decl_fn(data) with every sum's
+    depth halved (the op itself unchanged), so the ranges computed from it are too narrow."""
+    def decl(data) -> Decl:
+        d = decl_fn(data)
+        return replace(d, sums=tuple(replace(s, depth=s.depth // 2) for s in d.sums))
+    return decl
+
+
 def same_bytes(a, b) -> bool:
     """Bitwise equality of two tensors (dtype, shape and every bit); None == None."""
     if a is None or b is None:

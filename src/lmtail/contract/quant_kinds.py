@@ -17,7 +17,6 @@ Shape legend: M rows, K the summed axis (a multiple of 32), NB = K/32, N output 
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from functools import partial
 
 import numpy as np
@@ -28,7 +27,7 @@ from ..numerics import Decl
 from ..reference.contract import range_margin
 from ..reference.gemm import in_range
 from ..reference.quant import gemm_q_emulation, gemm_q_range
-from .harness import Case, Control, Kind, Verdict, diff_outputs
+from .harness import Case, Control, Kind, Verdict, diff_outputs, half_depth
 
 FORMATS = ("Q8_0", "Q4_1")
 
@@ -57,10 +56,7 @@ def decl_of(data) -> Decl:
     return gemm_q_decl(data["a"].shape[1], data["fmt"])
 
 
-def shallow_decl(data) -> Decl:
-    """Control: the declaration with its sum half as deep as the code runs it."""
-    d = decl_of(data)
-    return replace(d, sums=tuple(replace(s, depth=s.depth // 2) for s in d.sums))
+shallow_decl = half_depth(decl_of)  # control: gemm_q's sum declared half as deep as it runs
 
 
 def unit_weight(n, k, fmt) -> QuantWeight:

@@ -73,7 +73,7 @@ from ..tail import (
     validate_tail_inputs,
 )
 from ..topk import exact_topk, exact_topk_decl, row_keys, split_keys
-from .harness import Case, Control, Kind, Verdict, diff_outputs
+from .harness import Case, Control, Kind, Verdict, diff_outputs, half_depth
 
 # ---------------------------------------------------------------------------------------
 # tail data
@@ -122,11 +122,7 @@ def tail_decl_of(data) -> Decl:
     return tail_decl(data["w"].shape[0], data.get("deferred", True), gemm_order_of(data))
 
 
-def shallow_decl(data) -> Decl:
-    """Control: the tail's declaration with every sum declared half as deep as the code
-    runs (the op itself unchanged): the ranges computed from it are too narrow."""
-    d = tail_decl_of(data)
-    return replace(d, sums=tuple(replace(s, depth=s.depth // 2) for s in d.sums))
+shallow_decl = half_depth(tail_decl_of)  # control: every sum of the tail's declaration half as deep
 
 
 def _tail_kw(data):
