@@ -1,4 +1,4 @@
-"""Speed of gemm_bf16 (orders "amx32" and "chain", every path) against torch's matmuls.
+"""Speed of gemm_bf16 (orders "amx32", "dp32" and "chain", every path) against torch's matmuls.
 
 Shape legend: a [gbs, H] bf16, w [H, V] bf16; w32 = w.float() and pw = pack_weight(w) are
 made once, untimed.
@@ -7,6 +7,7 @@ made once, untimed.
        "chain <b>"     gemm_bf16(a, w, order="chain", backend=b)
        "amx32 <b>"     gemm_bf16(a, w, order="amx32", backend=b)      plain [H, V] weight
        "amx32 <b> pk"  gemm_bf16(a, pw, order="amx32", backend=b)     packed weight
+       "dp32 <b>", "dp32 <b> pk"   the same in the dp32 order (VDPBF16PS's; emulated without it)
   for every backend this machine has ("c" only at gbs = 1: it is the portable fallback).
 Before timing, abba's check requires every amx32 arm to be bit-equal to the first amx32
 arm's output, the chain arms to each other, and every arm to lie within its float64 range
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 
 from lmtail.bench import abba, assert_bitwise, format_table
-from lmtail.kernels.gemm import available_backends, gemm_bf16, gemm_decl, pack_weight
+from lmtail.kernels.gemm import ORDERS, available_backends, gemm_bf16, gemm_decl, pack_weight
 from lmtail.numerics import U, gamma
 from lmtail.reference.gemm import gemm_range, in_range
 
@@ -52,7 +53,7 @@ def make_check(a: torch.Tensor, w: torch.Tensor):
     """check(name, out, base_out): bitwise within each order, and inside the float64 range."""
     H = a.shape[1]
     ws = w[:, :CHECK_COLS].contiguous()
-    ranges = {o: gemm_range(a, ws, gemm_decl(H, o)) for o in ("amx32", "chain")}
+    ranges = {o: gemm_range(a, ws, gemm_decl(H, o)) for o in ORDERS}
     a64, w64 = a.double().numpy(), ws.double().numpy()
     s64, mag = a64 @ w64, np.abs(a64) @ np.abs(w64)
     first: dict[str, torch.Tensor] = {}
@@ -66,8 +67,8 @@ def make_check(a: torch.Tensor, w: torch.Tensor):
             raise AssertionError(f"arm {name!r} is outside gamma_fp32(H) * sum|a w| of float64")
 
     def check(name: str, out, base_out) -> None:
-        for o in ("amx32", "chain"):
-            if name.startswith(o):
+        for o in ORDERS:
+            if name.startswith(o + " "):
                 if o in first:
                     assert_bitwise(out, first[o], what=f"arm {name!r}")
                 first.setdefault(o, out)
@@ -96,6 +97,11 @@ def gemm_arms(a, w, *, with_torch: bool = True, with_c: bool = False) -> dict:
             continue
         arms[f"amx32 {b}"] = lambda b=b, o=out(f"a{b}"): gemm_bf16(a, w, order="amx32", backend=b, out=o)
         arms[f"amx32 {b} pk"] = lambda b=b, o=out(f"p{b}"): gemm_bf16(a, pw, order="amx32", backend=b, out=o)
+    for b in available_backends("dp32"):
+        if b == "c" and not with_c:
+            continue
+        arms[f"dp32 {b}"] = lambda b=b, o=out(f"d{b}"): gemm_bf16(a, w, order="dp32", backend=b, out=o)
+        arms[f"dp32 {b} pk"] = lambda b=b, o=out(f"q{b}"): gemm_bf16(a, pw, order="dp32", backend=b, out=o)
     for b in available_backends("chain"):
         if b in ("c", "numba") and not with_c:
             continue
@@ -219,7 +225,8 @@ def main() -> None:
     flags = sorted({f for f in open("/proc/cpuinfo").read().split()
                     if f.startswith(("avx512", "amx", "avx2", "fma"))}) if platform.system() == "Linux" else []
     print(f"# gemm_bf16: H={args.h} V={args.v} threads={torch.get_num_threads()} "
-          f"amx32 backends={available_backends('amx32')} chain backends={available_backends('chain')}")
+          f"amx32 backends={available_backends('amx32')} dp32 backends={available_backends('dp32')} "
+          f"chain backends={available_backends('chain')}")
     print(f"# CPU flags: {' '.join(flags)}")
     if args.model_shapes:
         print(format_table(model_shapes(args.model_m, args.rounds),
