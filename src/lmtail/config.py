@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from .kernels.gemm import DEFAULT_ORDER
 
+EXCHANGES = ("mirror", "candidates")  # TailConfig.exchange
+
 
 @dataclass(frozen=True)
 class TailConfig:
@@ -37,7 +39,12 @@ class TailConfig:
         kernels.gemm.DEFAULT_ORDER ("amx32"), the one default of every GEMM in lmtail.
     tail_path ("fused"): how the owned rows' top-k + sampler run, one of tail.TAIL_PATHS:
         "fused" (the one-pass C kernel kernels.rows_tail) or "reference"
-        (topk.exact_topk + sampler.sample_rows); the same bytes either way.
+        (topk.exact_topk + sampler.sample_rows); the same bytes either way (mirror only).
+    exchange ("mirror"): what crosses the all-to-all and what the decisions are made on,
+        one of EXCHANGES: "mirror" (the bf16 mirror of every logit; top-k and the sampler
+        on bf16 values) or "candidates" (each shard's exact fp32 top-(k+1) and its chunk
+        mass partials, lmtail.candidates: decisions on fp32 logits; VTP must divide 256).
+        Either way the bytes do not depend on VTP, hops or batch groups.
     """
 
     eps: float = 1e-5
@@ -50,3 +57,4 @@ class TailConfig:
     debug_taps: bool = False
     gemm_order: str = DEFAULT_ORDER
     tail_path: str = "fused"
+    exchange: str = "mirror"

@@ -194,6 +194,18 @@ def exchange_rows(make_block: Callable[[slice], torch.Tensor], *, gbs: int, grou
     return torch.cat(recv, dim=0)  # [R, V]
 
 
+def gather_rows(mine: torch.Tensor, *, group, timeout: float = DEFAULT_TIMEOUT_S) -> list[torch.Tensor]:
+    """All-gather a [n, P] tensor of the same shape and dtype on every rank of `group`
+    (shapes agreed beforehand, e.g. by `agree`): [VTP] tensors in group-rank order.
+    Collective over `group` (a ProcessGroup; the candidates exchange's pre-flight: every
+    rank learns every row's sampling params)."""
+    mine = mine.contiguous()
+    out = [torch.empty_like(mine) for _ in range(group.size())]
+    _wait(dist.all_gather(out, mine, group=group, async_op=True), timeout, "sampling params all-gather",
+          range(group.size()))
+    return out
+
+
 # ---------------------------------------------------------------------------------------
 # cross-rank agreement on named int64 fields
 # ---------------------------------------------------------------------------------------

@@ -195,6 +195,31 @@ def running_sum64(x: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------
 # the sampler
 # ---------------------------------------------------------------------------------------
+class FullRowStats:
+    """What the sampler reads of a row beyond its k candidates, from the full bf16 row
+    (the mirror path): the T = 1 log-normalizer, whether a lane outside the candidates
+    reaches the top-k threshold, and the temperature-T mass of rows normalized over the
+    whole vocabulary. row64 [R, V] float64 (NaN folded to -inf when asked)."""
+
+    def __init__(self, row64: torch.Tensor, k: int):
+        self.row64, self.k = row64, k
+
+    def lse1(self) -> torch.Tensor:
+        """[R] float64: m1 + log64(S1), (m1, S1) = row_mass(row, 1)."""
+        m1, s1, _ = row_mass(self.row64, torch.ones(self.row64.shape[0], dtype=torch.float64))
+        return m1 + log64(s1)
+
+    def ties_past_k(self, thr: torch.Tensor, in_k: torch.Tensor) -> torch.Tensor:
+        """[R] bool: more lanes of the row are >= thr [R, 1] than candidates in in_k [R, k]."""
+        return (self.row64 >= thr).sum(dim=1) > in_k.sum(dim=1)
+
+    def off_mass(self, off: torch.Tensor, t: torch.Tensor):
+        """(m, S [n] float64, mass_past_k [n] bool) of rows `off` [n] over the whole row at
+        temperatures t [n]: row_mass, and whether more than k lanes carry mass."""
+        m, s, nz = row_mass(self.row64[off], t)
+        return m, s, nz > self.k
+
+
 def sampling_plan(cand_values, full_rows, sampling_params, *, nan_fold=False) -> dict:
     """Steps 1-5 for every row: the filtered probabilities and the kept prefix.
 
@@ -204,39 +229,44 @@ def sampling_plan(cand_values, full_rows, sampling_params, *, nan_fold=False) ->
     u [R], greedy [R], truncated [R] (False on greedy rows: their answer is exact),
     lse1 [R] (full-row log-sum-exp at T = 1).
     """
+    row64 = full_rows.double()  # [R, V]
+    if nan_fold:
+        row64 = torch.where(torch.isnan(row64), torch.full_like(row64, -torch.inf), row64)
+    return plan_on(cand_values, sampling_params, FullRowStats(row64, cand_values.shape[1]), nan_fold=nan_fold)
+
+
+def plan_on(cand_values, sampling_params, stats, *, nan_fold=False) -> dict:
+    """sampling_plan's steps 1-5 on candidates [R, k] (bf16 or fp32, descending; widened
+    exactly to float64) with the full row seen only through `stats` (FullRowStats, or the
+    candidates exchange's merged partials: the same three questions)."""
     r, k = cand_values.shape
     sp = sampling_params.double()
     top_k = sp[:, 0].clamp(min=-1.0, max=2.0**62).to(torch.int64)  # any top_k > k caps at k; 2**62 fits int64
     top_p, temp = sp[:, 1], sp[:, 2]
     u = sp[:, 3] if sp.shape[1] >= 4 else torch.full((r,), DEFAULT_U, dtype=torch.float64)
     min_p = sp[:, 4] if sp.shape[1] >= 5 else torch.zeros(r, dtype=torch.float64)
-    row64 = full_rows.double()  # [R, V]
-    if nan_fold:
-        row64 = torch.where(torch.isnan(row64), torch.full_like(row64, -torch.inf), row64)
     v = cand_values.double()  # [R, k]
     if nan_fold:  # a folded NaN candidate (fewer than k numbers) has no mass
         v = torch.where(torch.isnan(v), torch.full_like(v, -torch.inf), v)
     greedy = temp < GREEDY_TEMPERATURE
     safe_t = torch.where(greedy, torch.ones_like(temp), temp)
-    m1, s1, _ = row_mass(row64, torch.ones(r, dtype=torch.float64))
-    lse1 = m1 + log64(s1)
+    lse1 = stats.lse1()
 
     # 1. top-k: a prefix of the candidates
     enabled = top_k > 0
     kk = torch.where(enabled, top_k.clamp(max=k), torch.full_like(top_k, k))
     thr = v.gather(1, (kk - 1)[:, None])  # [R, 1]
     in_k = v >= thr  # [R, k]
-    ties_past_k = (row64 >= thr).sum(dim=1) > in_k.sum(dim=1)
-    truncated = enabled & ((top_k > k) | ties_past_k)
+    truncated = enabled & ((top_k > k) | stats.ties_past_k(thr, in_k))
 
     # 3. softmax(v / T) over the filtered set (the whole row when top-k is disabled)
     z = v / safe_t[:, None]
     m_k = z[:, 0]  # candidates descend: the filtered set's max
     s_k = sum64(torch.where(in_k, shifted_exp(z, m_k), torch.zeros_like(z)))
-    m, s, nz = m_k.clone(), s_k.clone(), torch.zeros(r, dtype=torch.int64)
+    m, s, past = m_k.clone(), s_k.clone(), torch.zeros(r, dtype=torch.bool)
     off = torch.nonzero(~enabled & ~greedy)[:, 0]  # rows normalized over the whole vocab
     if off.numel():
-        m[off], s[off], nz[off] = row_mass(row64[off], safe_t[off])
+        m[off], s[off], past[off] = stats.off_mass(off, safe_t[off])
     p = shifted_exp(z, m) / s[:, None]
     p = torch.where(in_k, p, torch.zeros_like(p))  # [R, k]
     p = torch.nan_to_num(p, nan=0.0)  # only NaN rows without the fold get here
@@ -245,8 +275,8 @@ def sampling_plan(cand_values, full_rows, sampling_params, *, nan_fold=False) ->
     c = running_sum64(p)  # [R, k]
     keep = in_k & ((c - p < top_p[:, None]) | (top_p[:, None] >= 1))
     # top-k disabled: truncated when the k candidates cannot reach top_p, or (top_p >= 1)
-    # when a lane outside them still carries mass (nz > k)
-    short = torch.where(top_p < 1, c[:, -1] < top_p, nz > k)
+    # when a lane outside them still carries mass (past)
+    short = torch.where(top_p < 1, c[:, -1] < top_p, past)
     truncated = truncated | (~enabled & short)
     keep = keep & (p >= min_p[:, None] * p[:, :1])
     keep[:, 0] = True
@@ -281,6 +311,12 @@ def sample_rows_unchecked(cand_values, cand_ids, full_rows, sampling_params, *, 
     """`sample_rows` on inputs the caller has validated (lmtail.tail validates once per
     call at its boundary); the same bytes."""
     plan = sampling_plan(cand_values, full_rows, sampling_params, nan_fold=nan_fold)
+    return decide(plan, cand_values, cand_ids)
+
+
+def decide(plan: dict, cand_values, cand_ids):
+    """Step 6 and the outputs from a plan: (tokens [R] int64, logprobs [R] fp32 =
+    fp32(v_tok - lse1), truncated [R] bool)."""
     pos = draw(plan)[:, None]
     tokens = cand_ids.gather(1, pos)[:, 0]
     v_tok = cand_values.double().gather(1, pos)[:, 0]

@@ -48,13 +48,13 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from . import exchange
+from . import candidates, exchange
 from .checks import check_eps, gamma32, is_int, need, need_tensor, undefined_rows
-from .config import TailConfig
+from .config import EXCHANGES, TailConfig
 from .kernels.gemm import TAIL_ORDERS as GEMM_ORDERS
 from .kernels.gemm import gemm_bf16, gemm_decl
 from .kernels import rows_tail as rows_kernel
-from .layout import validate_layout
+from .layout import owned_rows, validate_layout
 from .numerics import Decl, SumDecl, sqrt_rn32
 from .orders import strided, sum_squares
 from .sampler import sample_rows_unchecked, validate_params
@@ -143,6 +143,7 @@ def validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, sampling_params
              if is_int(cfg.k) and cfg.k > vocab_size else ""))
     need(cfg.gemm_order in GEMM_ORDERS, f"gemm_order must be one of {GEMM_ORDERS}; got {cfg.gemm_order!r}")
     need(cfg.tail_path in TAIL_PATHS, f"tail_path must be one of {TAIL_PATHS}; got {cfg.tail_path!r}")
+    need(cfg.exchange in EXCHANGES, f"exchange must be one of {EXCHANGES}; got {cfg.exchange!r}")
     if sampling_params is not None:
         validate_params(sampling_params, gbs if rows is None else rows)
 
@@ -295,6 +296,24 @@ def _first_rows(idx: torch.Tensor, n: int = 8) -> str:
     return str(idx[:n]) + (f" and {len(idx) - n} more" if len(idx) > n else "")
 
 
+def _owned_candidates(merged, sampling_params, cfg: TailConfig, logits, v: int) -> TailOutput:
+    """The owned rows' tail on merged candidates (lmtail.candidates): fp32 top-k, and with
+    sampling_params the NaN policy from the NaN counts, then the sampler on fp32 values.
+    taps (debug_taps): the merged row statistics (outside value, masses, NaN counts)."""
+    lg = logits if cfg.emit_logits else None
+    taps = None
+    if cfg.debug_taps:
+        taps = {"outside": merged.outside, "has_outside": merged.has_outside, "nans": merged.nans}
+        if merged.mass is not None:
+            taps.update(zip(("m1", "S1", "mT", "ST"), merged.mass))
+    if sampling_params is None:
+        return TailOutput(topk_values=merged.values, topk_indices=merged.ids, logits=lg, taps=taps)
+    candidates.check_nans(merged.nans, v=v, nan_fold=cfg.nan_fold)
+    tok, lp, tr = candidates.sample_merged(merged, sampling_params, nan_fold=cfg.nan_fold)
+    return TailOutput(topk_values=merged.values, topk_indices=merged.ids, logits=lg, tokens=tok,
+                      logprobs=lp, truncated=tr, taps=taps)
+
+
 def _owned_tail(rows_bf16, sampling_params, cfg: TailConfig, logits) -> TailOutput:
     """The owned rows' tail: rows_tail with the sampler's NaN policy (check_nan_rows)."""
     out = rows_tail_unchecked(rows_bf16, k=cfg.k, sampling_params=sampling_params, nan_fold=cfg.nan_fold,
@@ -310,7 +329,7 @@ def decode_tail(hidden_states, gamma, lm_head_weight_t, *, eps: float = 1e-5,
                 sampling_params=None, group=None, hops=None, batch_groups: int = 1,
                 fence: bool = False, emit_logits: bool = True, debug_taps: bool = False,
                 deferred_rms: bool = True, nan_fold: bool = False, gemm_order: str = TailConfig.gemm_order,
-                tail_path: str = TailConfig.tail_path,
+                tail_path: str = TailConfig.tail_path, exchange: str = TailConfig.exchange,
                 timeout: float = DEFAULT_TIMEOUT_S, config: TailConfig | None = None) -> TailOutput:
     """The decode sampling tail. One rank unless `group` or `hops` is given, in which case
     it is collective over the vocab-parallel group with ONE all-to-all per hop.
@@ -349,7 +368,8 @@ def decode_tail(hidden_states, gamma, lm_head_weight_t, *, eps: float = 1e-5,
     """
     given = TailConfig(eps=eps, hidden_actual=hidden_actual, zero_interleaved_pad=zero_interleaved_pad,
                        k=k, deferred_rms=deferred_rms, nan_fold=nan_fold, emit_logits=emit_logits,
-                       debug_taps=debug_taps, gemm_order=gemm_order, tail_path=tail_path)
+                       debug_taps=debug_taps, gemm_order=gemm_order, tail_path=tail_path,
+                       exchange=exchange)
     if config is not None and given != TailConfig():
         raise ValueError("give the options either as config= or as keywords, not both; got config="
                          f"{config} and keywords {_changed(given)}")
@@ -365,6 +385,10 @@ def decode_tail(hidden_states, gamma, lm_head_weight_t, *, eps: float = 1e-5,
                          vocab_size=lm_head_weight_t.shape[-1])
     a, rms = normed_rows(hidden_states, gamma, cfg)  # [gbs, H] bf16, [gbs] fp32
     logits = logits_from(a, rms, lm_head_weight_t, cfg)  # [gbs, V]
+    if cfg.exchange == "candidates":
+        v = logits.shape[1]
+        part = candidates.shard_partials(logits, col0=0, v=v, k=cfg.k, nan_fold=cfg.nan_fold, sp=sampling_params)
+        return _owned_candidates(candidates.merge(part, k=cfg.k), sampling_params, cfg, logits, v)
     return _owned_tail(logits.to(torch.bfloat16), sampling_params, cfg, logits)
 
 
@@ -384,7 +408,7 @@ def _f64_bits(v) -> int:
 
 
 TAIL_SIGNATURE = ("gbs", "H", "V_s", "k", "hidden dtype", "gamma dtype", "hidden_actual",
-                  "zero_interleaved_pad", "eps", "deferred_rms", "nan_fold", "gemm_order", "tail_path",
+                  "zero_interleaved_pad", "eps", "deferred_rms", "nan_fold", "gemm_order", "tail_path", "exchange",
                   "sampling_params columns", "batch_groups", "fence", "hops",
                   "hidden_states checksum", "gamma checksum")
 
@@ -402,6 +426,7 @@ def tail_signature(hidden_states, gamma, lm_head_weight_t, sampling_params, cfg:
            "zero_interleaved_pad": int(cfg.zero_interleaved_pad), "eps": (_f64_bits(cfg.eps), cfg.eps),
            "deferred_rms": int(cfg.deferred_rms), "nan_fold": int(cfg.nan_fold),
            "gemm_order": GEMM_ORDERS.index(cfg.gemm_order), "tail_path": TAIL_PATHS.index(cfg.tail_path),
+           "exchange": EXCHANGES.index(cfg.exchange),
            "sampling_params columns": 0 if sampling_params is None else sampling_params.shape[1],
            "batch_groups": batch_groups, "fence": int(fence),
            "hops": (exchange.bytes_digest(repr(hops).encode()), hops),
@@ -423,6 +448,8 @@ def _decode_tail_ranks(hidden_states, gamma, lm_head_weight_t, sampling_params, 
     gbs = hidden_states.shape[0] if shapes_ok else None
     if gbs:
         validate_layout(vtp, gbs, layout_hops, batch_groups)  # raises before any collective
+    if isinstance(cfg, TailConfig) and cfg.exchange == "candidates":
+        candidates.check_vtp(vtp)
     local_error, sig, normed = None, None, None
     try:  # a rank's bad inputs become a ValueError on every rank (via the signature)
         validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, sampling_params, cfg,
@@ -435,6 +462,9 @@ def _decode_tail_ranks(hidden_states, gamma, lm_head_weight_t, sampling_params, 
         local_error, sig = e, None  # sig None: this rank rejected its inputs
     exchange.agree(parent, TAIL_SIGNATURE, sig, local_error, what="decode_tail", timeout=timeout)
     a, rms = normed
+    if cfg.exchange == "candidates":
+        return _candidates_ranks(a, rms, lm_head_weight_t, sampling_params, cfg, group=hg or parent, parent=parent,
+                                 hops=layout_hops, batch_groups=batch_groups, fence=fence, timeout=timeout)
 
     kept = []  # the fp32 shard logits of each row block, in row order
 
@@ -448,3 +478,32 @@ def _decode_tail_ranks(hidden_states, gamma, lm_head_weight_t, sampling_params, 
     assert recv.shape == (gbs // vtp, lm_head_weight_t.shape[1] * vtp), "received [R, V]"
     logits = kept[0] if len(kept) == 1 else torch.cat(kept, dim=0)  # [gbs, V_s]
     return _owned_tail(recv, sampling_params, cfg, logits)
+
+
+def _candidates_ranks(a, rms, lm_head_weight_t, sampling_params, cfg, *, group, parent, hops, batch_groups,
+                      fence, timeout) -> TailOutput:
+    """exchange="candidates" over VTP ranks (inputs agreed): every rank learns every row's
+    sampling params (one all-gather), sends each row's shard partials (candidates module),
+    and merges the partials of the rows it owns."""
+    gbs, vtp, vs = a.shape[0], parent.size(), lm_head_weight_t.shape[1]
+    v, me = vs * vtp, parent.rank()
+    sp_all = None
+    if sampling_params is not None:  # [gbs, P] in global row order
+        got = exchange.gather_rows(sampling_params, group=parent, timeout=timeout)
+        sp_all = torch.empty((gbs, sampling_params.shape[1]), dtype=torch.float32)
+        for r, rows in enumerate(got):
+            sp_all[owned_rows(r, vtp, gbs, hops, batch_groups)] = rows
+    kept = []  # the fp32 shard logits of each row block, in row order
+
+    def partials_block(rows: slice) -> torch.Tensor:
+        lg = logits_from(a[rows], rms[rows], lm_head_weight_t, cfg)  # [n, V_s]
+        kept.append(lg)
+        part = candidates.shard_partials(lg, col0=me * vs, v=v, k=cfg.k, nan_fold=cfg.nan_fold,
+                                         sp=None if sp_all is None else sp_all[rows])
+        return candidates.pack(part)  # [n, B] bytes
+
+    recv = exchange.exchange_rows(partials_block, gbs=gbs, group=group, hops=hops, batch_groups=batch_groups,
+                                  fence=fence, timeout=timeout)  # [R, VTP*B]
+    part = candidates.unpack(recv, vtp=vtp, k=cfg.k, sampled=sampling_params is not None)
+    logits = kept[0] if len(kept) == 1 else torch.cat(kept, dim=0)  # [gbs, V_s]
+    return _owned_candidates(candidates.merge(part, k=cfg.k), sampling_params, cfg, logits, v)

@@ -1,0 +1,295 @@
+"""The candidates exchange: each shard's exact fp32 top-(k+1) and its mass partials, not the bf16 mirror.
+
+    rank r holds logits [gbs, V_s] fp32 (columns r*V_s ..)                       per row:
+      keys  = exact top-(k+1) of the shard, int64 keys (fp32 order, ties to the lower id)
+      mass  = per global chunk j of the shard: (m1_j, S1_j) at T = 1 and (mT_j, ST_j) at
+              the row's T where the sampler needs it (top-k off, sampled, T != 1)
+      nans  = NaN lanes of the shard
+    pack -> [gbs, B] bytes ==exchange.exchange_rows (one all-to-all per hop)==> [R, VTP*B]
+    owner: unpack VTP slabs (rank order) -> merge keys (top-(k+1) of VTP*(k+1)) and combine
+      the chunk partials in global chunk order -> sampler.plan_on with MergedStats
+
+Chunks. The vocabulary [0, V) is cut into MASS_CHUNKS = 256 chunks at the global positions
+floor(j * V / 256), j = 0..256: fixed by V alone. When VTP divides 256 (and V), every rank
+boundary r * V / VTP is a chunk boundary (floor(j V / 256) with j = r * 256 / VTP), so a
+rank holds whole chunks and the partials, combined in chunk order, are the same numbers
+for every VTP, hop layout and batch-group count: one rank (VTP = 1) computes them from the
+full row with the same code. Chunks may be empty (V < 256) or differ in width by one.
+
+Numerics (declared; `candidates_decl`), float64 from the exactly widened fp32 logits
+(NaN folded to -inf when nan_fold):
+  chunk j: (m_j, S_j) = kernels.rowmass.row_mass over the chunk's lanes at scale T:
+    z = fl64(v / T), m_j = max z (+0.0: a -0 max reads +0), S_j = sum64(exp64(z - m_j))
+    (z == m_j -> exactly 1; depth ceil(w_j / 256) + 8); an empty chunk is (-inf, 0); a
+    chunk of -inf lanes only is (-inf, its lane count).
+  row: m = max_j m_j; t_j = fl64(S_j * shifted_exp(m_j, m)) (m_j == m -> factor 1);
+    S = sum64 over the 256 chunk terms in chunk order (one lane each, then the halving
+    tree: depth 1 + 8). lse1 = fl64(m1 + log64(S1)); the T mass is (mT, ST).
+  top-k: keys mono32(v) * 2**32 + (2**32 - 1 - id) over int64, unique per row, so the
+    merge (top-(k+1) of the ranks' top-(k+1) lists) is exact: every global top-(k+1)
+    member is in its own shard's top-(k+1). Values come back from the keys (-0 -> +0,
+    a folded NaN -> the canonical NaN). The (k+1)-th key is the largest lane outside the
+    candidates: ties at the top-k threshold past slot k and mass past slot k (top-k off)
+    are read from it (sampler semantics, lmtail.sampler).
+Decisions (top-k, top-p, min-p, the draw, the logprob) are made on the fp32 values by the
+sampler's own steps (sampler.plan_on), so no decision sees a bf16 rounding.
+
+Shape legend: gbs rows sent, n rows of a block, R owned rows, V vocab, V_s = V / VTP,
+k candidates, k1 = k + 1 keys per row per rank, C = MASS_CHUNKS, c = C / VTP chunks per
+rank, B bytes per row per rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .checks import need
+from .kernels.rowmass import row_mass, shifted_exp, sum64
+from .numerics import Decl, SumDecl, log64
+from .sampler import GREEDY_TEMPERATURE, decide, plan_on
+
+MASS_CHUNKS = 256
+PARTS = 4  # per chunk: m1, S1, mT, ST (float64)
+PAD_KEY = -(1 << 63)  # a key below every lane's: fills a shard narrower than k + 1
+_ID_MASK = (1 << 32) - 1
+_NAN_MONO = -(1 << 31) + 1  # a folded NaN: below -inf's mono, above the pad's
+
+
+# ---------------------------------------------------------------------------------------
+# the declaration and the layout rule
+# ---------------------------------------------------------------------------------------
+def candidates_decl(v: int) -> Decl:
+    """The candidates exchange's own numerics for a vocabulary of v (its float64 sums)."""
+    w = -(-v // MASS_CHUNKS)
+    return Decl(
+        op="candidates_exchange",
+        rounding_points=("z = v / T:fp64", "exp64 terms:fp64", "S_j * shifted_exp(m_j, m):fp64",
+                         "m1 + log64(S1):fp64", "logprob:fp32"),
+        sums=(SumDecl("chunk mass", "fp64", -(-w // 256) + 8, "sum64 over the chunk's lanes"),
+              SumDecl("row mass", "fp64", 1 + 8, f"sum64 over {MASS_CHUNKS} chunk terms in chunk order")),
+    )
+
+
+def check_vtp(vtp: int) -> None:
+    """ValueError unless VTP divides MASS_CHUNKS (so every rank holds whole chunks)."""
+    need(MASS_CHUNKS % vtp == 0, f"exchange='candidates' needs VTP dividing {MASS_CHUNKS} (every "
+                                 f"rank holds whole mass chunks); got VTP={vtp} (use exchange='mirror')")
+
+
+def chunk_bounds(v: int) -> torch.Tensor:
+    """[C + 1] int64: chunk j is vocab ids [b[j], b[j+1]), b[j] = floor(j * v / C)."""
+    return torch.arange(MASS_CHUNKS + 1, dtype=torch.int64) * v // MASS_CHUNKS
+
+
+def payload_bytes(k: int, vtp: int, sampled: bool) -> int:
+    """B: bytes per row per rank through the exchange (keys; with sampling the chunk
+    partials and the NaN count too)."""
+    return (k + 1) * 8 + ((MASS_CHUNKS // vtp) * PARTS * 8 + 8 if sampled else 0)
+
+
+# ---------------------------------------------------------------------------------------
+# keys: fp32 order + id, one int64
+# ---------------------------------------------------------------------------------------
+def fp32_keys(values: torch.Tensor, *, col0: int, nan_fold: bool) -> torch.Tensor:
+    """[n, w] fp32 (column j = vocab id col0 + j) -> [n, w] int64 keys, unique per row:
+    mono32 (signed, ordered like the value; -0 -> +0; a NaN with nan_fold below -inf)
+    times 2**32 plus (2**32 - 1 - id), so the larger key is the larger value, then the
+    lower id."""
+    b = values.contiguous().view(torch.int32).to(torch.int64)  # [n, w]
+    b = torch.where(b == -(1 << 31), torch.zeros_like(b), b)  # -0 -> +0
+    mono = torch.where(b < 0, b ^ 0x7FFFFFFF, b)
+    if nan_fold:
+        mono = torch.where((b & 0x7FFFFFFF) > 0x7F800000, torch.full_like(mono, _NAN_MONO), mono)
+    ids = torch.arange(col0, col0 + values.shape[1], dtype=torch.int64)
+    return mono * (1 << 32) + (_ID_MASK - ids)
+
+
+def split_fp32_keys(keys: torch.Tensor):
+    """int64 keys -> (fp32 values, int64 ids); a pad key gives (-inf, -1)."""
+    mono = keys >> 32
+    b = torch.where(mono < 0, mono ^ 0x7FFFFFFF, mono)
+    b = torch.where(mono == _NAN_MONO, torch.full_like(b, 0x7FC00000), b)
+    pad = keys == PAD_KEY
+    b = torch.where(pad, torch.full_like(b, 0xFF800000 - (1 << 32)), b)
+    vals = b.to(torch.int32).view(torch.float32)
+    ids = torch.where(pad, torch.full_like(keys, -1), _ID_MASK - (keys & _ID_MASK))
+    return vals, ids
+
+
+def top_keys(keys: torch.Tensor, k1: int) -> torch.Tensor:
+    """[n, w] int64 -> [n, k1] the k1 largest, descending (PAD_KEY past w)."""
+    n, w = keys.shape
+    top = torch.topk(keys, min(k1, w), dim=1, largest=True, sorted=True).values
+    if w < k1:
+        top = torch.cat([top, torch.full((n, k1 - w), PAD_KEY, dtype=torch.int64)], dim=1)
+    return top
+
+
+# ---------------------------------------------------------------------------------------
+# one shard's partials
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ShardPartials:
+    """One rank's contribution for n rows: keys [n, k1] int64 descending; mass [n, c, 4]
+    float64 (m1, S1, mT, ST per chunk; None without sampling); nans [n] int64."""
+
+    keys: torch.Tensor
+    mass: torch.Tensor | None
+    nans: torch.Tensor | None
+
+
+def chunk_mass(row64: torch.Tensor, scale: torch.Tensor, *, col0: int, v: int, c: int):
+    """(m, S) [n, c] float64 of chunks col0's first c chunks (module docstring). row64
+    [n, V_s] float64 (NaN folded when asked), scale [n]."""
+    n, vs = row64.shape
+    b = chunk_bounds(v)
+    j0 = int(torch.searchsorted(b, torch.tensor(col0), right=False))
+    assert int(b[j0]) == col0 and int(b[j0 + c]) == col0 + vs, "a rank holds whole chunks"
+    start, width = b[j0:j0 + c] - col0, b[j0 + 1:j0 + c + 1] - b[j0:j0 + c]  # [c]
+    w = max(int(width.max()), 1)
+    lane = torch.arange(w)
+    idx = torch.where(lane < width[:, None], start[:, None] + lane, torch.full_like(lane, vs))  # [c, w]
+    padded = torch.cat([row64, torch.full((n, 1), -torch.inf, dtype=torch.float64)], dim=1)  # [n, V_s+1]
+    z = padded[:, idx.reshape(-1)].reshape(n * c, w)  # [n*c, w]: pad lanes -inf
+    m, s, _ = row_mass(z, scale.repeat_interleave(c))
+    m, s = (m + 0.0).view(n, c), s.view(n, c)
+    s = torch.where(m == -torch.inf, width.to(torch.float64).expand(n, c), s)  # -inf-only or empty chunk
+    return m, s
+
+
+def needs_t(sp: torch.Tensor) -> torch.Tensor:
+    """[R] bool: rows the sampler normalizes over the whole row at T != 1 (top-k off,
+    sampled)."""
+    t = sp[:, 2].double()
+    return (sp[:, 0] <= 0) & (t >= GREEDY_TEMPERATURE) & (t != 1.0)
+
+
+def shard_partials(logits: torch.Tensor, *, col0: int, v: int, k: int, nan_fold: bool,
+                   sp: torch.Tensor | None) -> ShardPartials:
+    """The partials of logits [n, V_s] fp32 (vocab ids col0 ..) for rows whose sampling
+    params are sp [n, 3|4|5] (None: top-k only, no mass)."""
+    keys = top_keys(fp32_keys(logits, col0=col0, nan_fold=nan_fold), k + 1)  # [n, k1]
+    if sp is None:
+        return ShardPartials(keys=keys, mass=None, nans=None)
+    n, vs = logits.shape
+    c = MASS_CHUNKS * vs // v
+    row64 = logits.double()
+    nan = torch.isnan(row64)
+    if nan_fold:
+        row64 = torch.where(nan, torch.full_like(row64, -torch.inf), row64)
+    mass = torch.zeros(n, c, PARTS, dtype=torch.float64)
+    mass[:, :, 0], mass[:, :, 1] = chunk_mass(row64, torch.ones(n, dtype=torch.float64), col0=col0, v=v, c=c)
+    rows = torch.nonzero(needs_t(sp))[:, 0]
+    if rows.numel():
+        mass[rows, :, 2], mass[rows, :, 3] = chunk_mass(row64[rows], sp[rows, 2].double(), col0=col0, v=v, c=c)
+    return ShardPartials(keys=keys, mass=mass, nans=nan.sum(dim=1))
+
+
+def pack(p: ShardPartials) -> torch.Tensor:
+    """ShardPartials -> [n, B] uint8 (keys, then mass and nans when present)."""
+    parts = [p.keys]
+    if p.mass is not None:
+        parts += [p.mass.reshape(p.mass.shape[0], -1).view(torch.int64), p.nans[:, None]]
+    return torch.cat(parts, dim=1).view(torch.uint8)
+
+
+def unpack(recv: torch.Tensor, *, vtp: int, k: int, sampled: bool) -> ShardPartials:
+    """[R, VTP*B] uint8 (slab i from rank i) -> the ranks' partials side by side:
+    keys [R, VTP*k1], mass [R, C, 4] in global chunk order, nans [R] summed."""
+    r = recv.shape[0]
+    words = recv.contiguous().view(torch.int64).view(r, vtp, -1)  # [R, VTP, B/8]
+    k1 = k + 1
+    keys = words[:, :, :k1].reshape(r, vtp * k1)
+    if not sampled:
+        return ShardPartials(keys=keys, mass=None, nans=None)
+    mass = words[:, :, k1:-1].contiguous().view(torch.float64).reshape(r, MASS_CHUNKS, PARTS)
+    return ShardPartials(keys=keys, mass=mass, nans=words[:, :, -1].sum(dim=1))
+
+
+# ---------------------------------------------------------------------------------------
+# the owner: merge and decide
+# ---------------------------------------------------------------------------------------
+def combine(m: torch.Tensor, s: torch.Tensor):
+    """(m, S) [R] of a row from its chunks' (m_j, S_j) [R, C] in chunk order (module
+    docstring)."""
+    top = m.max(dim=1).values + 0.0  # [R]
+    return top, sum64(s * shifted_exp(m, top))
+
+
+@dataclass(frozen=True)
+class Merged:
+    """The owner's view of its rows: candidates [R, k] (fp32 values descending, int64
+    ids), the largest lane outside them (outside [R] fp32, has_outside [R] bool), and the
+    combined masses (m1, S1, mT, ST [R] float64; None without sampling), nans [R]."""
+
+    values: torch.Tensor
+    ids: torch.Tensor
+    outside: torch.Tensor
+    has_outside: torch.Tensor
+    mass: tuple | None
+    nans: torch.Tensor | None
+
+
+def merge(p: ShardPartials, *, k: int) -> Merged:
+    """The ranks' partials side by side (unpack's result, or one rank's own) -> Merged."""
+    top = top_keys(p.keys, k + 1)  # [R, k1]
+    vals, ids = split_fp32_keys(top)
+    mass = None
+    if p.mass is not None:
+        mass = combine(p.mass[:, :, 0], p.mass[:, :, 1]) + combine(p.mass[:, :, 2], p.mass[:, :, 3])
+    return Merged(values=vals[:, :k], ids=ids[:, :k], outside=vals[:, k], has_outside=top[:, k] != PAD_KEY,
+                  mass=mass, nans=p.nans)
+
+
+class MergedStats:
+    """sampler.plan_on's row statistics from merged candidates and partials."""
+
+    def __init__(self, merged: Merged, sp: torch.Tensor, nan_fold: bool):
+        self.mg, self.sp = merged, sp
+        out = merged.outside.double()
+        if nan_fold:
+            out = torch.where(torch.isnan(out), torch.full_like(out, -torch.inf), out)
+        self.out = out  # [R]
+
+    def lse1(self) -> torch.Tensor:
+        m1, s1 = self.mg.mass[0], self.mg.mass[1]
+        return m1 + log64(s1)
+
+    def ties_past_k(self, thr: torch.Tensor, in_k: torch.Tensor) -> torch.Tensor:
+        return self.mg.has_outside & (self.out >= thr[:, 0])
+
+    def off_mass(self, off: torch.Tensor, t: torch.Tensor):
+        m1, s1, mt, st = self.mg.mass
+        at_t = needs_t(self.sp[off])
+        m = torch.where(at_t, mt[off], m1[off])
+        s = torch.where(at_t, st[off], s1[off])
+        past = self.mg.has_outside[off] & (shifted_exp((self.out[off] / t)[:, None], m)[:, 0] > 0)
+        return m, s, past
+
+
+def sample_merged(merged: Merged, sp: torch.Tensor, *, nan_fold: bool):
+    """(tokens [R] int64, logprobs [R] fp32, truncated [R] bool) on fp32 candidates."""
+    plan = plan_on(merged.values, sp, MergedStats(merged, sp, nan_fold), nan_fold=nan_fold)
+    return decide(plan, merged.values, merged.ids)
+
+
+def check_nans(nans: torch.Tensor, *, v: int, nan_fold: bool, rows: torch.Tensor | None = None) -> None:
+    """The sampler's NaN policy from per-row NaN counts [R] (tail.check_nan_rows's words)."""
+    ids = torch.arange(nans.shape[0]) if rows is None else rows
+    bad = nans > 0
+    if not bool(bad.any()):
+        return
+    if not nan_fold:
+        raise ValueError(f"decode_tail: NaN in the logits of rows {_first(ids[bad])} (from a NaN or inf "
+                         "input or weight); nan_fold=False samples only NaN-free rows: fix the input or "
+                         "pass nan_fold=True to give NaN lanes no probability")
+    empty = nans == v
+    if bool(empty.any()):
+        raise ValueError(f"decode_tail: the logits of rows {_first(ids[empty])} are all NaN: no lane "
+                         "has a probability to sample from")
+
+
+def _first(idx: torch.Tensor, n: int = 8) -> str:
+    idx = idx.tolist()
+    return str(idx[:n]) + (f" and {len(idx) - n} more" if len(idx) > n else "")
