@@ -21,7 +21,7 @@ Numerics (declared; `candidates_decl`), float64 from the exactly widened fp32 lo
   chunk j: (m_j, S_j) = kernels.rowmass.row_mass over the chunk's lanes at scale T:
     z = fl64(v / T), m_j = max z (+0.0: a -0 max reads +0), S_j = sum64(exp64(z - m_j))
     (z == m_j -> exactly 1; depth ceil(w_j / 256) + 8); an empty chunk is (-inf, 0); a
-    chunk of -inf lanes only is (-inf, its lane count).
+    chunk of -inf lanes only is (-inf, its lane count) (kernels.shard_partials).
   row: m = max_j m_j; t_j = fl64(S_j * shifted_exp(m_j, m)) (m_j == m -> factor 1);
     S = sum64 over the 256 chunk terms in chunk order (one lane each, then the halving
     tree: depth 1 + 8). lse1 = fl64(m1 + log64(S1)); the T mass is (mT, ST).
@@ -45,15 +45,15 @@ from dataclasses import dataclass
 import torch
 
 from .checks import need
-from .kernels.rowmass import row_mass, shifted_exp, sum64
+from .kernels import shard_partials as kernel
+from .kernels.rowmass import shifted_exp, sum64
 from .numerics import Decl, SumDecl, log64
 from .sampler import GREEDY_TEMPERATURE, decide, plan_on
 
 MASS_CHUNKS = 256
-PARTS = 4  # per chunk: m1, S1, mT, ST (float64)
-PAD_KEY = -(1 << 63)  # a key below every lane's: fills a shard narrower than k + 1
-_ID_MASK = (1 << 32) - 1
-_NAN_MONO = -(1 << 31) + 1  # a folded NaN: below -inf's mono, above the pad's
+PARTS = kernel.PARTS  # per chunk: m1, S1, mT, ST (float64)
+PAD_KEY = kernel.PAD_KEY  # a key below every lane's: fills a shard narrower than k + 1
+_ID_MASK = kernel.ID_MASK
 
 
 # ---------------------------------------------------------------------------------------
@@ -89,41 +89,18 @@ def payload_bytes(k: int, vtp: int, sampled: bool) -> int:
 
 
 # ---------------------------------------------------------------------------------------
-# keys: fp32 order + id, one int64
+# keys: fp32 order + id, one int64 (kernels.shard_partials makes them)
 # ---------------------------------------------------------------------------------------
-def fp32_keys(values: torch.Tensor, *, col0: int, nan_fold: bool) -> torch.Tensor:
-    """[n, w] fp32 (column j = vocab id col0 + j) -> [n, w] int64 keys, unique per row:
-    mono32 (signed, ordered like the value; -0 -> +0; a NaN with nan_fold below -inf)
-    times 2**32 plus (2**32 - 1 - id), so the larger key is the larger value, then the
-    lower id."""
-    b = values.contiguous().view(torch.int32).to(torch.int64)  # [n, w]
-    b = torch.where(b == -(1 << 31), torch.zeros_like(b), b)  # -0 -> +0
-    mono = torch.where(b < 0, b ^ 0x7FFFFFFF, b)
-    if nan_fold:
-        mono = torch.where((b & 0x7FFFFFFF) > 0x7F800000, torch.full_like(mono, _NAN_MONO), mono)
-    ids = torch.arange(col0, col0 + values.shape[1], dtype=torch.int64)
-    return mono * (1 << 32) + (_ID_MASK - ids)
-
-
 def split_fp32_keys(keys: torch.Tensor):
     """int64 keys -> (fp32 values, int64 ids); a pad key gives (-inf, -1)."""
     mono = keys >> 32
     b = torch.where(mono < 0, mono ^ 0x7FFFFFFF, mono)
-    b = torch.where(mono == _NAN_MONO, torch.full_like(b, 0x7FC00000), b)
+    b = torch.where(mono == kernel.NAN_MONO, torch.full_like(b, 0x7FC00000), b)
     pad = keys == PAD_KEY
     b = torch.where(pad, torch.full_like(b, 0xFF800000 - (1 << 32)), b)
     vals = b.to(torch.int32).view(torch.float32)
     ids = torch.where(pad, torch.full_like(keys, -1), _ID_MASK - (keys & _ID_MASK))
     return vals, ids
-
-
-def top_keys(keys: torch.Tensor, k1: int) -> torch.Tensor:
-    """[n, w] int64 -> [n, k1] the k1 largest, descending (PAD_KEY past w)."""
-    n, w = keys.shape
-    top = torch.topk(keys, min(k1, w), dim=1, largest=True, sorted=True).values
-    if w < k1:
-        top = torch.cat([top, torch.full((n, k1 - w), PAD_KEY, dtype=torch.int64)], dim=1)
-    return top
 
 
 # ---------------------------------------------------------------------------------------
@@ -139,25 +116,6 @@ class ShardPartials:
     nans: torch.Tensor | None
 
 
-def chunk_mass(row64: torch.Tensor, scale: torch.Tensor, *, col0: int, v: int, c: int):
-    """(m, S) [n, c] float64 of chunks col0's first c chunks (module docstring). row64
-    [n, V_s] float64 (NaN folded when asked), scale [n]."""
-    n, vs = row64.shape
-    b = chunk_bounds(v)
-    j0 = int(torch.searchsorted(b, torch.tensor(col0), right=False))
-    assert int(b[j0]) == col0 and int(b[j0 + c]) == col0 + vs, "a rank holds whole chunks"
-    start, width = b[j0:j0 + c] - col0, b[j0 + 1:j0 + c + 1] - b[j0:j0 + c]  # [c]
-    w = max(int(width.max()), 1)
-    lane = torch.arange(w)
-    idx = torch.where(lane < width[:, None], start[:, None] + lane, torch.full_like(lane, vs))  # [c, w]
-    padded = torch.cat([row64, torch.full((n, 1), -torch.inf, dtype=torch.float64)], dim=1)  # [n, V_s+1]
-    z = padded[:, idx.reshape(-1)].reshape(n * c, w)  # [n*c, w]: pad lanes -inf
-    m, s, _ = row_mass(z, scale.repeat_interleave(c))
-    m, s = (m + 0.0).view(n, c), s.view(n, c)
-    s = torch.where(m == -torch.inf, width.to(torch.float64).expand(n, c), s)  # -inf-only or empty chunk
-    return m, s
-
-
 def needs_t(sp: torch.Tensor) -> torch.Tensor:
     """[R] bool: rows the sampler normalizes over the whole row at T != 1 (top-k off,
     sampled)."""
@@ -168,22 +126,20 @@ def needs_t(sp: torch.Tensor) -> torch.Tensor:
 def shard_partials(logits: torch.Tensor, *, col0: int, v: int, k: int, nan_fold: bool,
                    sp: torch.Tensor | None) -> ShardPartials:
     """The partials of logits [n, V_s] fp32 (vocab ids col0 ..) for rows whose sampling
-    params are sp [n, 3|4|5] (None: top-k only, no mass)."""
-    keys = top_keys(fp32_keys(logits, col0=col0, nan_fold=nan_fold), k + 1)  # [n, k1]
-    if sp is None:
-        return ShardPartials(keys=keys, mass=None, nans=None)
-    n, vs = logits.shape
+    params are sp [n, 3|4|5] (None: top-k only, no mass): kernels.shard_partials over this
+    shard's slice of the global chunks."""
+    vs = logits.shape[1]
+    b = chunk_bounds(v)
+    j0 = MASS_CHUNKS * col0 // v
     c = MASS_CHUNKS * vs // v
-    row64 = logits.double()
-    nan = torch.isnan(row64)
-    if nan_fold:
-        row64 = torch.where(nan, torch.full_like(row64, -torch.inf), row64)
-    mass = torch.zeros(n, c, PARTS, dtype=torch.float64)
-    mass[:, :, 0], mass[:, :, 1] = chunk_mass(row64, torch.ones(n, dtype=torch.float64), col0=col0, v=v, c=c)
-    rows = torch.nonzero(needs_t(sp))[:, 0]
-    if rows.numel():
-        mass[rows, :, 2], mass[rows, :, 3] = chunk_mass(row64[rows], sp[rows, 2].double(), col0=col0, v=v, c=c)
-    return ShardPartials(keys=keys, mass=mass, nans=nan.sum(dim=1))
+    assert int(b[j0]) == col0 and int(b[j0 + c]) == col0 + vs, "a rank holds whole chunks"
+    scale_t = None
+    if sp is not None:
+        scale_t = torch.where(needs_t(sp), sp[:, 2].double(), torch.zeros((), dtype=torch.float64))
+    keys, mass, nans = kernel.shard_partials(logits, col0=col0, k1=k + 1, nan_fold=nan_fold,
+                                             bounds=b[j0:j0 + c + 1] - col0, scale_t=scale_t,
+                                             with_mass=sp is not None)
+    return ShardPartials(keys=keys, mass=mass, nans=nans)
 
 
 def pack(p: ShardPartials) -> torch.Tensor:
@@ -233,7 +189,7 @@ class Merged:
 
 def merge(p: ShardPartials, *, k: int) -> Merged:
     """The ranks' partials side by side (unpack's result, or one rank's own) -> Merged."""
-    top = top_keys(p.keys, k + 1)  # [R, k1]
+    top = kernel.top_keys(p.keys, k + 1)  # [R, k1]
     vals, ids = split_fp32_keys(top)
     mass = None
     if p.mass is not None:
