@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from .kernels.gemm import DEFAULT_ORDER
 
 EXCHANGES = ("mirror", "candidates")  # TailConfig.exchange
+HEAD_INPUTS = ("bf16", "bf16x2")  # TailConfig.head_input
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,11 @@ class TailConfig:
         on bf16 values) or "candidates" (each shard's exact fp32 top-(k+1) and its chunk
         mass partials, lmtail.candidates: decisions on fp32 logits; VTP must divide 256).
         Either way the bytes do not depend on VTP, hops or batch groups.
+    head_input ("bf16"): the lm_head GEMM's activation, one of HEAD_INPUTS: "bf16" (a =
+        bf16(x*gamma), one GEMM row per row) or "bf16x2" (a = a_hi + a_lo, a_hi =
+        bf16(x*gamma), a_lo = bf16(x*gamma - a_hi): two GEMM rows per row in one GEMM call,
+        logits = fp32(fp32(acc_hi + acc_lo) * rms); the activation carries 16 significant
+        bits instead of 8; needs deferred_rms).
     """
 
     eps: float = 1e-5
@@ -58,3 +64,4 @@ class TailConfig:
     gemm_order: str = DEFAULT_ORDER
     tail_path: str = "fused"
     exchange: str = "mirror"
+    head_input: str = "bf16"

@@ -5,6 +5,9 @@
       rms  = 1 / sqrt(ssq / H_u + eps)                         fp32, IEEE div, sqrt_rn32
       deferred_rms=True : a = bf16(fp32(x * gamma));  logits = fp32(gemm(a, W) * rms)
       deferred_rms=False: a = bf16(fp32(fp32(x * rms) * gamma));  logits = gemm(a, W)
+      head_input="bf16x2" (deferred): a_hi = bf16(g), a_lo = bf16(fp32(g - a_hi)) (0 where a_hi is inf),
+               g = fp32(x * gamma);
+               acc = fp32(gemm(a_hi, W) + gemm(a_lo, W)) (one GEMM over the 2 gbs rows); logits = fp32(acc * rms)
         gemm = kernels.gemm.gemm_bf16(order=gemm_order): "amx32" (default) per element
                32-lane blocks of even/odd fp32 fma chains, FTZ/DAZ; "chain" one chain over h;
                "dp32" per 32-lane block one odd-then-even fma chain, FTZ/DAZ
@@ -50,7 +53,7 @@ import torch
 
 from . import candidates, exchange
 from .checks import check_eps, gamma32, is_int, need, need_tensor, undefined_rows
-from .config import EXCHANGES, TailConfig
+from .config import EXCHANGES, HEAD_INPUTS, TailConfig
 from .kernels.gemm import TAIL_ORDERS as GEMM_ORDERS
 from .kernels.gemm import gemm_bf16, gemm_decl
 from .kernels import rows_tail as rows_kernel
@@ -79,16 +82,23 @@ class TailOutput:
     taps: dict | None = None
 
 
-def tail_decl(h: int, deferred_rms: bool = True, gemm_order: str = TailConfig.gemm_order) -> Decl:
+def tail_decl(h: int, deferred_rms: bool = True, gemm_order: str = TailConfig.gemm_order,
+              exchange: str = TailConfig.exchange, head_input: str = TailConfig.head_input) -> Decl:
     """The declared numerics of the tail's norm + GEMM for hidden width h (the GEMM's sum
-    is kernels.gemm.gemm_decl(h, gemm_order)'s; the default order is TailConfig's)."""
-    pts = (("x*gamma:fp32", "a:bf16", "ssq/H_u:fp32", "+eps:fp32", "sqrt:fp32", "1/s:fp32",
-            "acc*rms:fp32", "mirror:bf16") if deferred_rms else
+    is kernels.gemm.gemm_decl(h, gemm_order)'s; the default order is TailConfig's). With
+    exchange "mirror" the decisions see the bf16 mirror (rounding point "mirror:bf16");
+    with "candidates" they see the fp32 logits (no mirror rounding point). head_input
+    "bf16x2" adds the rounding points a_lo:bf16 and acc_hi+acc_lo:fp32 (each GEMM has the
+    gemm sum's declaration)."""
+    split = ("a_lo:bf16", "acc_hi+acc_lo:fp32") if head_input == "bf16x2" else ()
+    pts = (("x*gamma:fp32", "a:bf16") + split + ("ssq/H_u:fp32", "+eps:fp32", "sqrt:fp32", "1/s:fp32",
+            "acc*rms:fp32") if deferred_rms else
            ("ssq/H_u:fp32", "+eps:fp32", "sqrt:fp32", "1/s:fp32", "x*rms:fp32",
-            "(x*rms)*gamma:fp32", "a:bf16", "mirror:bf16"))
+            "(x*rms)*gamma:fp32", "a:bf16"))
     return Decl(
-        op="decode_tail" + ("" if deferred_rms else "[legacy]"),
-        rounding_points=pts,
+        op="decode_tail" + ("" if deferred_rms else "[legacy]") + ("" if exchange == "mirror" else f"[{exchange}]")
+        + ("" if head_input == "bf16" else f"[{head_input}]"),
+        rounding_points=pts + (("mirror:bf16",) if exchange == "mirror" else ()),
         sums=(SumDecl("ssq", "fp32", SSQ_ORDER.depth(h), SSQ_ORDER.describe(h)),
               gemm_decl(h, gemm_order).sum("gemm")),
     )
@@ -144,6 +154,9 @@ def validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, sampling_params
     need(cfg.gemm_order in GEMM_ORDERS, f"gemm_order must be one of {GEMM_ORDERS}; got {cfg.gemm_order!r}")
     need(cfg.tail_path in TAIL_PATHS, f"tail_path must be one of {TAIL_PATHS}; got {cfg.tail_path!r}")
     need(cfg.exchange in EXCHANGES, f"exchange must be one of {EXCHANGES}; got {cfg.exchange!r}")
+    need(cfg.head_input in HEAD_INPUTS, f"head_input must be one of {HEAD_INPUTS}; got {cfg.head_input!r}")
+    need(cfg.head_input == "bf16" or cfg.deferred_rms,
+         f"head_input={cfg.head_input!r} needs deferred_rms=True (the split is of x*gamma); got deferred_rms=False")
     if sampling_params is not None:
         validate_params(sampling_params, gbs if rows is None else rows)
 
@@ -170,19 +183,31 @@ def normed_rows(hidden_states, gamma, config: TailConfig) -> tuple[torch.Tensor,
     undefined_rows(m, cfg.eps, "hidden_states")  # m == 0 with eps32 = 0: 1/sqrt(0)
     s = sqrt_rn32(m + torch.tensor(cfg.eps, dtype=torch.float32))
     rms = torch.tensor(1.0, dtype=torch.float32) / s  # [gbs]
-    if cfg.deferred_rms:
+    if cfg.head_input == "bf16x2":
+        xg = x * g  # [gbs, H] fp32
+        hi = xg.to(torch.bfloat16)
+        lo = torch.where(torch.isinf(hi), torch.zeros((), dtype=torch.float32),
+                         xg - hi.to(torch.float32)).to(torch.bfloat16)  # exact in fp32; 0 beside an inf
+        a = torch.stack([hi, lo], dim=1)  # [gbs, 2, H]
+    elif cfg.deferred_rms:
         a = (x * g).to(torch.bfloat16)
     else:
         a = ((x * rms[:, None]) * g).to(torch.bfloat16)
     if h_u != h:
-        a = torch.where(real, a, torch.zeros((), dtype=torch.bfloat16))  # [gbs, H]
-    return a, rms  # [gbs, H], [gbs]
+        a = torch.where(real, a, torch.zeros((), dtype=torch.bfloat16))  # [gbs, H] | [gbs, 2, H]
+    return a, rms  # [gbs, H] (bf16x2: [gbs, 2, H]), [gbs]
 
 
 def logits_from(a, rms, lm_head_weight_t, config: TailConfig) -> torch.Tensor:
-    """The GEMM half of `shard_logits`: a [n, H] bf16, rms [n] fp32 (from normed_rows, any
-    row block of them) -> [n, V_s] fp32."""
-    acc = gemm_bf16(a, lm_head_weight_t, order=config.gemm_order)  # [n, V_s] fp32
+    """The GEMM half of `shard_logits`: a [n, H] bf16 ([n, 2, H] with head_input "bf16x2"),
+    rms [n] fp32 (from normed_rows, any row block of them) -> [n, V_s] fp32."""
+    if a.dim() == 3:  # bf16x2: one GEMM over the 2n rows (a_hi, a_lo of each row, adjacent)
+        n, _, h = a.shape
+        acc2 = gemm_bf16(a.reshape(2 * n, h), lm_head_weight_t, order=config.gemm_order)  # [2n, V_s]
+        acc2 = acc2.view(n, 2, -1)
+        acc = acc2[:, 0] + acc2[:, 1]  # [n, V_s] fp32
+    else:
+        acc = gemm_bf16(a, lm_head_weight_t, order=config.gemm_order)  # [n, V_s] fp32
     return acc * rms[:, None] if config.deferred_rms else acc
 
 
@@ -330,6 +355,7 @@ def decode_tail(hidden_states, gamma, lm_head_weight_t, *, eps: float = 1e-5,
                 fence: bool = False, emit_logits: bool = True, debug_taps: bool = False,
                 deferred_rms: bool = True, nan_fold: bool = False, gemm_order: str = TailConfig.gemm_order,
                 tail_path: str = TailConfig.tail_path, exchange: str = TailConfig.exchange,
+                head_input: str = TailConfig.head_input,
                 timeout: float = DEFAULT_TIMEOUT_S, config: TailConfig | None = None) -> TailOutput:
     """The decode sampling tail. One rank unless `group` or `hops` is given, in which case
     it is collective over the vocab-parallel group with ONE all-to-all per hop.
@@ -369,7 +395,7 @@ def decode_tail(hidden_states, gamma, lm_head_weight_t, *, eps: float = 1e-5,
     given = TailConfig(eps=eps, hidden_actual=hidden_actual, zero_interleaved_pad=zero_interleaved_pad,
                        k=k, deferred_rms=deferred_rms, nan_fold=nan_fold, emit_logits=emit_logits,
                        debug_taps=debug_taps, gemm_order=gemm_order, tail_path=tail_path,
-                       exchange=exchange)
+                       exchange=exchange, head_input=head_input)
     if config is not None and given != TailConfig():
         raise ValueError("give the options either as config= or as keywords, not both; got config="
                          f"{config} and keywords {_changed(given)}")
@@ -408,7 +434,7 @@ def _f64_bits(v) -> int:
 
 
 TAIL_SIGNATURE = ("gbs", "H", "V_s", "k", "hidden dtype", "gamma dtype", "hidden_actual",
-                  "zero_interleaved_pad", "eps", "deferred_rms", "nan_fold", "gemm_order", "tail_path", "exchange",
+                  "zero_interleaved_pad", "eps", "deferred_rms", "nan_fold", "gemm_order", "tail_path", "exchange", "head_input",
                   "sampling_params columns", "batch_groups", "fence", "hops",
                   "hidden_states checksum", "gamma checksum")
 
@@ -426,7 +452,7 @@ def tail_signature(hidden_states, gamma, lm_head_weight_t, sampling_params, cfg:
            "zero_interleaved_pad": int(cfg.zero_interleaved_pad), "eps": (_f64_bits(cfg.eps), cfg.eps),
            "deferred_rms": int(cfg.deferred_rms), "nan_fold": int(cfg.nan_fold),
            "gemm_order": GEMM_ORDERS.index(cfg.gemm_order), "tail_path": TAIL_PATHS.index(cfg.tail_path),
-           "exchange": EXCHANGES.index(cfg.exchange),
+           "exchange": EXCHANGES.index(cfg.exchange), "head_input": HEAD_INPUTS.index(cfg.head_input),
            "sampling_params columns": 0 if sampling_params is None else sampling_params.shape[1],
            "batch_groups": batch_groups, "fence": int(fence),
            "hops": (exchange.bytes_digest(repr(hops).encode()), hops),

@@ -113,16 +113,19 @@ def certify_rows(ref, delta, *, topk_indices, k, tokens=None, truncated=None, sa
 
 
 def certify_tail(hidden, gamma, w, out, *, sampling_params=None, eps=1e-5, hidden_actual=None,
-                 interleaved=True, deferred_rms=True, gemm_order=TailConfig.gemm_order, k=None, decl=None,
+                 interleaved=True, deferred_rms=True, gemm_order=TailConfig.gemm_order,
+                 exchange=TailConfig.exchange, head_input=TailConfig.head_input, k=None, decl=None,
                  col_chunk=8192, max_listed=20) -> dict:
     """Certify a single-rank decode_tail's outputs against float64.
 
     hidden [gbs, H], gamma [H], w [H, V] bf16 (the FULL vocab: single rank, or the
     concatenated shards), out: a TailOutput (or dict) with topk_indices [gbs, k] and, when
     sampling_params [gbs, 3|4|5] is given, tokens and truncated [gbs]. eps, hidden_actual,
-    interleaved (zero_interleaved_pad), deferred_rms, gemm_order: as passed to decode_tail.
-    decl: the tail's declaration the bound is computed from (default
-    tail.tail_decl(H, deferred_rms, gemm_order)).
+    interleaved (zero_interleaved_pad), deferred_rms, gemm_order, exchange, head_input: as
+    passed to decode_tail. decl: the tail's declaration the bound is computed from (default
+    tail.tail_decl(H, deferred_rms, gemm_order, exchange, head_input): with the mirror exchange the
+    bound holds half a bf16 ulp of the logit, with the candidates exchange only the norm
+    and GEMM rounding).
     Returns dict: rows; certified, matched, mismatched, near_ties (totals over the three
     decisions); truncated (rows the exact answer needs > k candidates for); decisions
     {argmax|topk|sample: {certified, matched, near_ties}}; near_tie_rows {decision: [row]}
@@ -136,7 +139,7 @@ def certify_tail(hidden, gamma, w, out, *, sampling_params=None, eps=1e-5, hidde
         raise ValueError(f"out must hold every row of hidden (single-rank outputs): topk_indices is "
                          f"{tuple(ids.shape)}, hidden is {tuple(hidden.shape)}")
     k = ids.shape[1] if k is None else k
-    decl = tail_decl(hidden.shape[1], deferred_rms, gemm_order) if decl is None else decl
+    decl = tail_decl(hidden.shape[1], deferred_rms, gemm_order, exchange, head_input) if decl is None else decl
     ref, delta = ideal_bound(hidden, gamma, w, eps=eps, decl=decl, hidden_actual=hidden_actual,
                              interleaved=interleaved, deferred_rms=deferred_rms, col_chunk=col_chunk)
     tokens, trunc = _get(out, "tokens"), _get(out, "truncated")

@@ -89,7 +89,8 @@ def certify_generation(bundle: ModelBundle, gen: Generation, *, rows: str = "all
                     near_tie_rows={}, worst_margin={}, mismatches=[], ok=True, where=[])
     out = dict(topk_indices=tr.topk_indices[mask], tokens=tr.tokens[mask], truncated=tr.truncated[mask])
     cert = certify_tail(tr.hidden[mask], bundle.final_norm, bundle.lm_head_weight_t, out,
-                        sampling_params=tr.params[mask], eps=bundle.config.eps)
+                        sampling_params=tr.params[mask], eps=bundle.config.eps, exchange=tr.exchange,
+                        head_input=tr.head_input)
     return {**cert, "where": where}
 
 

@@ -8,8 +8,9 @@
  *            worker pins the rounding mode (to nearest, exceptions masked) and FTZ/DAZ state
  *            its declared order needs, and restores the caller's on the way out
  *   exp64    numerics.exp64's float64 ops for the shifted term exp64(z == m ? 0 : z - m),
- *            z <= m, scalar and 8 lanes (AVX-512); K[17] = INV_LN2, LN2_HI, LN2_LO,
- *            C[0..13] comes from Python (numerics.exp64_constants()): no constant here
+ *            z <= m, scalar (shifted_exp1), 8 lanes (AVX-512: shifted_exp8) and 4 lanes
+ *            (AVX2: sexp4); K[17] = INV_LN2, LN2_HI, LN2_LO, C[0..13] comes from Python
+ *            (numerics.exp64_constants()): no constant here
  *   cpu      lmtail_cpu_features(): LMTAIL_CPU_* bits from cpuid (via the compiler's
  *            probe) and, for AMX, the OS permission (arch_prctl)
  *   threads  lmtail_parallel(fn, job, n): fn(job) on the caller and n-1 helpers of a
@@ -222,6 +223,52 @@ shifted_exp8(__m512d *y, const __m512d *z, __m512d mv, const __m512d *KV) {
                               pow2_8(_mm512_min_pd(_mm512_max_pd(n2, lo), hi)));
         }
         y[u] = _mm512_mask_mov_pd(e, _mm512_cmp_pd_mask(d[u], _mm512_set1_pd(-745.0), _CMP_LT_OQ), zero);
+    }
+}
+
+#define LMTAIL_AVX2 __attribute__((target("avx2")))
+
+/* 2**n for 4 integer-valued n in [-1022, 1023]: the exponent bits (AVX2). */
+static inline __attribute__((always_inline)) LMTAIL_AVX2 __m256d pow2_4(__m256d n) {
+    const __m256i e = _mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(n));
+    return _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_add_epi64(e, _mm256_set1_epi64x(1023)), 52));
+}
+
+/* shifted_exp1 on EXP8_U x 4 lanes (AVX2): the same ops in the same order as shifted_exp1 /
+ * shifted_exp8; KV[c] = K[c] broadcast. Shared by rows_tail.c and shard_partials.c. */
+static inline __attribute__((always_inline)) LMTAIL_AVX2 void
+sexp4(__m256d *y, const __m256d *z, __m256d mv, const __m256d *KV) {
+    const __m256d zero = _mm256_setzero_pd();
+    const __m256d lo = _mm256_set1_pd(-1022.0), hi = _mm256_set1_pd(1023.0);
+    __m256d d[EXP8_U], n[EXP8_U], r[EXP8_U], p[EXP8_U];
+    for (int u = 0; u < EXP8_U; ++u) {
+        const __m256d eq = _mm256_cmp_pd(z[u], mv, _CMP_EQ_OQ);
+        d[u] = _mm256_blendv_pd(_mm256_sub_pd(z[u], mv), zero, eq);
+        const __m256d xc = _mm256_max_pd(d[u], _mm256_set1_pd(-746.0));
+        n[u] = _mm256_round_pd(_mm256_mul_pd(xc, KV[K_INV]),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        r[u] = _mm256_sub_pd(_mm256_sub_pd(xc, _mm256_mul_pd(n[u], KV[K_HI])),
+                             _mm256_mul_pd(n[u], KV[K_LO]));
+        p[u] = _mm256_mul_pd(r[u], KV[K_C0 + 13]);
+    }
+    for (int j = 12; j >= 1; --j)
+        for (int u = 0; u < EXP8_U; ++u)
+            p[u] = _mm256_mul_pd(_mm256_add_pd(p[u], KV[K_C0 + j]), r[u]);
+    for (int u = 0; u < EXP8_U; ++u) {
+        p[u] = _mm256_add_pd(p[u], KV[K_C0]);
+        const __m256d sub = _mm256_cmp_pd(n[u], lo, _CMP_LT_OQ);
+        __m256d e;
+        if (!_mm256_movemask_pd(sub)) {
+            e = _mm256_mul_pd(p[u], pow2_4(n[u]));
+        } else {
+            const __m256d half = _mm256_round_pd(_mm256_mul_pd(n[u], _mm256_set1_pd(0.5)),
+                                                 _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+            const __m256d n1 = _mm256_blendv_pd(zero, half, sub);
+            const __m256d n2 = _mm256_sub_pd(n[u], n1);
+            e = _mm256_mul_pd(_mm256_mul_pd(p[u], pow2_4(_mm256_min_pd(_mm256_max_pd(n1, lo), hi))),
+                              pow2_4(_mm256_min_pd(_mm256_max_pd(n2, lo), hi)));
+        }
+        y[u] = _mm256_blendv_pd(e, zero, _mm256_cmp_pd(d[u], _mm256_set1_pd(-745.0), _CMP_LT_OQ));
     }
 }
 #endif

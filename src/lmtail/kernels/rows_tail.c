@@ -399,47 +399,6 @@ static AVX512 void mass_avx512(const uint16_t *x, int64_t V, int fold, double s,
     mass_c(x, v, V, fold, s, inv, m, K, acc, y, out);
 }
 
-static inline __attribute__((always_inline)) AVX2 __m256d pow2_4(__m256d n) {
-    const __m256i e = _mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(n));
-    return _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_add_epi64(e, _mm256_set1_epi64x(1023)), 52));
-}
-
-static inline __attribute__((always_inline)) AVX2 void
-sexp4(__m256d *y, const __m256d *z, __m256d mv, const __m256d *KV) {
-    const __m256d zero = _mm256_setzero_pd();
-    const __m256d lo = _mm256_set1_pd(-1022.0), hi = _mm256_set1_pd(1023.0);
-    __m256d d[U], n[U], r[U], p[U];
-    for (int u = 0; u < U; ++u) {
-        const __m256d eq = _mm256_cmp_pd(z[u], mv, _CMP_EQ_OQ);
-        d[u] = _mm256_blendv_pd(_mm256_sub_pd(z[u], mv), zero, eq);
-        const __m256d xc = _mm256_max_pd(d[u], _mm256_set1_pd(-746.0));
-        n[u] = _mm256_round_pd(_mm256_mul_pd(xc, KV[K_INV]),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        r[u] = _mm256_sub_pd(_mm256_sub_pd(xc, _mm256_mul_pd(n[u], KV[K_HI])),
-                             _mm256_mul_pd(n[u], KV[K_LO]));
-        p[u] = _mm256_mul_pd(r[u], KV[K_C0 + 13]);
-    }
-    for (int j = 12; j >= 1; --j)
-        for (int u = 0; u < U; ++u)
-            p[u] = _mm256_mul_pd(_mm256_add_pd(p[u], KV[K_C0 + j]), r[u]);
-    for (int u = 0; u < U; ++u) {
-        p[u] = _mm256_add_pd(p[u], KV[K_C0]);
-        const __m256d sub = _mm256_cmp_pd(n[u], lo, _CMP_LT_OQ);
-        __m256d e;
-        if (!_mm256_movemask_pd(sub)) {
-            e = _mm256_mul_pd(p[u], pow2_4(n[u]));
-        } else {
-            const __m256d half = _mm256_round_pd(_mm256_mul_pd(n[u], _mm256_set1_pd(0.5)),
-                                                 _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-            const __m256d n1 = _mm256_blendv_pd(zero, half, sub);
-            const __m256d n2 = _mm256_sub_pd(n[u], n1);
-            e = _mm256_mul_pd(_mm256_mul_pd(p[u], pow2_4(_mm256_min_pd(_mm256_max_pd(n1, lo), hi))),
-                              pow2_4(_mm256_min_pd(_mm256_max_pd(n2, lo), hi)));
-        }
-        y[u] = _mm256_blendv_pd(e, zero, _mm256_cmp_pd(d[u], _mm256_set1_pd(-745.0), _CMP_LT_OQ));
-    }
-}
-
 static inline __attribute__((always_inline)) AVX2 __m256d load4_bf16(const uint16_t *x) {
     const __m128i w = _mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)x));
     return _mm256_cvtps_pd(_mm_castsi128_ps(_mm_slli_epi32(w, 16)));

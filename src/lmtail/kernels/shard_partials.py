@@ -24,15 +24,22 @@ t mod 256), then m := m + 0.0 (a -0 max reads +0); an empty chunk or one of -inf
 has (m, S) = (-inf, its lane count). Without nan_fold a NaN lane leaves its chunk's pair
 undefined (the tail raises on such rows before they are sampled).
 
-Backends (all bit-equal; tests/test_candidates.py proves it), one `_backend.Dispatch` table
-in preference order; "torch" (the declared ops as torch ops) is always there.
+Backends (all bit-equal; tests/test_shard_partials.py proves it on this CPU), one
+`_backend.Dispatch` table in this fixed preference order: "avx512" (AVX-512F), "avx2", "c"
+(plain C, any CPU) -- the C kernel shard_partials.c, one thread per row from first op to
+last -- and "torch" (the declared ops as torch ops; always there, the only one without a C
+compiler). The C kernel leaves a row to the torch backend (recomputed here, that row only)
+when with_mass and it has a NaN lane without nan_fold, or its T scale is not finite and > 0.
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
-from lmtail.kernels import _backend
-from lmtail.kernels.rowmass import row_mass
+from lmtail.kernels import _backend, cpu
+from lmtail.kernels._cc import kernel_library
+from lmtail.kernels.rowmass import exp64_constants, row_mass
 
 PAD_KEY = -(1 << 63)  # below every lane's key: fills a shard narrower than k1
 NAN_MONO = -(1 << 31) + 1  # a folded NaN's mono32
@@ -97,7 +104,60 @@ def _torch_run(logits, *, col0, k1, nan_fold, bounds, scale_t, with_mass, thread
     return keys, mass, nan.sum(dim=1)
 
 
+# ---------------------------------------------------------------------------------------
+# the C backends (shard_partials.c)
+# ---------------------------------------------------------------------------------------
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+SIGNATURES = {
+    # x, n, V, ld, col0, k1, nan_fold, bounds, c, scale, with_mass, K, keys, mass, nans, flag,
+    # nthreads, isa
+    "lmtail_shard_partials": ([_P] + [_I64] * 5 + [_INT, _P, _I64, _P, _INT] + [_P] * 5 + [_INT] * 2, _INT),
+}
+_library = kernel_library("shard_partials.c", SIGNATURES, what="shard_partials",
+                          fallback="the torch backend")
+
+
+def _c_library():
+    """The compiled kernel (bound; built and cached on first use), or None with a warning.
+    Tests replace this to plant variants."""
+    return _library()
+
+
+def _c_available(*features: str):
+    return lambda: _c_library() is not None and cpu.has(*features)
+
+
+def _run_c(isa: int):
+    def run(logits, *, col0, k1, nan_fold, bounds, scale_t, with_mass, threads):
+        n, vs = logits.shape
+        c = bounds.numel() - 1
+        keys = torch.empty((n, k1), dtype=torch.int64)  # [n, k1]
+        mass = torch.empty((n, c, PARTS), dtype=torch.float64) if with_mass else None  # [n, c, 4]
+        nans = torch.empty(n, dtype=torch.int64) if with_mass else None  # [n]
+        flag = torch.zeros(n, dtype=torch.int32)  # [n]
+        if n == 0:
+            return keys, mass, nans
+        used = _c_library().lmtail_shard_partials(
+            logits.data_ptr(), n, vs, vs, col0, k1, int(nan_fold), bounds.data_ptr(), c,
+            scale_t.data_ptr(), int(with_mass), exp64_constants().data_ptr(), keys.data_ptr(),
+            None if mass is None else mass.data_ptr(), None if nans is None else nans.data_ptr(),
+            flag.data_ptr(), threads, isa)
+        if used == -2:
+            raise MemoryError(f"shard_partials: could not allocate scratch for k1={k1}")
+        assert used == isa, (used, isa)
+        left = torch.nonzero(flag)[:, 0]  # rows the torch backend decides (see the docstring)
+        if left.numel():
+            k_, m_, n_ = _torch_run(logits[left], col0=col0, k1=k1, nan_fold=nan_fold, bounds=bounds,
+                                    scale_t=scale_t[left], with_mass=with_mass, threads=threads)
+            keys[left], mass[left], nans[left] = k_, m_, n_
+        return keys, mass, nans
+    return run
+
+
 SHARD_PARTIALS = _backend.Dispatch("shard_partials", (
+    _backend.Backend("avx512", _run_c(2), _c_available("avx512f")),
+    _backend.Backend("avx2", _run_c(1), _c_available("avx2")),
+    _backend.Backend("c", _run_c(0), _c_available()),
     _backend.Backend("torch", _torch_run, device=None),
 ))
 

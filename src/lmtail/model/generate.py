@@ -59,6 +59,7 @@ import torch
 
 from ..numerics import draw_u
 from ..sampler import DEFAULT_U, SamplingParams, sampling_tensor, seed_int64
+from ..config import EXCHANGES, HEAD_INPUTS, TailConfig
 from ..tail import decode_tail
 from .gguf_loader import ModelBundle
 from .llama import Ops, forward, lmtail_ops, new_cache, prefill
@@ -85,6 +86,8 @@ class TailTrace:
     topk_indices: torch.Tensor  # [S, B, k] int64
     truncated: torch.Tensor  # [S, B] bool
     active: torch.Tensor  # [S, B] bool, row b had not stopped before step s
+    exchange: str = TailConfig.exchange  # the tail's exchange (what its decisions were made on)
+    head_input: str = TailConfig.head_input  # the tail's GEMM activation ("bf16" | "bf16x2")
 
 
 @dataclass(frozen=True)
@@ -279,7 +282,8 @@ def generate(bundle: ModelBundle, prompts: list[str], *, max_new_tokens: int = 6
              seed: int | list[int] = 0, params: list[SamplingParams] | None = None,
              ranks: int = 1, k: int = 256, chat: bool = True, tail_fn: Callable | None = None,
              ops: Ops | None = None, on_step: Callable | None = None, record: bool = False,
-             timeout_s: float = 600.0, on_prefill: Callable | None = None) -> Generation:
+             timeout_s: float = 600.0, on_prefill: Callable | None = None,
+             exchange: str | None = None, head_input: str | None = None) -> Generation:
     """Generate up to max_new_tokens for each prompt (module docstring).
 
     Sampling: the scalars (temperature < 1e-5 is greedy; top_k <= 0 disables; seed one int
@@ -290,7 +294,9 @@ def generate(bundle: ModelBundle, prompts: list[str], *, max_new_tokens: int = 6
     lmtail.norms.add_rms). on_step(step, tokens [B] list[int], done [B] list[bool]) after
     every step (streaming); on_prefill(done, P) after each prefill chunk (ranks = 1 only).
     record: keep a TailTrace for certification. timeout_s bounds a ranks > 1 run (the
-    ranks are terminated after it).
+    ranks are terminated after it). exchange, head_input: the default tail's exchange and
+    GEMM activation (config.EXCHANGES, config.HEAD_INPUTS; None: TailConfig's defaults);
+    only without tail_fn.
     """
     t0 = time.perf_counter()
     if not prompts or not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
@@ -314,7 +320,14 @@ def generate(bundle: ModelBundle, prompts: list[str], *, max_new_tokens: int = 6
     if min(lens) < 1 or max(lens) + max_new_tokens > cfg.context_length:
         raise ValueError(f"prompt lengths must be >= 1 and + max_new_tokens <= {cfg.context_length}; "
                          f"got {lens} + {max_new_tokens}")
-    tail_fn = DEFAULT_TAIL if tail_fn is None else tail_fn
+    for name, val, allowed in (("exchange", exchange, EXCHANGES), ("head_input", head_input, HEAD_INPUTS)):
+        if val is not None and (tail_fn is not None or val not in allowed):
+            raise ValueError(f"{name} must be one of {allowed} and applies to the default tail only; got "
+                             f"{name}={val!r} with tail_fn={'given' if tail_fn is not None else None}")
+    exchange = TailConfig.exchange if exchange is None else exchange
+    head_input = TailConfig.head_input if head_input is None else head_input
+    if tail_fn is None:
+        tail_fn = functools.partial(DEFAULT_TAIL, exchange=exchange, head_input=head_input)
     ops = lmtail_ops() if ops is None else ops
     if ranks == 1:
         gen = decode_loop(bundle, ids, params, max_new_tokens=max_new_tokens, ops=ops,
@@ -326,4 +339,5 @@ def generate(bundle: ModelBundle, prompts: list[str], *, max_new_tokens: int = 6
                          timeout_s=timeout_s)
         assert all(g.token_ids == gens[0].token_ids for g in gens), "ranks decoded different tokens"
         gen = gens[0]
-    return replace(gen, ranks=ranks, wall_s=time.perf_counter() - t0)
+    trace = None if gen.trace is None else replace(gen.trace, exchange=exchange, head_input=head_input)
+    return replace(gen, ranks=ranks, wall_s=time.perf_counter() - t0, trace=trace)

@@ -16,6 +16,9 @@ import argparse
 import math
 import sys
 
+EXCHANGE_CHOICES = ("candidates", "mirror")  # config.EXCHANGES (no torch import here; run checks)
+HEAD_INPUT_CHOICES = ("bf16x2", "bf16")  # config.HEAD_INPUTS
+
 SMOLLM2_VOCAB = 49152  # V of the default model (load_model()): --ranks must divide it
 SMOLLM2_CONTEXT = 8192  # its context length: prompt tokens + --max-new-tokens must fit
 SEED_LIMIT = 1 << 64  # SamplingParams seeds are uint64; row b uses --seed + b
@@ -40,6 +43,12 @@ def configure(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--body", choices=("declared", "quant"), default="declared",
                     help="the model body: 'declared' (bf16 weights, the default) or 'quant' (every "
                          "linear on gemm_q over the GGUF's own Q4_1 blocks; 1 rank)")
+    ap.add_argument("--exchange", choices=EXCHANGE_CHOICES, default=None,
+                    help="the tail's exchange: 'candidates' (fp32 decisions, each shard's top-k + mass "
+                         "partials cross the all-to-all) or 'mirror' (the bf16 mirror); default: generate's")
+    ap.add_argument("--head-input", choices=HEAD_INPUT_CHOICES, default=None,
+                    help="the head GEMM's activation: 'bf16x2' (hi + lo bf16 rows, 16 bits) or 'bf16'; "
+                         "default: generate's")
 
 
 def check(args: argparse.Namespace) -> None:
@@ -93,9 +102,12 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
 
+    from ..config import EXCHANGES, HEAD_INPUTS
     from .generate import generate
     from .gguf_loader import ModelFileMissing, load_model
     from .llama import lmtail_ops
+
+    assert set(EXCHANGE_CHOICES) == set(EXCHANGES) and set(HEAD_INPUT_CHOICES) == set(HEAD_INPUTS), "CLI choices"
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -115,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                            min_p=args.min_p, seed=[args.seed + b for b in range(b_n)], ranks=args.ranks,
                            chat=not args.raw, on_step=view.on_step, on_prefill=view.on_prefill,
-                           ops=lmtail_ops(body=args.body))
+                           ops=lmtail_ops(body=args.body), exchange=args.exchange, head_input=args.head_input)
     except ValueError as e:
         print(f"lmtail generate: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

@@ -62,18 +62,22 @@ def ideal_bound(x, gamma_, w, *, eps, decl, hidden_actual=None, interleaved=True
     """(ref [gbs, V], delta [gbs, V]) float64 for a single-rank tail over the full vocab.
 
     ref: reference.tail.logits_ref (ideal). delta >= 0: max(hi - ref, ref - lo) where
-    (lo, hi) = mirror_range(logits_range(..., decl=decl)) (decl: the tail's numerics.Decl),
-    so any op inside its declared range has a
-    bf16 mirror within ref +- delta. Computed col_chunk vocab columns at a time (the range
+    (lo, hi) = logits_range(..., decl=decl) (decl: the tail's numerics.Decl), rounded
+    outward to bf16 by mirror_range when the declaration has a "mirror:bf16" rounding point
+    (the mirror exchange: decisions on the bf16 mirror), as is otherwise (the candidates
+    exchange: decisions on the fp32 logits); so any op inside its declared range decides
+    on values within ref +- delta. Computed col_chunk vocab columns at a time (the range
     is column-separable), so a 49k vocab needs a few hundred MB, not several GB."""
     w64 = as_np(w)
     kw = dict(hidden_actual=hidden_actual, interleaved=interleaved)
     ref = logits_ref(x, gamma_, w64, eps=eps, **kw)
+    mirror = any(pt.startswith("mirror:") for pt in decl.rounding_points)
     delta = np.empty_like(ref)
     for c0 in range(0, w64.shape[1], col_chunk):
         sl = slice(c0, c0 + col_chunk)
         lo, hi = logits_range(x, gamma_, w64[:, sl], eps=eps, decl=decl, deferred_rms=deferred_rms, **kw)
-        lo, hi = mirror_range(lo, hi)
+        if mirror:
+            lo, hi = mirror_range(lo, hi)
         delta[:, sl] = np.maximum(np.maximum(hi - ref[:, sl], ref[:, sl] - lo), 0.0)
     return ref, delta
 

@@ -181,6 +181,18 @@ def gemm_input(x, gamma_, *, hidden_actual=None, interleaved=True, rms=None) -> 
     return np.where(real, a, 0.0)
 
 
+def gemm_input_split(x, gamma_, *, hidden_actual=None, interleaved=True):
+    """The op's two bf16 GEMM inputs of head_input "bf16x2", emulated exactly: a_hi =
+    bf16(g), a_lo = bf16(fp32(g - a_hi)) (0 where a_hi is inf), g = fp32(x*gamma).
+    float64 ([gbs, H], [gbs, H])."""
+    x, g, real, _ = _prep(x, gamma_, hidden_actual, interleaved)
+    xg = _fp32(x) * _fp32(g)
+    hi = xg.astype(BF16).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        lo = np.where(np.isinf(hi), np.float32(0), xg - hi).astype(BF16).astype(np.float64)
+    return np.where(real, hi.astype(np.float64), 0.0), np.where(real, lo, 0.0)
+
+
 def _daz(x: np.ndarray) -> np.ndarray:
     """float64 bf16 values -> the same with subnormals read as signed zeros (exact)."""
     return daz(x.astype(np.float32)).astype(np.float64)
@@ -205,11 +217,20 @@ def gemm_range(a_lo, a_hi, w, *, gemm: SumDecl):
 
 def logits_range(x, gamma_, w, *, eps, decl: Decl, hidden_actual=None, interleaved=True, deferred_rms=True):
     """fp32 [gbs, V] (lo, hi) that the op's logits must lie in (module docstring).
-    decl: the tail's declaration (tail.tail_decl(H, deferred_rms, gemm_order)); its sums
-    "ssq" and "gemm" set the two sums' ranges (the GEMM's with its declared flush)."""
+    decl: the tail's declaration (tail.tail_decl(H, deferred_rms, gemm_order, exchange,
+    head_input)); its sums "ssq" and "gemm" set the two sums' ranges (the GEMM's with its
+    declared flush); a rounding point "a_lo:bf16" (head_input "bf16x2") makes the GEMM two
+    (a_hi and a_lo, each the declared sum) added in fp32."""
     r_lo, r_hi = rms_range(x, eps=eps, ssq=decl.sum("ssq"), hidden_actual=hidden_actual, interleaved=interleaved)
     kw = dict(hidden_actual=hidden_actual, interleaved=interleaved)
     gemm = decl.sum("gemm")
+    if deferred_rms and "a_lo:bf16" in decl.rounding_points:  # head_input "bf16x2"
+        a_hi, a_lo = gemm_input_split(x, gamma_, **kw)
+        lo1, hi1 = gemm_range(a_hi, a_hi, w, gemm=gemm)
+        lo2, hi2 = gemm_range(a_lo, a_lo, w, gemm=gemm)
+        lo, hi = _round_range(lo1 + lo2, hi1 + hi2, U["fp32"], np.float32)  # acc_hi + acc_lo
+        cands = [lo * r_lo[:, None], lo * r_hi[:, None], hi * r_lo[:, None], hi * r_hi[:, None]]
+        return _round_range(np.minimum.reduce(cands), np.maximum.reduce(cands), U["fp32"], np.float32)
     if deferred_rms:
         a = gemm_input(x, gamma_, **kw)
         lo, hi = gemm_range(a, a, w, gemm=gemm)
