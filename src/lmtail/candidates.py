@@ -83,9 +83,12 @@ def chunk_bounds(v: int) -> torch.Tensor:
 
 
 def payload_bytes(k: int, vtp: int, sampled: bool) -> int:
-    """B: bytes per row per rank through the exchange (keys; with sampling the chunk
-    partials and the NaN count too)."""
-    return (k + 1) * 8 + ((MASS_CHUNKS // vtp) * PARTS * 8 + 8 if sampled else 0)
+    """B: bytes per row per rank through the exchange: the k + 1 int64 keys; with sampling
+    also per chunk of the rank S1, ST (float64) and m1 (fp32: the chunk's max lane, exact),
+    and the NaN count (int64), padded to 8 bytes. mT is not sent: the owner recomputes it
+    (`unpack`)."""
+    c = MASS_CHUNKS // vtp
+    return (k + 1) * 8 + (16 * c + 8 + 8 * -(-c // 2) if sampled else 0)
 
 
 # ---------------------------------------------------------------------------------------
@@ -143,24 +146,41 @@ def shard_partials(logits: torch.Tensor, *, col0: int, v: int, k: int, nan_fold:
 
 
 def pack(p: ShardPartials) -> torch.Tensor:
-    """ShardPartials -> [n, B] uint8 (keys, then mass and nans when present)."""
-    parts = [p.keys]
-    if p.mass is not None:
-        parts += [p.mass.reshape(p.mass.shape[0], -1).view(torch.int64), p.nans[:, None]]
-    return torch.cat(parts, dim=1).view(torch.uint8)
+    """ShardPartials -> [n, B] uint8: keys [k1] int64 | S1 [c] f64 | ST [c] f64 | nans int64
+    | m1 [c] fp32 (+ 4 pad bytes when c is odd) (payload_bytes). m1 is a widened fp32 lane
+    (or -inf), so its fp32 copy is exact."""
+    if p.mass is None:
+        return p.keys.contiguous().view(torch.uint8)
+    n, c = p.mass.shape[:2]
+    m1 = p.mass[:, :, 0].to(torch.float32)  # [n, c] exact
+    if c % 2:
+        m1 = torch.cat([m1, torch.zeros(n, 1, dtype=torch.float32)], dim=1)
+    parts = [p.keys, p.mass[:, :, 1].contiguous().view(torch.int64), p.mass[:, :, 3].contiguous().view(torch.int64),
+             p.nans[:, None], m1.contiguous().view(torch.int64)]
+    return torch.cat(parts, dim=1).view(torch.uint8)  # [n, B]
 
 
-def unpack(recv: torch.Tensor, *, vtp: int, k: int, sampled: bool) -> ShardPartials:
-    """[R, VTP*B] uint8 (slab i from rank i) -> the ranks' partials side by side:
-    keys [R, VTP*k1], mass [R, C, 4] in global chunk order, nans [R] summed."""
+def unpack(recv: torch.Tensor, *, vtp: int, k: int, sp: torch.Tensor | None) -> ShardPartials:
+    """[R, VTP*B] uint8 (slab i from rank i) -> the ranks' partials side by side: keys
+    [R, VTP*k1], mass [R, C, 4] in global chunk order, nans [R] summed. sp: the owned
+    rows' sampling params (None: top-k only). mT = fl64(m1 / T) + 0.0 on the rows that
+    need the T pass (needs_t), 0 elsewhere: the max of fl64(v / T) over the chunk, since
+    the division by T > 0 is monotone (the kernel's mT, bit for bit)."""
     r = recv.shape[0]
     words = recv.contiguous().view(torch.int64).view(r, vtp, -1)  # [R, VTP, B/8]
     k1 = k + 1
     keys = words[:, :, :k1].reshape(r, vtp * k1)
-    if not sampled:
+    if sp is None:
         return ShardPartials(keys=keys, mass=None, nans=None)
-    mass = words[:, :, k1:-1].contiguous().view(torch.float64).reshape(r, MASS_CHUNKS, PARTS)
-    return ShardPartials(keys=keys, mass=mass, nans=words[:, :, -1].sum(dim=1))
+    c = MASS_CHUNKS // vtp
+    s1 = words[:, :, k1:k1 + c].contiguous().view(torch.float64).reshape(r, MASS_CHUNKS)
+    st = words[:, :, k1 + c:k1 + 2 * c].contiguous().view(torch.float64).reshape(r, MASS_CHUNKS)
+    nans = words[:, :, k1 + 2 * c].sum(dim=1)
+    m1 = words[:, :, k1 + 2 * c + 1:].contiguous().view(torch.float32)[:, :, :c].reshape(r, MASS_CHUNKS).double()
+    at_t = needs_t(sp)
+    t = torch.where(at_t, sp[:, 2].double(), torch.ones((), dtype=torch.float64))
+    mt = torch.where(at_t[:, None], m1 / t[:, None] + 0.0, torch.zeros((), dtype=torch.float64))
+    return ShardPartials(keys=keys, mass=torch.stack([m1, s1, mt, st], dim=2), nans=nans)
 
 
 # ---------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .checks import is_int, is_real, need, need_tensor
@@ -183,13 +184,14 @@ def validate_params(sp: torch.Tensor, rows: int) -> None:
 # the declared float64 running sum over candidates
 # ---------------------------------------------------------------------------------------
 def running_sum64(x: torch.Tensor) -> torch.Tensor:
-    """Sequential float64 running sum along candidates: c_j = (...(x_0 + x_1) + ...) + x_j."""
-    out = torch.empty_like(x, dtype=torch.float64)
-    acc = torch.zeros(x.shape[0], dtype=torch.float64)
-    for j in range(x.shape[1]):
-        acc = acc + x[:, j]
-        out[:, j] = acc
-    return out
+    """Sequential float64 running sum along candidates: c_j = (...((+0 + x_0) + x_1) + ...) + x_j.
+
+    numpy's add.accumulate is defined as r[i] = r[i-1] + x[i] (one IEEE add per step, in
+    order), so accumulating [+0, x_0, x_1, ...] and dropping the first column is exactly
+    this chain."""
+    x64 = x.detach().to(torch.float64).numpy()  # [R, k]
+    z = np.concatenate([np.zeros((x64.shape[0], 1)), x64], axis=1)  # [R, 1 + k]
+    return torch.from_numpy(np.add.accumulate(z, axis=1)[:, 1:].copy())
 
 
 # ---------------------------------------------------------------------------------------

@@ -414,6 +414,7 @@ def decode_tail(hidden_states, gamma, lm_head_weight_t, *, eps: float = 1e-5,
     if cfg.exchange == "candidates":
         v = logits.shape[1]
         part = candidates.shard_partials(logits, col0=0, v=v, k=cfg.k, nan_fold=cfg.nan_fold, sp=sampling_params)
+        part = candidates.unpack(candidates.pack(part), vtp=1, k=cfg.k, sp=sampling_params)  # the ranks' wire
         return _owned_candidates(candidates.merge(part, k=cfg.k), sampling_params, cfg, logits, v)
     return _owned_tail(logits.to(torch.bfloat16), sampling_params, cfg, logits)
 
@@ -530,6 +531,6 @@ def _candidates_ranks(a, rms, lm_head_weight_t, sampling_params, cfg, *, group, 
 
     recv = exchange.exchange_rows(partials_block, gbs=gbs, group=group, hops=hops, batch_groups=batch_groups,
                                   fence=fence, timeout=timeout)  # [R, VTP*B]
-    part = candidates.unpack(recv, vtp=vtp, k=cfg.k, sampled=sampling_params is not None)
+    part = candidates.unpack(recv, vtp=vtp, k=cfg.k, sp=sampling_params)
     logits = kept[0] if len(kept) == 1 else torch.cat(kept, dim=0)  # [gbs, V_s]
     return _owned_candidates(candidates.merge(part, k=cfg.k), sampling_params, cfg, logits, v)

@@ -1,9 +1,12 @@
 """The bf16 all-to-all exchange vs an fp32 all-gather of the logits (vLLM V1), side by side;
-then the whole vocab-parallel decode_tail with batch_groups G = 1 / 2 / 4 and fence on/off.
+then the whole vocab-parallel decode_tail with batch_groups G = 1 / 2 / 4 and fence on/off;
+then decode_tail's two exchanges, exchange="candidates" vs "mirror".
 
-    python benchmarks/bench_exchange.py [--section all|exchange|overlap]
-        exchange: [--gbs 32 --v 201088 --vtp 2 4 --rounds 8]
-        overlap:  [--ov-gbs 32 64 --ov-h 2880 --ov-vs 25136 --ov-k 256 --ov-rounds 8]
+    python benchmarks/bench_exchange.py [--section all|exchange|overlap|candidates]
+        exchange:   [--gbs 32 --v 201088 --vtp 2 4 --rounds 8]
+        overlap:    [--ov-gbs 32 64 --ov-h 2880 --ov-vs 25136 --ov-k 256 --ov-rounds 8]
+        candidates: [--cand-gbs 128 --cand-vtp 4 --cand-h 2880 --cand-vs 25136 --cand-k 256
+                     --cand-rounds 6 --cand-small-gbs 32 --cand-small-h 576 --cand-small-vtp 2 8]
 
 Both arms start from the same [gbs, V_s] fp32 shard logits on every rank:
   A  lmtail: bf16 mirror, one all-to-all (exchange.exchange_rows) -> [R, V] owned rows;
@@ -28,7 +31,27 @@ alone over G row blocks (no collective), G blocking all-to-alls alone, and
 exchange_rows(G) (the overlapped path decode_tail runs) with a serial emulation of it
 (each block's all-to-all waited before the next block's GEMM); the overlap is what
 exchange_rows(G) saves over serial(G). fence=True vs False is timed the same way.
-Shape legend: gbs rows, R = gbs / VTP owned rows, V_s vocab shard, V = VTP * V_s.
+
+Candidates section (lmtail.candidates): `decode_tail(..., group=WORLD, exchange=E)` for
+E = "mirror" (base) and "candidates", 1 torch thread per rank, sampling_params a mix by
+row (i % 4): greedy; top-k 50 (T 1); top-p 0.9 at T 0.7; min-p 0.05 (T 1); u drawn per row.
+  Bytes per row per rank through the exchange (what one rank sends for one row, i.e. what
+  the row's owner receives from each peer): mirror 2 * V_s (the bf16 mirror), candidates
+  B = candidates.payload_bytes(k, VTP, sampled): (k + 1) int64 keys, and with sampling
+  256 / VTP chunks x 4 float64 partials + one int64 NaN count. Analytic at V_s = 25,136,
+  k = 256 for VTP 2, 4, 8; counted (Counter around the all-to-all) in the timed runs:
+  bytes received from peers / (R * (VTP - 1)). candidates also all-gathers the [R, 5]
+  fp32 sampling params before its all-to-all (counted separately: _GatherCounter).
+  Time: the whole tail (norm + GEMM + exchange + top-k + sampler), abba as above, base
+  mirror, at gbs = 128 over VTP = 4 (H = 2880 by default, the GPT-OSS hidden) and at a
+  smaller shape over VTP 2 and 8. Before timing, each arm's outputs (top-k values and
+  ids, tokens, logprobs, truncated) are all-gathered into global row order and checked
+  bitwise against a single-rank call of the same arm on the same global inputs (the
+  full [H, VTP * V_s] weight, computed in the launching process); a mismatch is an error
+  (nonzero exit). The two arms are not compared with each other: mirror decides on the
+  bf16 mirror, candidates on the fp32 logits (their tokens may differ by design).
+Shape legend: gbs rows, R = gbs / VTP owned rows, V_s vocab shard, V = VTP * V_s, H hidden,
+k candidates, B candidates bytes per row per rank.
 """
 from __future__ import annotations
 
@@ -39,6 +62,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from lmtail import candidates
 from lmtail.bench import ABBAResult, abba, assert_bitwise, check_bitwise, format_table
 from lmtail.exchange import exchange_rows
 from lmtail.launch import launch
@@ -276,27 +300,175 @@ def exchange_section(a):
                        f"bitwise; time = max over ranks; ratio = time / all-gather's"))
 
 
+# ---------------------------------------------------------------------------------------
+# candidates section: decode_tail(exchange="candidates") vs "mirror"
+# ---------------------------------------------------------------------------------------
+CAND_ARMS = ("mirror", "candidates")  # base first
+
+
+def mirror_bytes(vs: int) -> int:
+    """Bytes per row per rank the mirror exchange sends: the bf16 mirror of V_s logits."""
+    return 2 * vs
+
+
+class _GatherCounter:
+    """Wraps dist.all_gather (list form); counts the bytes this rank receives from its peers
+    through it (every output but its own). With Counter (the all-to-all) around a
+    decode_tail call: candidates' sampling-params all-gather (and both arms' signature)."""
+
+    def __init__(self):
+        self.bytes = 0
+        self.ag = dist.all_gather
+
+    def __enter__(self):
+        def ag(outs, inp, *a, group=None, **kw):
+            self.bytes += sum(o.nbytes for o in outs) - inp.nbytes
+            return self.ag(outs, inp, *a, group=group, **kw)
+
+        dist.all_gather = ag
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_gather = self.ag
+
+
+def _cand_params(gbs: int, u: torch.Tensor) -> torch.Tensor:
+    """[gbs, 5] fp32 (top_k, top_p, temperature, u, min_p) in global row order, by row i % 4:
+    greedy; top-k 50 at T 1; top-p 0.9 at T 0.7; min-p 0.05 at T 1."""
+    mix = torch.tensor([[0.0, 1.0, 0.0, 0.0],
+                        [50.0, 1.0, 1.0, 0.0],
+                        [0.0, 0.9, 0.7, 0.0],
+                        [0.0, 1.0, 1.0, 0.05]], dtype=torch.float32)  # [4, 4] without u
+    rows = mix[torch.arange(gbs) % 4]  # [gbs, 4]
+    return torch.cat([rows[:, :3], u[:, None], rows[:, 3:]], dim=1).contiguous()  # [gbs, 5]
+
+
+def _cand_inputs(rank, gbs, h, vs):
+    """(x [gbs, H] fp32, gamma [H], rank's W shard [H, V_s] bf16, sp [gbs, 5] global order):
+    the overlap section's inputs with the sampling mix of _cand_params."""
+    x, gamma, w, sp = _inputs(rank, gbs, h, vs)
+    return x, gamma, w, _cand_params(gbs, sp[:, 3])
+
+
+def _cand_reference(gbs, h, vs, k, vtp) -> dict[str, torch.Tensor]:
+    """Each arm's single-rank outputs on the global inputs (the full weight [H, VTP * V_s]):
+    arm -> [gbs, 2k+3] int64 bit patterns (_tail_bits), in global row order."""
+    x, gamma, _, sp = _cand_inputs(0, gbs, h, vs)
+    w = torch.cat([_inputs(r, gbs, h, vs)[2] for r in range(vtp)], dim=1)  # [H, V] bf16
+    return {arm: _tail_bits(decode_tail(x, gamma, w, k=k, sampling_params=sp, exchange=arm))
+            for arm in CAND_ARMS}
+
+
+def _cand_job(rank, gbs, h, vs, k, rounds, refs):
+    """One VTP run: counted bytes of one call per arm, then abba (base mirror) gated on
+    both arms matching their single-rank references bitwise in global row order."""
+    vtp = dist.get_world_size()
+    x, gamma, w, sp = _cand_inputs(rank, gbs, h, vs)
+    mine = sp[owned_rows(rank, vtp, gbs)]  # [R, 5] in receive order
+    arms = {arm: (lambda arm=arm: decode_tail(x, gamma, w, k=k, sampling_params=mine, group=dist.group.WORLD,
+                                              exchange=arm)) for arm in CAND_ARMS}
+    counted = {}
+    for arm, f in arms.items():
+        with Counter() as c, _GatherCounter() as g:
+            f()
+        counted[arm] = (c.bytes, g.bytes)  # (all-to-all, all_gather) bytes received from peers
+
+    def check(name, out, base_out):  # collective: every rank checks both arms, in this order
+        for arm, o in ((CAND_ARMS[0], base_out), (name, out)):
+            assert_bitwise(_global_rows(_tail_bits(o), gbs, 1), refs[arm],
+                           what=f"VTP={vtp} {arm}: outputs in global row order vs the single-rank call")
+
+    res = abba(arms, base=CAND_ARMS[0], rounds=rounds, check=check, timer=max_over_ranks)
+    return counted, res
+
+
+def _cand_bytes_table(vs, k, counted_runs) -> str:
+    """Table 1: analytic bytes per row per rank at V_s = vs, k, VTP 2 / 4 / 8, with the
+    counted figures of the runs made (vtp -> (gbs, h, {arm: (a2a, ag)}))."""
+    lines = [f"### exchange bytes per row per rank, mirror vs candidates (V_s={vs:,}, k={k}; "
+             "analytic; counted = a2a bytes received from peers / (R * (VTP - 1)) in the timed runs)", "",
+             "| VTP | mirror 2*V_s | candidates sampled | mirror/cand | candidates top-k only | mirror/cand "
+             "| counted mirror | counted candidates | mirror/cand counted | counted at | + sp all-gather (counted) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for vtp in sorted(set((2, 4, 8)) | set(counted_runs)):
+        m, c, c0 = mirror_bytes(vs), candidates.payload_bytes(k, vtp, True), candidates.payload_bytes(k, vtp, False)
+        cols = [f"{vtp}", f"{m:,}", f"{c:,}", f"{m / c:.1f}x", f"{c0:,}", f"{m / c0:.1f}x"]
+        if vtp in counted_runs:
+            gbs, h, cnt = counted_runs[vtp]
+            per = (gbs // vtp) * (vtp - 1)
+            cm, cc = cnt["mirror"][0] / per, cnt["candidates"][0] / per
+            sp_b = (cnt["candidates"][1] - cnt["mirror"][1]) / per
+            cols += [f"{cm:,.0f}", f"{cc:,.0f}", f"{cm / cc:.1f}x", f"gbs={gbs} H={h}", f"{sp_b:,.0f}"]
+        else:
+            cols += ["-"] * 5
+        lines.append("| " + " | ".join(cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def candidates_section(a):
+    """Both tables of the candidates section; a counted figure that is not the analytic
+    one, or an arm that disagrees with its single-rank call, is an error."""
+    runs = [(a.cand_vtp, a.cand_gbs, a.cand_h)] + [(v, a.cand_small_gbs, a.cand_small_h) for v in a.cand_small_vtp]
+    results, counted_runs = {}, {}
+    for vtp, gbs, h in runs:
+        refs = _cand_reference(gbs, h, a.cand_vs, a.cand_k, vtp)
+        counted, res = launch(_cand_job, vtp, args=(gbs, h, a.cand_vs, a.cand_k, a.cand_rounds, refs),
+                              timeout_s=600, threads=1)[0]
+        per = (gbs // vtp) * (vtp - 1)
+        want = {"mirror": mirror_bytes(a.cand_vs) * per,
+                "candidates": candidates.payload_bytes(a.cand_k, vtp, True) * per}
+        got = {arm: counted[arm][0] for arm in CAND_ARMS}
+        if got != want:
+            raise SystemExit(f"VTP={vtp}: counted all-to-all bytes {got} differ from the analytic {want}")
+        counted_runs.setdefault(vtp, (gbs, h, counted))
+        results[f"VTP={vtp} gbs={gbs} H={h}"] = res
+    print(_cand_bytes_table(a.cand_vs, a.cand_k, counted_runs))
+    print(format_table(results, title=f"whole decode_tail, candidates vs mirror (base), V_s={a.cand_vs:,} per "
+                       f"rank, k={a.cand_k}, sampling mix greedy / top-k 50 / top-p 0.9 T 0.7 / min-p 0.05; "
+                       f"gloo ranks, 1 torch thread each; time = max over ranks; each arm bitwise equal to "
+                       f"its single-rank call (checked)"))
+    main_case = f"VTP={a.cand_vtp} gbs={a.cand_gbs} H={a.cand_h}"
+    res = results[main_case]
+    ratio, won = res.ratio["candidates"], res.wins["candidates"]
+    print(f"{main_case}: candidates / mirror median paired ratio {ratio:.3f}, candidates faster in "
+          f"{won}/{res.rounds} rounds; issue target (candidates not above mirror): "
+          f"{'met' if ratio <= 1.0 else 'NOT met'}")
+    if a.cand_h != 2880:
+        print(f"note: H={a.cand_h}, not the issue shape's 2880 (--cand-h 2880 for it)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gbs", type=int, default=32)
     ap.add_argument("--v", type=int, default=201088)  # GPT-OSS vocab (padded), divisible by 8
     ap.add_argument("--vtp", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--section", choices=("all", "exchange", "overlap"), default="all")
+    ap.add_argument("--section", choices=("all", "exchange", "overlap", "candidates"), default="all")
     ap.add_argument("--ov-gbs", type=int, nargs="+", default=[32, 64])
     ap.add_argument("--ov-h", type=int, default=2880)  # GPT-OSS hidden
     ap.add_argument("--ov-vs", type=int, default=25136)  # V_s per rank (V = 2 * V_s)
     ap.add_argument("--ov-k", type=int, default=256)
     ap.add_argument("--ov-rounds", type=int, default=8)
+    ap.add_argument("--cand-gbs", type=int, default=128)
+    ap.add_argument("--cand-vtp", type=int, default=4)
+    ap.add_argument("--cand-h", type=int, default=2880)  # GPT-OSS hidden
+    ap.add_argument("--cand-vs", type=int, default=25136)  # V_s per rank
+    ap.add_argument("--cand-k", type=int, default=256)
+    ap.add_argument("--cand-rounds", type=int, default=6)
+    ap.add_argument("--cand-small-gbs", type=int, default=32)
+    ap.add_argument("--cand-small-h", type=int, default=576)
+    ap.add_argument("--cand-small-vtp", type=int, nargs="*", default=[2, 8])
     ap.add_argument("--quick", action="store_true",
                     help="exchange section only, VTP 2, V = 16384, 3 rounds (a smoke run)")
     a = ap.parse_args()
     if a.quick:
         a.section, a.vtp, a.v, a.rounds = "exchange", [2], 16384, 3
-    if a.section != "overlap":
+    if a.section in ("all", "exchange"):
         exchange_section(a)
-    if a.section != "exchange":
+    if a.section in ("all", "overlap"):
         overlap_section(a.ov_gbs, a.ov_h, a.ov_vs, a.ov_k, a.ov_rounds)
+    if a.section in ("all", "candidates"):
+        candidates_section(a)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from ..model.gguf_loader import ModelBundle
 from ..model.llama import KVCache, Ops, forward, lmtail_ops
 from ..numerics import log64
 from ..sampler import SamplingParams, sampling_tensor
+from ..config import EXCHANGES, HEAD_INPUTS, TailConfig
 from ..tail import decode_tail
 from . import batch
 
@@ -128,9 +129,18 @@ def mirror_lse(logits: torch.Tensor) -> torch.Tensor:
     return m + log64(s)
 
 
+def tail_lse(out, rows: torch.Tensor, exchange: str) -> torch.Tensor:
+    """The sampler's lse1 [n] float64 of the rows `rows` ([R] bool) of a decode_tail output
+    (run with debug_taps and emit_logits): the candidates exchange's merged m1 + log64(S1)
+    (its taps), or mirror_lse of the mirror."""
+    if exchange == "candidates":
+        return out.taps["m1"][rows] + log64(out.taps["S1"][rows])
+    return mirror_lse(out.logits[rows])
+
+
 def values_logprobs(values: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """fp32(v - lse1) for bf16 (or bf16-exact) values [R, n] and lse [R] float64: the
-    sampler's logprob of a token whose mirror value is v. Returns [R, n] fp32."""
+    """fp32(v - lse1) for values [R, n] (bf16 mirror or fp32 candidates, widened exactly)
+    and lse [R] float64: the sampler's logprob of a token whose value is v. Returns [R, n] fp32."""
     return (values.double() - lse[:, None]).to(torch.float32)
 
 
@@ -201,17 +211,23 @@ class Engine:
     k: the tail's candidate count (top_k must be <= k; the same k for every request, so a
     request's bytes never depend on its neighbours' top_k); body: "batched"
     (batch.step_rows, the default) or "rows" (llama.forward per row: the reference);
-    ops: the declared body (llama.lmtail_ops())."""
+    ops: the declared body (llama.lmtail_ops()); exchange, head_input: the tail's
+    (TailConfig's defaults; config.EXCHANGES, config.HEAD_INPUTS)."""
 
     def __init__(self, bundle: ModelBundle, *, max_batch: int = 16, max_queue: int = 64, k: int = 256,
-                 body: str = "batched", ops: Ops | None = None):
+                 body: str = "batched", ops: Ops | None = None, exchange: str = TailConfig.exchange,
+                 head_input: str = TailConfig.head_input):
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0; got {max_batch}, {max_queue}")
         if body not in ("batched", "rows"):
             raise ValueError(f"body must be 'batched' or 'rows'; got {body!r}")
         if not 1 <= k <= bundle.config.vocab:
             raise ValueError(f"k must be in [1, {bundle.config.vocab}]; got {k}")
+        if exchange not in EXCHANGES or head_input not in HEAD_INPUTS:
+            raise ValueError(f"exchange must be one of {EXCHANGES} and head_input one of {HEAD_INPUTS}; got "
+                             f"{exchange!r}, {head_input!r}")
         self.bundle, self.max_batch, self.max_queue, self.k, self.body = bundle, max_batch, max_queue, k, body
+        self.tail_kw = dict(exchange=exchange, head_input=head_input)
         self.ops = lmtail_ops() if ops is None else ops
         if self.ops.body != "declared":
             raise ValueError(f"ops.body must be 'declared'; got {self.ops.body!r}")
@@ -326,7 +342,7 @@ class Engine:
         if echo_n is not None and len(ids) == 1:
             prompt = Prompt([], [] if echo_n else None)
         elif echo_n is not None:
-            lps, top = score_positions(self.bundle, hall[:-1], torch.tensor(ids[1:]), n=echo_n)
+            lps, top = score_positions(self.bundle, hall[:-1], torch.tensor(ids[1:]), n=echo_n, **self.tail_kw)
             prompt = Prompt(lps, top)
         return hall[-1].contiguous(), prompt
 
@@ -345,8 +361,9 @@ class Engine:
         sp = self.step_params(rows)  # [R, 5]
         want = [r.job.logprobs is not None and r.job.logprobs > 0 for r in rows]
         out = decode_tail(x, self.bundle.final_norm, self.bundle.lm_head_weight_t, eps=self.bundle.config.eps,
-                          k=self.k, sampling_params=sp, emit_logits=any(want))
-        lse = mirror_lse(out.logits[torch.tensor(want)]) if any(want) else None  # [R_want]
+                          k=self.k, sampling_params=sp, emit_logits=any(want),
+                          debug_taps=any(want) and self.tail_kw["exchange"] == "candidates", **self.tail_kw)
+        lse = tail_lse(out, torch.tensor(want), self.tail_kw["exchange"]) if any(want) else None  # [R_want]
         keep, w = [], 0
         stop_ids = self.bundle.tokenizer.stop_ids
         for i, r in enumerate(rows):
@@ -400,21 +417,25 @@ def _emit(job: Job, event) -> None:
 
 
 def score_positions(bundle: ModelBundle, h: torch.Tensor, targets: torch.Tensor, *, n: int | None,
-                    k: int = 1) -> tuple[list[float], list[list[tuple[int, float]]] | None]:
+                    k: int = 1, exchange: str = TailConfig.exchange,
+                    head_input: str = TailConfig.head_input) -> tuple[list[float], list[list[tuple[int, float]]] | None]:
     """Teacher-forced logprobs: row p of h [P', H] (the hidden state at position p) scores
     targets[p] (the token at p + 1), by the tail's norm + head GEMM (decode_tail, no
     sampling) and the sampler's declared logprob fp32(v - lse1): the bytes decode_tail
-    reports when it emits that token from that hidden state. n: top alternatives per
-    position (None: none). Returns ([P'] floats, [P'] x n (id, logprob) or None)."""
+    reports when it emits that token from that hidden state (with the same exchange and
+    head_input). n: top alternatives per position (None: none). Returns ([P'] floats,
+    [P'] x n (id, logprob) or None)."""
     lps: list[float] = []
     tops: list[list[tuple[int, float]]] | None = [] if n else None
     cfg = bundle.config
     for p0 in range(0, h.shape[0], SCORE_ROWS):
         hb = h[p0:p0 + SCORE_ROWS].contiguous()  # [c, H]
         out = decode_tail(hb, bundle.final_norm, bundle.lm_head_weight_t, eps=cfg.eps, k=max(k, n or 1),
-                          emit_logits=True)
-        lse = mirror_lse(out.logits)  # [c]
-        v = out.logits.to(torch.bfloat16).gather(1, targets[p0:p0 + SCORE_ROWS, None])  # [c, 1]
+                          emit_logits=True, debug_taps=exchange == "candidates", exchange=exchange,
+                          head_input=head_input)
+        lse = tail_lse(out, torch.ones(hb.shape[0], dtype=torch.bool), exchange)  # [c]
+        decided = out.logits if exchange == "candidates" else out.logits.to(torch.bfloat16)  # what decisions see
+        v = decided.gather(1, targets[p0:p0 + SCORE_ROWS, None])  # [c, 1]
         lps += values_logprobs(v, lse)[:, 0].tolist()
         if n:
             tv = values_logprobs(out.topk_values[:, :n], lse)  # [c, n]
