@@ -31,15 +31,17 @@ def walk():
     record's kind (one op, one home)."""
     from ..ops import OPS
     from .body_kinds import body_controls, body_kinds
+    from .exchange_kinds import exchange_controls, exchange_kinds
     from .gemm_kinds import gemm_controls, gemm_kinds
     from .glue_kinds import glue_controls, glue_kinds
     from .quant_kinds import quant_controls, quant_kinds
     from .tail_kinds import RankRuns, tail_controls, tail_kinds
 
     ranks = RankRuns()  # shared: the ownership control reuses the decode kind's rank runs
-    built = {k.name: k for k in tail_kinds(ranks) + gemm_kinds() + quant_kinds() + glue_kinds() + body_kinds()}
-    built_ctl = {c.name: c for c in tail_controls(ranks) + gemm_controls() + quant_controls() + glue_controls()
-                 + body_controls()}
+    built = {k.name: k for k in tail_kinds(ranks) + exchange_kinds() + gemm_kinds() + quant_kinds() + glue_kinds()
+             + body_kinds()}
+    built_ctl = {c.name: c for c in tail_controls(ranks) + exchange_controls() + gemm_controls() + quant_controls()
+                 + glue_controls() + body_controls()}
     kinds, ctls = {}, []
     for spec in OPS:
         for name in spec.kinds:
