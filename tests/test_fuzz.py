@@ -250,7 +250,10 @@ def _apply_defect(c):
 
 
 def _call_tail(x, gamma, w, sp, kw):
-    return decode_tail(x, gamma, w, sampling_params=sp, **kw)
+    """The mirror exchange unless the case names one: this fuzz checks the outputs against
+    bf16-mirror references (the candidates exchange against its float64 emulation:
+    tests/test_candidates.py and the contract kind tail.exchange.candidates)."""
+    return decode_tail(x, gamma, w, sampling_params=sp, **{"exchange": "mirror", **kw})
 
 
 def _prepared(c):

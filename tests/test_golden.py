@@ -97,11 +97,20 @@ def outputs() -> dict:
     for order in ("chain", "amx32", "dp32"):  # the chain's digests keep their names from before amx32
         for deferred in (True, False):
             t = decode_tail(x, gamma, w, k=16, sampling_params=SP, deferred_rms=deferred, eps=1e-5,
-                            hidden_actual=600, zero_interleaved_pad=False, gemm_order=order)
+                            hidden_actual=600, zero_interleaved_pad=False, gemm_order=order, exchange="mirror")
             tag = ("" if order == "chain" else f"{order}.") + ("deferred" if deferred else "legacy")
             out[f"decode_tail.{tag}.logits"] = digest(t.logits)
             out[f"decode_tail.{tag}.topk"] = digest(t.topk_values, t.topk_indices)
             out[f"decode_tail.{tag}.tokens_logprobs"] = digest(t.tokens, t.logprobs, t.truncated)
+    # the candidates exchange (the default): fp32 top-k, the merged masses, the sampler on them;
+    # head_input="bf16x2": the split activation's logits
+    t = decode_tail(x, gamma, w, k=16, sampling_params=SP, eps=1e-5, hidden_actual=600, zero_interleaved_pad=False,
+                    exchange="candidates", debug_taps=True)
+    out["decode_tail.candidates.topk"] = digest(t.topk_values, t.topk_indices, t.taps["outside"])
+    out["decode_tail.candidates.mass"] = digest(*(t.taps[f] for f in ("m1", "S1", "mT", "ST")))
+    out["decode_tail.candidates.tokens_logprobs"] = digest(t.tokens, t.logprobs, t.truncated)
+    out["decode_tail.bf16x2.logits"] = digest(decode_tail(x, gamma, w, k=1, eps=1e-5, hidden_actual=600,
+                                                          zero_interleaved_pad=False, head_input="bf16x2").logits)
     # many rows, H = 640 (fp32 ssq chains of 3 per lane): a one-ulp ssq change moves the
     # fp32 logits of a good share of 1,024 rows
     xm, gm, wm = _tail_inputs(seed=9, gbs=1024, h=640, v=8)
@@ -270,6 +279,11 @@ GOLDEN = {  # taken at the commit before this file was added (x86-64, the defaul
     "decode_tail.dp32.legacy.logits": "b37858a028033ba6",
     "decode_tail.dp32.legacy.topk": "472f83b964af9fa7",
     "decode_tail.dp32.legacy.tokens_logprobs": "ba56b2453b0d862a",
+    # exchange="candidates" (the default since it was added) and head_input="bf16x2"
+    "decode_tail.candidates.topk": "b461bb8cd0acf10d",
+    "decode_tail.candidates.mass": "94b5935bc081961b",
+    "decode_tail.candidates.tokens_logprobs": "c86052c1ab458d30",
+    "decode_tail.bf16x2.logits": "4d7c0b4c961d01bd",
     "decode_tail.1024_rows.logits": "fdb62d06355c960d",
     "add_rms": "a096ae926f8c763e",
     "moe_add_rms.bf16_slots": "9ce44c60f05ad62b",

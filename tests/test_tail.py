@@ -35,16 +35,18 @@ def same(a: TailOutput, b: TailOutput, rows=slice(None)):
 
 
 KW = dict(hidden_actual=H_U, k=64)
+KW_MIRROR = dict(KW, exchange="mirror")  # tail_path and bf16 candidates are the mirror's
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_solo_equals_together_bitwise(seed):
+@pytest.mark.parametrize("seed,exchange", [(0, "candidates"), (1, "candidates"), (0, "mirror"), (1, "mirror")])
+def test_solo_equals_together_bitwise(seed, exchange):
     x, gamma, w = problem(128, seed)
     sp = params(128, seed)
-    full = decode_tail(x, gamma, w, sampling_params=sp, **KW)
+    kw = dict(KW, exchange=exchange)
+    full = decode_tail(x, gamma, w, sampling_params=sp, **kw)
     for n in (1, 2, 3, 4, 7, 8, 64, 128):
         for start in (0, 128 - n):
-            part = decode_tail(x[start:start + n], gamma, w, sampling_params=sp[start:start + n], **KW)
+            part = decode_tail(x[start:start + n], gamma, w, sampling_params=sp[start:start + n], **kw)
             same(part, full, slice(start, start + n))
 
 
@@ -143,18 +145,21 @@ def test_threads_and_repeats_do_not_change_bytes():
 
 def test_outputs_and_flags():
     x, gamma, w = problem(4, 8)
-    out = decode_tail(x, gamma, w, k=5, emit_logits=False, hidden_actual=H_U)
+    cand = decode_tail(x, gamma, w, k=5, emit_logits=False, hidden_actual=H_U)  # the default exchange
+    assert cand.topk_values.dtype == torch.float32 and cand.topk_indices.dtype == torch.int64
+    out = decode_tail(x, gamma, w, k=5, emit_logits=False, hidden_actual=H_U, exchange="mirror")
+    assert torch.equal(cand.topk_values.to(torch.bfloat16)[:, 0], out.topk_values[:, 0])
     assert out.logits is None and out.tokens is None and out.taps is None
     assert out.topk_values.dtype == torch.bfloat16 and out.topk_indices.dtype == torch.int64
     assert out.topk_values.shape == (4, 5)
     assert (out.topk_values[:, :-1].float() >= out.topk_values[:, 1:].float()).all()
-    t = decode_tail(x, gamma, w, k=5, debug_taps=True, sampling_params=params(4), hidden_actual=H_U)
+    t = decode_tail(x, gamma, w, k=5, debug_taps=True, sampling_params=params(4), hidden_actual=H_U, exchange="mirror")
     assert t.taps is not None and "stage1_ids" in t.taps
     assert t.tokens.dtype == torch.int64 and t.logprobs.dtype == torch.float32 and t.truncated.dtype == torch.bool
     greedy = decode_tail(x, gamma, w, k=5, sampling_params=torch.tensor([[0, 1.0, 0.0]] * 4), hidden_actual=H_U)
     assert torch.equal(greedy.tokens, greedy.topk_indices[:, 0])
     # both realizations are reproducible on their own and agree on the argmax here
-    legacy = decode_tail(x, gamma, w, k=5, deferred_rms=False, hidden_actual=H_U)
+    legacy = decode_tail(x, gamma, w, k=5, deferred_rms=False, hidden_actual=H_U, exchange="mirror")
     assert torch.equal(legacy.topk_indices[:, 0], out.topk_indices[:, 0])
 
 
@@ -326,7 +331,8 @@ def test_declaration_is_pinned(h, ssq_depth):
 
 
 def test_tail_path_fused_is_the_default_and_gives_the_reference_bytes(monkeypatch):
-    """tail_path "fused" (the default) runs the rows_tail kernel, "reference" never does;
+    """With the mirror exchange, tail_path "fused" (the default) runs the rows_tail kernel,
+    "reference" never does;
     both give the same bytes (NaN lanes under nan_fold=True included; without the fold a
     NaN row is the NaN policy's ValueError, on the fused path read off the kernel's
     undecided rows, so the kernel has run once more). Planted: a kernel
@@ -347,16 +353,16 @@ def test_tail_path_fused_is_the_default_and_gives_the_reference_bytes(monkeypatc
         return real(*a, **kw)
 
     monkeypatch.setattr(rows_kernel, "rows_tail_fused", spy)
-    ref = decode_tail(x, gamma, w, sampling_params=sp, tail_path="reference", **KW)
+    ref = decode_tail(x, gamma, w, sampling_params=sp, tail_path="reference", **KW_MIRROR)
     assert calls == []
-    for ww, cfg in ((w, dict(KW)), (w_nan, dict(KW, nan_fold=True))):
+    for ww, cfg in ((w, dict(KW_MIRROR)), (w_nan, dict(KW_MIRROR, nan_fold=True))):
         got = decode_tail(x, gamma, ww, sampling_params=sp, **cfg)
         same(got, decode_tail(x, gamma, ww, sampling_params=sp, tail_path="reference", **cfg))
     assert len(calls) == 2
     with pytest.raises(ValueError, match="NaN in the logits"):
-        decode_tail(x, gamma, w_nan, sampling_params=sp, **KW)
+        decode_tail(x, gamma, w_nan, sampling_params=sp, **KW_MIRROR)
     assert len(calls) == 3
-    same(decode_tail(x[:, :], gamma, w, sampling_params=sp, config=TailConfig(**KW)), ref)
+    same(decode_tail(x[:, :], gamma, w, sampling_params=sp, config=TailConfig(**KW_MIRROR)), ref)
 
     def off_by_one(*a, **kw):
         out = real(*a, **kw)
@@ -366,8 +372,8 @@ def test_tail_path_fused_is_the_default_and_gives_the_reference_bytes(monkeypatc
     monkeypatch.setattr(rows_kernel, "rows_tail_fused", off_by_one)
     w2 = w.clone()
     w2[:, 7] = 0.0  # NaN-free: every row decided by the kernel
-    bad = decode_tail(x, gamma, w2, sampling_params=sp, **KW).tokens
-    good = decode_tail(x, gamma, w2, sampling_params=sp, tail_path="reference", **KW).tokens
+    bad = decode_tail(x, gamma, w2, sampling_params=sp, **KW_MIRROR).tokens
+    good = decode_tail(x, gamma, w2, sampling_params=sp, tail_path="reference", **KW_MIRROR).tokens
     assert torch.equal(bad, good + 1)
 
 

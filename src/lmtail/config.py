@@ -63,5 +63,5 @@ class TailConfig:
     debug_taps: bool = False
     gemm_order: str = DEFAULT_ORDER
     tail_path: str = "fused"
-    exchange: str = "mirror"
+    exchange: str = "candidates"
     head_input: str = "bf16"

@@ -11,12 +11,19 @@
         gemm = kernels.gemm.gemm_bf16(order=gemm_order): "amx32" (default) per element
                32-lane blocks of even/odd fp32 fma chains, FTZ/DAZ; "chain" one chain over h;
                "dp32" per 32-lane block one odd-then-even fma chain, FTZ/DAZ
+    exchange "candidates" (default; lmtail.candidates):
+      per row and shard: exact fp32 top-(k+1) keys + 256 global-chunk mass partials
+      one rank : the same partials over the full row, through the same pack / unpack
+      VTP ranks: exchange.exchange_rows moves the packed partials ([gbs, B] bytes) into
+                 [R, VTP*B]; the owner merges them --> candidates [R, k] fp32, the sampler
+                 (sampler.plan_on) on fp32 values --> tokens [R]
+    exchange "mirror":
       mirror = bf16(logits)                                    [gbs, V_s]
-    one rank : mirror is already [R, V] (R = gbs, V = V_s)
-    VTP ranks: exchange.exchange_rows moves the mirror's bytes into [R, V] owned rows
-    owned rows [R, V] --rows_tail--> candidates [R, k], tokens [R]
-      tail_path "fused" (default): kernels.rows_tail.rows_tail_fused, one pass per row
-      tail_path "reference": topk.exact_topk --> sampler.sample_rows (the same bytes)
+      one rank : mirror is already [R, V] (R = gbs, V = V_s)
+      VTP ranks: exchange.exchange_rows moves the mirror's bytes into [R, V] owned rows
+      owned rows [R, V] --rows_tail--> candidates [R, k] bf16, tokens [R]
+        tail_path "fused" (default): kernels.rows_tail.rows_tail_fused, one pass per row
+        tail_path "reference": topk.exact_topk --> sampler.sample_rows (the same bytes)
 
 This module is the one place the tail is composed, for one rank or many: `decode_tail`
 validates once (`validate_tail_inputs`, the tail's one boundary check; the eps = 0 rule
@@ -73,7 +80,7 @@ DEFAULT_TIMEOUT_S = exchange.DEFAULT_TIMEOUT_S
 class TailOutput:
     """What decode_tail (and rows_tail) return; fields not asked for are None."""
 
-    topk_values: torch.Tensor  # [R, k] bf16, descending
+    topk_values: torch.Tensor  # [R, k] descending: fp32 (exchange "candidates") or bf16 ("mirror")
     topk_indices: torch.Tensor  # [R, k] int64 global vocab ids
     logits: torch.Tensor | None = None  # [gbs, V_s] fp32 pre-collective
     tokens: torch.Tensor | None = None  # [R] int64
@@ -375,15 +382,20 @@ def decode_tail(hidden_states, gamma, lm_head_weight_t, *, eps: float = 1e-5,
     hidden_actual=None (H), zero_interleaved_pad=True, k=256 (k must be <= V = V_s x ranks:
     a ValueError saying so otherwise, never a clamp), deferred_rms=True, nan_fold=False,
     emit_logits=True, debug_taps=False, gemm_order=TailConfig.gemm_order ("amx32"),
-    tail_path="fused"; or pass `config=TailConfig(...)` and leave them at their defaults.
+    tail_path="fused" (mirror only), exchange="candidates" (decisions on the fp32 logits;
+    "mirror": on their bf16 mirror), head_input="bf16" ("bf16x2": the head GEMM's
+    activation in two bf16 rows); or pass `config=TailConfig(...)` and leave them at their
+    defaults.
     Layout: group (default None: one rank; a ProcessGroup or an exchange.HopGroups),
     hops (default None: one hop of size VTP), batch_groups G (default 1: G overlapped
     single-hop all-to-alls), fence (default False: a zero all-reduce per hop first;
     outputs unchanged), timeout (default 120 s: what any one collective may take before
     exchange.ExchangeError).
     Returns TailOutput: logits [gbs, V_s] fp32 (this rank's shard, if emit_logits);
-    topk_values [R, k] bf16, topk_indices [R, k] int64 global ids, tokens/logprobs/
-    truncated [R] (with sampling_params), taps (debug_taps). Numerics in the module
+    topk_values [R, k] (fp32 with exchange "candidates", bf16 with "mirror"), topk_indices
+    [R, k] int64 global ids, tokens/logprobs/truncated [R] (with sampling_params), taps
+    (debug_taps: the mirror's staged top-k taps; the candidates exchange's merged row
+    statistics outside, has_outside, nans and, with sampling_params, m1, S1, mT, ST). Numerics in the module
     docstring. Deterministic: a row's outputs depend only on that row's inputs (any batch,
     thread count, rank layout). Inputs are validated once, here: bad inputs raise
     ValueError (TypeError for a non-tensor) on every rank of the group, before any byte

@@ -406,8 +406,8 @@ def plain_decl_of(data) -> Decl:
 
 
 def run_x2(data) -> dict:
-    out = decode_tail(data["x"], data["gamma"], data["w"], k=1, exchange="candidates", head_input="bf16x2",
-                      **tk._tail_kw(data))
+    out = decode_tail(data["x"], data["gamma"], data["w"], k=1, head_input="bf16x2",
+                      **dict(tk._tail_kw(data), exchange="candidates"))
     return {"logits": out.logits}
 
 

@@ -119,7 +119,9 @@ def gemm_order_of(data) -> str:
 
 
 def tail_decl_of(data) -> Decl:
-    return tail_decl(data["w"].shape[0], data.get("deferred", True), gemm_order_of(data))
+    """The mirror exchange's declaration (these kinds check the mirror path; the candidates
+    exchange has its own kind in exchange_kinds)."""
+    return tail_decl(data["w"].shape[0], data.get("deferred", True), gemm_order_of(data), "mirror")
 
 
 shallow_decl = half_depth(tail_decl_of)  # control: every sum of the tail's declaration half as deep
@@ -127,7 +129,7 @@ shallow_decl = half_depth(tail_decl_of)  # control: every sum of the tail's decl
 
 def _tail_kw(data):
     return dict(eps=data["eps"], hidden_actual=data["h_u"], zero_interleaved_pad=data["interleaved"],
-                deferred_rms=data["deferred"], gemm_order=gemm_order_of(data))
+                deferred_rms=data["deferred"], gemm_order=gemm_order_of(data), exchange="mirror")
 
 
 # ---------------------------------------------------------------------------------------

@@ -430,9 +430,11 @@ def score_positions(bundle: ModelBundle, h: torch.Tensor, targets: torch.Tensor,
     cfg = bundle.config
     for p0 in range(0, h.shape[0], SCORE_ROWS):
         hb = h[p0:p0 + SCORE_ROWS].contiguous()  # [c, H]
+        # greedy rows: the candidates exchange computes its row masses (lse1) only for a sampled call
+        greedy = torch.tensor([[0.0, 1.0, 0.0, 0.5, 0.0]], dtype=torch.float32).expand(hb.shape[0], 5).contiguous()
         out = decode_tail(hb, bundle.final_norm, bundle.lm_head_weight_t, eps=cfg.eps, k=max(k, n or 1),
                           emit_logits=True, debug_taps=exchange == "candidates", exchange=exchange,
-                          head_input=head_input)
+                          head_input=head_input, sampling_params=greedy if exchange == "candidates" else None)
         lse = tail_lse(out, torch.ones(hb.shape[0], dtype=torch.bool), exchange)  # [c]
         decided = out.logits if exchange == "candidates" else out.logits.to(torch.bfloat16)  # what decisions see
         v = decided.gather(1, targets[p0:p0 + SCORE_ROWS, None])  # [c, 1]
