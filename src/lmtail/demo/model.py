@@ -6,10 +6,14 @@
       run C  request 0 alone, 1 rank    solo vs in the batch
       run D  request 1 alone, 1 rank
       run E  batch, N ranks (gloo)      vocab-parallel tail, body replicated per rank
+      run F  batch, 1 rank, the seed's tail: exchange="mirror", head_input="bf16" (the
+             "before" of the certification table)
+    A-E run the tail as TAIL (exchange="candidates": decisions on the fp32 logits;
+    head_input="bf16x2": the head GEMM's activation carried in 16 bits).
     checks   token ids and logprob bits identical: E vs A, B vs A, C/D vs A's rows
-    float64  run A's tail steps replayed through lmtail.contract.certify.certify_tail
-             (certify_generation): greedy and sampled decisions certified (must match)
-             vs near-ties (counted)
+    float64  run A's and run F's tail steps replayed through
+             lmtail.contract.certify.certify_tail (certify_generation): greedy and sampled
+             decisions certified (must match) vs near-ties (counted)
     output   the texts, a run table with decode tokens/s, the checks, the certification
 
 Certification of a generation: generate(record=True) keeps, for every step, the hidden
@@ -45,6 +49,8 @@ from .report import cert_table, describe
 
 PROMPTS = ("Explain in two sentences why the sky is blue.", "Write a haiku about the sea.",
            "Describe a sunset in one sentence.", "Give me a name for a friendly robot.")
+TAIL = dict(exchange="candidates", head_input="bf16x2")  # the tail of runs A-E
+SEED_TAIL = dict(exchange="mirror", head_input="bf16")  # run F: the seed's design
 REQUESTS = (  # (prompt index, sampling) - rows 0 and 1 share the demo's main prompt
     (0, SamplingParams(temperature=0.0)),
     (0, SamplingParams(temperature=0.7, top_p=0.9, seed=1234)),
@@ -113,8 +119,9 @@ def header(con: Console, bundle, load_s: float) -> None:
     con.print("body: every linear on [bold]lmtail.kernels.gemm.gemm_bf16[/] (amx32 order), declared "
               "attention / rope / silu / exp32, every residual add + RMSNorm [bold]lmtail.norms.add_rms[/] "
               "(row-invariant by construction)\n"
-              "tail: [bold]lmtail.tail.decode_tail[/] (deferred RMS, bf16 head GEMM in the amx32 order, "
-              "exact top-256 and sampler in one fused pass; per-request seed + position draws)")
+              "tail: [bold]lmtail.tail.decode_tail[/] (deferred RMS, head GEMM in the amx32 order over the "
+              "activation's bf16 hi + lo rows, exact fp32 top-256 and the sampler on fp32 logits (the "
+              "candidates exchange); per-request seed + position draws)")
     req = Table(title="requests (one batch)", title_justify="left")
     for col in ("#", "prompt (chat template)", "sampling"):
         req.add_column(col)
@@ -133,17 +140,19 @@ def run_all(con: Console, bundle, *, max_new_tokens: int, ranks: int) -> dict[st
             ("C #0 solo", "C: request 0 alone", dict(prompts=prompts[:1], params=params[:1])),
             ("D #1 solo", "D: request 1 alone", dict(prompts=prompts[1:2], params=params[1:2])),
             (f"E {ranks} ranks", f"E: batch of 5 on {ranks} gloo ranks (each runs the body)",
-             dict(prompts=prompts, params=params, ranks=ranks))]
+             dict(prompts=prompts, params=params, ranks=ranks)),
+            ("F mirror", "F: the batch on the seed's tail (bf16 mirror)",
+             dict(prompts=prompts, params=params, record=True, **SEED_TAIL))]
     runs = {}
     for name, status, args in plan:
         with con.status(status + " ..."):
-            runs[name] = generate(bundle, **args, **kw)
+            runs[name] = generate(bundle, **{**TAIL, **args}, **kw)
     return runs
 
 
 def checks_of(runs: dict[str, Generation]) -> list[tuple[str, bool]]:
     """(what, identical) for E vs A, B vs A, C vs A's row 0, D vs A's row 1."""
-    a, b, c, d, e = runs.values()
+    a, b, c, d, e = list(runs.values())[:5]
     every = range(len(REQUESTS))
     return [(f"{e.ranks} ranks vs 1 rank (E vs A), all 5 requests", same_rows(e, a, every, every)),
             ("repeated run (B vs A), all 5 requests", same_rows(b, a, every, every)),
@@ -151,26 +160,31 @@ def checks_of(runs: dict[str, Generation]) -> list[tuple[str, bool]]:
             ("request 1 (sampled) alone vs in the batch (D vs A)", same_rows(d, a, [0], [1]))]
 
 
-def print_certification(con: Console, bundle: ModelBundle, a: Generation) -> bool:
-    """Certify run A's greedy and sampled rows, print the table; True if none mismatched."""
-    with con.status("certifying run A's tail decisions against float64 ..."):
+def print_certification(con: Console, bundle: ModelBundle, a: Generation, f: Generation) -> bool:
+    """Certify the greedy and sampled rows of run A (TAIL) and run F (the seed's mirror
+    tail), print the table; True if no certified decision mismatched."""
+    with con.status("certifying the tail decisions of runs A and F against float64 ..."):
         t0 = time.perf_counter()
-        certs = {"greedy": certify_generation(bundle, a, rows="greedy"),
-                 "sampled": certify_generation(bundle, a, rows="sampled")}
+        certs = {f"{rows} {tag}": certify_generation(bundle, g, rows=rows)
+                 for tag, g in (("A", a), ("F", f)) for rows in ("greedy", "sampled")}
         cert_s = time.perf_counter() - t0
-    con.print(cert_table(certs, title="run A's tail decisions vs a float64 tail on the same hidden states",
-                         group="rows", count="steps"))
+    con.print(cert_table(certs, title="tail decisions vs a float64 tail on the same hidden states (A: fp32 "
+                                      "candidates, bf16x2 head input; F: the bf16 mirror)",
+                         group="rows run", count="steps"))
     for name, c in certs.items():
         for m in c["mismatches"]:
             con.print(f"  [bold red]MISMATCH[/] {name}: {m}")
-    g, s = (c["decisions"]["sample"] for c in certs.values())
-    con.print(f"emitted tokens: greedy {g['matched']}/{g['certified']} certified decisions equal float64's "
-              f"({g['near_ties']} near-ties), sampled {s['matched']}/{s['certified']} ({s['near_ties']} "
-              f"near-ties); certification took {cert_s:.1f} s")
-    con.print("[dim]near-tie: the float64 margin of the decision is inside the declared bound of the bf16 "
-              "mirror (half a bf16 ulp of the logit plus the norm/GEMM rounding bound); a sampled token is "
-              "certified only if every cut (top-k, top-p, min-p) and the draw's slot are; the 256th/257th "
-              "logits are always that close, so the top-256 set never is.[/]")
+    for tag in ("A", "F"):
+        g, s = (certs[f"{rows} {tag}"]["decisions"]["sample"] for rows in ("greedy", "sampled"))
+        con.print(f"run {tag} emitted tokens: greedy {g['matched']}/{g['certified']} certified decisions equal "
+                  f"float64's ({g['near_ties']} near-ties), sampled {s['matched']}/{s['certified']} "
+                  f"({s['near_ties']} near-ties)")
+    con.print(f"certification took {cert_s:.1f} s")
+    con.print("[dim]near-tie: the float64 margin of the decision is inside the declared bound of what the "
+              "decision saw (run A: the fp32 logits, whose bound is the norm's and GEMM's rounding; run F: "
+              "their bf16 mirror, half a bf16 ulp more); a sampled token is certified only if every cut "
+              "(top-k, top-p, min-p) and the draw's slot are; the 256th/257th logits are usually that "
+              "close, so the top-256 set rarely is.[/]")
     return all(c["ok"] for c in certs.values())
 
 
@@ -198,7 +212,7 @@ def run_model_demo(*, max_new_tokens: int = 32, ranks: int = 4, threads: int = 1
     con.print("[bold]invariance[/] (token ids and logprob bits):")
     for what, ok in checks:
         con.print(f"  {'[green]IDENTICAL[/]' if ok else '[bold red]DIFFERENT[/]'}  {what}")
-    certified_ok = print_certification(con, bundle, a)
+    certified_ok = print_certification(con, bundle, a, runs["F mirror"])
     ok = all(c for _, c in checks) and certified_ok
     con.print(f"[bold]{'ALL CHECKS PASS' if ok else 'CHECKS FAILED'}[/]; total {time.perf_counter() - t_all:.0f} s")
     return 0 if ok else 1
