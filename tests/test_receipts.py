@@ -165,6 +165,19 @@ def test_chain_arm_is_decode_tail_bytes(seed):
     assert not torch.equal(bits(reg.get("legacy").fn(inp)), bits(want))  # the two forms do differ
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_bf16x2_arm_is_decode_tail_bf16x2_bytes(seed):
+    from lmtail.tail import decode_tail
+
+    inp = tiny_inputs(seed)
+    reg = default_arms()
+    want = decode_tail(inp.hidden, inp.gamma, inp.weight, eps=inp.eps, zero_interleaved_pad=False, k=1,
+                       head_input="bf16x2").logits
+    got = reg.get("bf16x2").fn(inp)
+    assert torch.equal(bits(got), bits(want))
+    assert not torch.equal(bits(got), bits(reg.get("amx32").fn(inp)))  # planted: the one-row activation differs
+
+
 def test_placebo_is_a_reorder_not_a_change():
     inp = tiny_inputs(3, n=8, h=576, v=300)
     reg = default_arms()
@@ -304,6 +317,74 @@ def test_receipt_report_and_plots(tiny_receipt):
     assert an2["rows"] == 72
     again = json.loads((t.out / "again" / "receipt.json").read_text())
     assert again["analysis"] == json.loads(rec1)["analysis"]  # deterministic given its arguments
+
+
+CERT_KEYS = {"certified", "matched", "mismatched", "near_ties", "worst_margin"}
+
+
+def test_certification_section(tiny_receipt):
+    from lmtail.receipts.engine import CERT_DECLS
+
+    t = tiny_receipt
+    md = (t.out / "receipt.md").read_text()
+    for needle in ("## Certified decisions vs float64", "argmax certified", "top-256 set certified", "near-ties",
+                   "worst margin"):
+        assert needle in md, needle
+    assert "MISMATCH" not in md and "CONTRACT FAILURE" not in md
+    cert = json.loads((t.out / "receipt.json").read_text())["analysis"]["certification"]
+    assert set(cert) == {"k", "rows", "declarations"} and cert["k"] == 256 and cert["rows"] == 72
+    assert [(d["exchange"], d["head_input"]) for d in cert["declarations"]] == list(CERT_DECLS)
+    for d in cert["declarations"]:
+        assert set(d) == {"exchange", "head_input", "decl", "argmax", "topk", "near_tie_rows", "mismatches", "ok"}
+        for dec in ("argmax", "topk"):
+            s = d[dec]
+            assert set(s) == CERT_KEYS
+            assert s["certified"] + s["near_ties"] == 72
+            assert s["matched"] == s["certified"] and s["mismatched"] == 0
+        assert d["ok"] and d["mismatches"] == []
+        assert len(d["near_tie_rows"]) == min(20, d["argmax"]["near_ties"])
+        assert all(set(r) == {"passage", "position", "kind"} for r in d["near_tie_rows"])
+    assert cert["declarations"][0]["argmax"]["certified"] > 0  # the section certifies something
+
+
+def test_ideal_bounds_is_ideal_bound_per_declaration():
+    """ref once and one logits_range per mirror-free declaration give ideal_bound's bytes."""
+    from lmtail.receipts.engine import CERT_DECLS, ideal_bounds
+    from lmtail.reference.contract import ideal_bound
+    from lmtail.tail import tail_decl
+
+    inp = tiny_inputs(4, n=6, h=64, v=300)
+    decls = [tail_decl(64, True, exchange=ex, head_input=hi) for ex, hi in CERT_DECLS]
+    ref, deltas = ideal_bounds(inp.hidden, inp.gamma, inp.weight, eps=inp.eps, decls=decls, col_chunk=128)
+    for d, delta in zip(decls, deltas):
+        r1, d1 = ideal_bound(inp.hidden, inp.gamma, inp.weight, eps=inp.eps, decl=d, interleaved=False)
+        assert np.array_equal(r1.view(np.int64), ref.view(np.int64))
+        assert np.array_equal(d1.view(np.int64), delta.view(np.int64))
+    # planted: the three declarations' bounds do differ (sharing one delta would be wrong)
+    assert not np.array_equal(deltas[0], deltas[1]) and not np.array_equal(deltas[1], deltas[2])
+
+
+def test_planted_wrong_op_is_a_certification_mismatch(tiny_receipt, tmp_path):
+    """An op whose argmax is shifted by one column: every certified argmax mismatches."""
+    from lmtail.receipts.engine import tail_topk
+
+    t = tiny_receipt
+
+    def shifted(h, gamma, w, eps, **kw):
+        ids = tail_topk(h, gamma, w, eps, **kw).clone()
+        ids[:, 0] = (ids[:, 0] + 1) % w.shape[1]
+        return ids
+
+    an = make_receipt(t.bundle, t.passages, t.spec, t.reg, tmp_path, {"command": "test"}, arm_status={},
+                      hidden=fake_hidden, cert_op=shifted)
+    for d in an["certification"]["declarations"]:
+        a = d["argmax"]
+        assert a["certified"] > 0 and a["matched"] == 0 and a["mismatched"] == a["certified"]
+        assert not d["ok"]
+        m = d["mismatches"][0]
+        assert m["decision"] == "argmax" and m["passage"] in {p.name for p in t.passages}
+    md = (tmp_path / "receipt.md").read_text()
+    assert "CONTRACT FAILURE" in md and "**MISMATCH**" in md
 
 
 @pytest.mark.slow

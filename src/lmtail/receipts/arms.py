@@ -12,6 +12,9 @@ differ in ONE declared choice each:
     placebo_norm as chain, the ssq butterfly folded 1,2,4,8,16 (orders.placebo)
     torch        plain torch: rsqrt(mean(x^2) + eps), bf16(x*gamma) @ W in fp32 BLAS, * rms
     tail         lmtail.tail.decode_tail(...).logits as shipped (whatever its defaults are)
+    bf16x2       decode_tail(..., head_input="bf16x2").logits: the head GEMM's activation as two
+                 bf16 rows a_hi + a_lo (a_hi = bf16(x*gamma), a_lo = bf16(x*gamma - a_hi)),
+                 two GEMMs in the default order summed in fp32, * rms
 
 An ArmRegistry holds them; users add their own with `registry.register(Arm(...))` (or
 a module given to `lmtail receipt --arm-module`, exposing register_arms(registry)).
@@ -131,6 +134,13 @@ def _decode_tail(inp: TailInputs) -> torch.Tensor:
     return decode_tail(inp.hidden, inp.gamma, inp.weight, eps=inp.eps, zero_interleaved_pad=False, k=1).logits
 
 
+def _decode_tail_bf16x2(inp: TailInputs) -> torch.Tensor:
+    from ..tail import decode_tail
+
+    return decode_tail(inp.hidden, inp.gamma, inp.weight, eps=inp.eps, zero_interleaved_pad=False, k=1,
+                       head_input="bf16x2").logits
+
+
 def default_arms() -> ArmRegistry:
     """A fresh registry holding the built-in arms (module docstring)."""
     reg = ArmRegistry()
@@ -152,4 +162,7 @@ def default_arms() -> ArmRegistry:
                      "PLACEBO: as chain, ssq butterfly folded 1,2,4,8,16"))
     reg.register(Arm("torch", _torch_tail, "plain torch: rsqrt(mean(x^2)+eps), bf16(x*gamma) @ W (BLAS), * rms"))
     reg.register(Arm("tail", _decode_tail, "lmtail.tail.decode_tail(...).logits with its shipped defaults"))
+    reg.register(Arm("bf16x2", _decode_tail_bf16x2,
+                     "decode_tail(..., head_input='bf16x2', k=1).logits: a = a_hi + a_lo, two bf16 rows, "
+                     "two GEMMs in the default order, acc_hi + acc_lo in fp32, * rms"))
     return reg

@@ -9,7 +9,14 @@ Row at position s predicts t_{s+1} (teacher forced). The body is the model's fp3
 (model.llama.FP32_OPS), the same for every arm; arms differ only in the tail. The float64
 reference is lmtail.reference.tail.logits_ref of those hidden states.
 
-Shape legend: N scored rows of a passage, H hidden, V vocab; "all rows" arrays are [n].
+Certification (certify_table): for each declaration (exchange, head_input) of CERT_DECLS,
+the argmax and top-CERT_K set decisions of every scored row are certified against float64
+(contract.certify.certify_rows on reference.contract.ideal_bound's (ref, delta), the
+reference computed once per block of CERT_BLOCK rows) and the certified ones are checked
+against the op (decode_tail with that exchange and head_input).
+
+Shape legend: N scored rows of a passage, H hidden, V vocab, k candidates; "all rows"
+arrays are [n]; a certification block is [B] rows (B <= CERT_BLOCK).
 """
 from __future__ import annotations
 
@@ -18,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..reference.tail import logits_ref
+from ..reference.tail import as_np, logits_range, logits_ref, mirror_range
 from . import stats
 from .arms import ArmRegistry, TailInputs
 from .metrics import METRICS, ref_row_stats, ref_rows, row_metrics
@@ -45,6 +52,7 @@ class ReceiptSpec:
     rows: int = 32  # N scored rows per passage
     decode_rows: int = 16  # D of the N run as decode steps
     block: int = 8  # rows per cluster for the standard errors
+    certify: bool = True  # the certification section (certify_table)
 
     def __post_init__(self):
         if self.prefix < 1:
@@ -73,6 +81,7 @@ class RowTable:
     ref: dict = field(default_factory=lambda: {"nll": [], "margin": []})
     arms: dict = field(default_factory=dict)  # arm -> metric -> list of [N] arrays
     body: list = field(default_factory=list)  # per passage [N, V] float64 fp32-body logits (keep_body)
+    hidden: list = field(default_factory=list)  # per passage [N, H] fp32 pre-final-norm hidden states
 
     def column(self, arm: str, metric: str) -> np.ndarray:
         return np.concatenate(self.arms[arm][metric])
@@ -110,6 +119,7 @@ def run_rows(bundle, passages: list[Passage], spec: ReceiptSpec, registry: ArmRe
     gamma, weight, eps = bundle.final_norm, bundle.lm_head_weight_t, bundle.config.eps
     for pi, psg in enumerate(passages):
         h, y, targets, kinds = hidden(bundle, psg.ids, spec)
+        table.hidden.append(h.to(torch.float32))
         if keep_body:
             table.body.append((y @ bundle.embed.T).double().numpy())  # model.llama.logits_fp32
         if progress:
@@ -194,3 +204,104 @@ def analyse(table: RowTable, passages: list[Passage], spec: ReceiptSpec) -> dict
                    for a in spec.arms}
     return {"summary": summary, "ref_nll": ref, "nll_vs_base": nll_vs_base, "comparisons": comps,
             "miss_margin_max": miss_margin, "clusters": int(clusters.max()) + 1, "rows": int(pas.shape[0])}
+
+
+# ---------------------------------------------------------------------------------------
+# certification: the tail's decisions on every scored row against float64
+# ---------------------------------------------------------------------------------------
+CERT_DECLS = (("mirror", "bf16"), ("candidates", "bf16"), ("candidates", "bf16x2"))  # (exchange, head_input)
+CERT_K = 256  # the top-k set decision's k (min(CERT_K, V))
+CERT_BLOCK = 320  # rows per certification block (ref + one delta per declaration: 4 x B x V float64)
+MAX_LISTED = 20  # near-tie rows and mismatches listed per declaration
+
+
+def tail_topk(hidden, gamma, weight, eps, *, exchange: str, head_input: str, k: int) -> torch.Tensor:
+    """The op whose decisions are certified: decode_tail(hidden [B, H] fp32, gamma [H],
+    weight [H, V] bf16, eps, zero_interleaved_pad=False, k, exchange, head_input, its default
+    gemm_order).topk_indices [B, k] int64 (descending, the first is the argmax)."""
+    from ..tail import decode_tail
+
+    return decode_tail(hidden, gamma, weight, eps=eps, zero_interleaved_pad=False, k=k, exchange=exchange,
+                       head_input=head_input, emit_logits=False).topk_indices
+
+
+def _range_key(decl):
+    """Declarations that differ only in a "mirror:" rounding point share logits_range."""
+    return tuple(p for p in decl.rounding_points if not p.startswith("mirror:")), decl.sums
+
+
+def ideal_bounds(hidden, gamma, weight, *, eps, decls, col_chunk: int = 8192):
+    """(ref [B, V], [delta [B, V] per decl]) float64: reference.contract.ideal_bound's values
+    for each declaration in decls (single rank, interleaved=False, deferred rms), with ref
+    computed once and logits_range once per group of declarations that differ only in the
+    mirror rounding point (the mirror exchange's delta is the same range rounded outward to
+    bf16). Equal to ideal_bound's arrays bit for bit (tested)."""
+    w64 = as_np(weight)  # [H, V]
+    ref = logits_ref(hidden, gamma, w64, eps=eps, interleaved=False)
+    deltas = [np.empty_like(ref) for _ in decls]
+    groups: dict = {}
+    for i, d in enumerate(decls):
+        groups.setdefault(_range_key(d), []).append(i)
+    for c0 in range(0, w64.shape[1], col_chunk):
+        sl = slice(c0, c0 + col_chunk)
+        for idx in groups.values():
+            lo, hi = logits_range(hidden, gamma, w64[:, sl], eps=eps, decl=decls[idx[0]], interleaved=False)
+            for i in idx:
+                mirror = any(p.startswith("mirror:") for p in decls[i].rounding_points)
+                l, u = mirror_range(lo, hi) if mirror else (lo, hi)
+                deltas[i][:, sl] = np.maximum(np.maximum(u - ref[:, sl], ref[:, sl] - l), 0.0)
+    return ref, deltas
+
+
+def certify_table(table: RowTable, bundle, passages: list[Passage], *, op=tail_topk, progress=None,
+                  block: int = CERT_BLOCK) -> dict:
+    """Certify every scored row's argmax and top-k set decisions for each declaration of
+    CERT_DECLS (module docstring). bundle: final_norm [H], lm_head_weight_t [H, V] bf16,
+    config.eps. op(hidden [B, H], gamma, weight, eps, exchange=, head_input=, k=) ->
+    topk_indices [B, k] int64 (default tail_topk; tests plant a wrong one).
+    Returns {"k", "rows", "declarations": [{exchange, head_input, decl, argmax, topk,
+    near_tie_rows, mismatches, ok}]}: argmax / topk are {certified, matched, mismatched,
+    near_ties, worst_margin (min float64 gap / bound; > 1 certified)}; near_tie_rows (argmax,
+    the first MAX_LISTED) and mismatches name {passage, position, kind}."""
+    from ..contract.certify import certify_rows
+    from ..tail import tail_decl
+
+    gamma, weight, eps = bundle.final_norm, bundle.lm_head_weight_t, bundle.config.eps
+    h_all = torch.cat(table.hidden)  # [n, H]
+    n, hid = h_all.shape
+    k = min(CERT_K, weight.shape[1])
+    decls = [tail_decl(hid, True, exchange=ex, head_input=hi) for ex, hi in CERT_DECLS]
+    acc = [{"exchange": ex, "head_input": hi, "decl": d.op,
+            **{dec: dict(certified=0, matched=0, mismatched=0, near_ties=0, worst_margin=float("inf"))
+               for dec in ("argmax", "topk")}, "near_tie_rows": [], "mismatches": []}
+           for (ex, hi), d in zip(CERT_DECLS, decls)]
+
+    def where(i: int) -> dict:
+        return {"passage": passages[table.passage[i]].name, "position": int(table.position[i]),
+                "kind": table.kind[i]}
+
+    for b0 in range(0, n, block):
+        h = h_all[b0:b0 + block]
+        ref, deltas = ideal_bounds(h, gamma, weight, eps=eps, decls=decls)
+        for a, (ex, hi), delta in zip(acc, CERT_DECLS, deltas):
+            ids = op(h, gamma, weight, eps, exchange=ex, head_input=hi, k=k)
+            c = certify_rows(ref, delta, topk_indices=ids, k=k, max_listed=h.shape[0])
+            for dec in ("argmax", "topk"):
+                s = c["decisions"][dec]
+                for key in ("certified", "matched", "near_ties"):
+                    a[dec][key] += s[key]
+                a[dec]["mismatched"] += s["certified"] - s["matched"]
+                a[dec]["worst_margin"] = min(a[dec]["worst_margin"], float(c["worst_margin"][dec]))
+            for i in c["near_tie_rows"]["argmax"]:
+                if len(a["near_tie_rows"]) < MAX_LISTED:
+                    a["near_tie_rows"].append(where(b0 + i))
+            for m in c["mismatches"]:  # "row {i} {decision}: {what}"
+                head, what = m.split(": ", 1)
+                _, i, dec = head.split()
+                if len(a["mismatches"]) < MAX_LISTED:
+                    a["mismatches"].append({**where(b0 + int(i)), "decision": dec, "what": what})
+        if progress:
+            progress(f"certification: rows {b0}..{min(n, b0 + block) - 1}")
+    for a in acc:
+        a["ok"] = a["argmax"]["mismatched"] == 0 and a["topk"]["mismatched"] == 0
+    return {"k": k, "rows": int(n), "declarations": acc}

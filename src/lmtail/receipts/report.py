@@ -109,10 +109,50 @@ def nll_table(an: dict, arms, base: str, passages) -> str:
     return "\n".join(["## Teacher-forced NLL, nats/token", "", _table(head, rows)])
 
 
+def _margin(x) -> str:
+    return "inf" if isinstance(x, str) or math.isinf(x) else f"{x:.3g}"
+
+
+def certification_section(cert: dict) -> str:
+    """The certified decisions per declaration (engine.certify_table's dict)."""
+    k = cert["k"]
+    out = ["## Certified decisions vs float64 (teacher-forced rows)", "",
+           f"For each declaration of the tail (exchange, head_input), every scored row's argmax and top-{k} set "
+           "are certified against the float64 ideal logits: `reference.contract.ideal_bound` gives (ref, delta), "
+           "how far ANY op meeting that declaration can sit from ref per column (with the mirror exchange, "
+           "rounded outward to bf16), and `contract.certify.certify_rows` certifies a decision when no value "
+           "within the bounds can change it. A certified decision must equal the op's "
+           "(`decode_tail(..., exchange, head_input)`, its default GEMM order); an uncertified one is a "
+           "near-tie, counted and listed, never dropped. Worst margin: the smallest float64 gap / bound "
+           "over the rows (> 1 is certified).", ""]
+    rows = []
+    for d in cert["declarations"]:
+        a, t = d["argmax"], d["topk"]
+        rows.append([f"`{d['exchange']}`", f"`{d['head_input']}`", str(cert["rows"]),
+                     f"{a['certified']} ({100 * a['certified'] / max(cert['rows'], 1):.1f}%)",
+                     f"{a['matched']}/{a['certified']}", str(a["near_ties"]), _margin(a["worst_margin"]),
+                     f"{t['certified']}", f"{t['matched']}/{t['certified']}", str(t["near_ties"]),
+                     "ok" if d["ok"] else "**CONTRACT FAILURE**"])
+    out.append(_table(["exchange", "head_input", "rows", "argmax certified", "op matches", "near-ties",
+                       "worst margin", f"top-{k} set certified", "op matches", "near-ties", "status"], rows))
+    for d in cert["declarations"]:
+        name = f"`{d['exchange']}`, `{d['head_input']}`"
+        if d["near_tie_rows"]:
+            shown = ", ".join(f"{r['passage']} @{r['position']} ({r['kind']})" for r in d["near_tie_rows"])
+            more = d["argmax"]["near_ties"] - len(d["near_tie_rows"])
+            out += ["", f"Argmax near-ties, {name}: {shown}" + (f", and {more} more" if more > 0 else "") + "."]
+        for m in d["mismatches"]:
+            out += ["", f"**MISMATCH** {name}: {m['passage']} @{m['position']} ({m['kind']}) {m['decision']}: "
+                        f"{m['what']}"]
+    return "\n".join(out)
+
+
 def markdown(an: dict, spec, passages, prov: dict, arm_status: dict, plots: list[str]) -> str:
     parts = ["# lmtail receipt", "", what_ran(prov, spec, passages, arm_status, an["rows"]), "",
              distance_tables(an, spec.arms, passages), "", comparison_tables(an), "",
              nll_table(an, spec.arms, spec.base, passages)]
+    if "certification" in an:
+        parts += ["", certification_section(an["certification"])]
     if plots:
         parts += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     return "\n".join(parts) + "\n"

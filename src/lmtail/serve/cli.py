@@ -33,6 +33,12 @@ def configure(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--k", type=int, default=256, help="the tail's candidates (the largest top_k accepted)")
     ap.add_argument("--model-name", default=DEFAULT_MODEL_NAME, help="the id clients pass as `model`")
+    ap.add_argument("--exchange", choices=("candidates", "mirror"), default="candidates",
+                    help="the tail's exchange: 'candidates' (decisions on the fp32 logits, the default) or "
+                         "'mirror' (on their bf16 mirror)")
+    ap.add_argument("--head-input", choices=("bf16", "bf16x2"), default="bf16",
+                    help="the head GEMM's activation: 'bf16' (the default) or 'bf16x2' (hi + lo bf16 rows: "
+                         "16 bits, two GEMM rows per request)")
     ap.add_argument("--shutdown-timeout", type=float, default=10.0,
                     help="seconds in-flight requests may take after SIGTERM")
 
@@ -64,7 +70,8 @@ def build(args: argparse.Namespace, bundle=None):
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     bundle = load_model() if bundle is None else bundle
-    engine = Engine(bundle, max_batch=args.max_batch, max_queue=args.max_queue, k=args.k)
+    engine = Engine(bundle, max_batch=args.max_batch, max_queue=args.max_queue, k=args.k, exchange=args.exchange,
+                    head_input=args.head_input)
     return engine, create_app(engine, model_name=args.model_name, shutdown_timeout=args.shutdown_timeout)
 
 
