@@ -626,3 +626,34 @@ def test_eight_ranks_are_bitwise_one_rank():
     check_rank_errors(res, 8)
     seen = {(c["vtp"], c["hops"], c["G"]) for c in cases}
     assert {(8, (2, 2, 2), 1), (8, (4, 2), 1), (8, (2, 4), 1), (4, (2, 2), 1), (8, (8,), 4)} <= seen
+
+
+def test_truncated_flags_match_the_mirror_on_bf16_exact_values():
+    """On logits that are bf16 values (so both exchanges see the same numbers), the
+    candidates sampler's truncated flag on top-k rows (top_k > k, or a lane outside the k
+    candidates tied with the top-k threshold) equals the mirror sampler's (sampler.sample_rows
+    over the full bf16 row), and so do the candidates. Planted: an outside-lane test with a
+    strict > misses the ties (some rows then differ)."""
+    from lmtail.sampler import decide, plan_on, sample_rows
+    from lmtail.topk import exact_topk
+
+    g = torch.Generator().manual_seed(3)
+    r, v, k = 16, 300, 8
+    tied = torch.randint(-4, 5, (r, v), generator=g).to(torch.float32) * 0.5  # 9 values: ties everywhere
+    distinct = torch.randn(r, v, generator=g).to(torch.bfloat16).to(torch.float32)
+    rows = torch.where(torch.arange(r)[:, None] % 2 == 0, tied, distinct)  # [R, V] bf16-exact
+    top_k = torch.tensor([3.0, 5.0, 8.0, 12.0])[torch.arange(r) % 4]
+    sp = torch.stack([top_k, torch.ones(r), torch.full((r,), 0.7), torch.full((r,), 0.4), torch.zeros(r)], 1)
+    merged = shard_merge(rows, 4, k=k, nan_fold=False, sp=sp)
+    vals, ids, _ = exact_topk(rows.to(torch.bfloat16), k=k)
+    assert torch.equal(merged.ids, ids) and same_bits(merged.values.to(torch.bfloat16), vals)
+    _, _, tr_c = candidates.sample_merged(merged, sp, nan_fold=False)
+    _, _, tr_m = sample_rows(vals, ids, rows.to(torch.bfloat16), sp)
+    assert torch.equal(tr_c, tr_m) and bool(tr_m.any()) and bool((~tr_m).any())
+
+    class Strict(candidates.MergedStats):
+        def ties_past_k(self, thr, in_k):
+            return self.mg.has_outside & (self.out > thr[:, 0])
+
+    plan = plan_on(merged.values, sp, Strict(merged, sp, False))
+    assert not torch.equal(decide(plan, merged.values, merged.ids)[2], tr_m)

@@ -217,6 +217,19 @@ MUTANTS = (
            ("test_dp32.py",), "plain-C dp32: the block add acc + t without FTZ", anchor="lmtail_dp32_gemm("),
     Mutant("gemm.dp32_decl_depth", "src/lmtail/kernels/gemm.py", "depth=32 + nb,", "depth=16 + nb,",
            ("test_dp32.py",), "gemm_decl(H, 'dp32')'s depth: half the pair chain"),
+    # the candidates exchange (issue 19) and the bf16x2 head input
+    Mutant("candidates.combine_torch_sum", "src/lmtail/candidates.py", "return top, sum64(s * shifted_exp(m, top))",
+           "return top, (s * shifted_exp(m, top)).sum(dim=1)", K + ("test_candidates.py",),
+           "chunk terms summed by torch's own order instead of sum64"),
+    Mutant("candidates.mt_from_m1", "src/lmtail/candidates.py", "m1 / t[:, None], torch.zeros", "m1 * t[:, None], torch.zeros",
+           K + ("test_candidates.py",), "the owner's recomputed mT multiplies by T"),
+    Mutant("candidates.ties_strict", "src/lmtail/candidates.py", "self.out >= thr[:, 0]", "self.out > thr[:, 0]",
+           KC + ("test_candidates.py",), "a lane tied with the top-k threshold outside the candidates not flagged"),
+    Mutant("shard_partials.c.tree_level", "src/lmtail/kernels/shard_partials.c",
+           "for (int h = LANES / 2; h >= 1; h /= 2) {", "for (int h = LANES / 4; h >= 1; h /= 2) {",
+           K + ("test_shard_partials.py", "test_candidates.py"), "the chunk sum's halving tree without its first level"),
+    Mutant("tail.bf16x2_lo_dropped", "src/lmtail/tail.py", "acc = acc2[:, 0] + acc2[:, 1]", "acc = acc2[:, 0]",
+           KC, "bf16x2 without the a_lo GEMM row"),
 )
 
 

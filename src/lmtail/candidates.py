@@ -163,9 +163,10 @@ def pack(p: ShardPartials) -> torch.Tensor:
 def unpack(recv: torch.Tensor, *, vtp: int, k: int, sp: torch.Tensor | None) -> ShardPartials:
     """[R, VTP*B] uint8 (slab i from rank i) -> the ranks' partials side by side: keys
     [R, VTP*k1], mass [R, C, 4] in global chunk order, nans [R] summed. sp: the owned
-    rows' sampling params (None: top-k only). mT = fl64(m1 / T) + 0.0 on the rows that
-    need the T pass (needs_t), 0 elsewhere: the max of fl64(v / T) over the chunk, since
-    the division by T > 0 is monotone (the kernel's mT, bit for bit)."""
+    rows' sampling params (None: top-k only). mT = fl64(m1 / T) on the rows that need the
+    T pass (needs_t), 0 elsewhere: the max of fl64(v / T) over the chunk, since the
+    division by T > 0 is monotone, and never -0 since m1 is not (the kernel's mT + 0.0,
+    bit for bit)."""
     r = recv.shape[0]
     words = recv.contiguous().view(torch.int64).view(r, vtp, -1)  # [R, VTP, B/8]
     k1 = k + 1
@@ -179,7 +180,7 @@ def unpack(recv: torch.Tensor, *, vtp: int, k: int, sp: torch.Tensor | None) -> 
     m1 = words[:, :, k1 + 2 * c + 1:].contiguous().view(torch.float32)[:, :, :c].reshape(r, MASS_CHUNKS).double()
     at_t = needs_t(sp)
     t = torch.where(at_t, sp[:, 2].double(), torch.ones((), dtype=torch.float64))
-    mt = torch.where(at_t[:, None], m1 / t[:, None] + 0.0, torch.zeros((), dtype=torch.float64))
+    mt = torch.where(at_t[:, None], m1 / t[:, None], torch.zeros((), dtype=torch.float64))  # m1 is never -0
     return ShardPartials(keys=keys, mass=torch.stack([m1, s1, mt, st], dim=2), nans=nans)
 
 
