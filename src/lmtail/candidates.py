@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .checks import need
+from .checks import nan_policy, need
 from .kernels import shard_partials as kernel
 from .kernels.rowmass import shifted_exp, sum64
 from .numerics import Decl, SumDecl, log64
@@ -254,19 +254,4 @@ def sample_merged(merged: Merged, sp: torch.Tensor, *, nan_fold: bool):
 def check_nans(nans: torch.Tensor, *, v: int, nan_fold: bool, rows: torch.Tensor | None = None) -> None:
     """The sampler's NaN policy from per-row NaN counts [R] (tail.check_nan_rows's words)."""
     ids = torch.arange(nans.shape[0]) if rows is None else rows
-    bad = nans > 0
-    if not bool(bad.any()):
-        return
-    if not nan_fold:
-        raise ValueError(f"decode_tail: NaN in the logits of rows {_first(ids[bad])} (from a NaN or inf "
-                         "input or weight); nan_fold=False samples only NaN-free rows: fix the input or "
-                         "pass nan_fold=True to give NaN lanes no probability")
-    empty = nans == v
-    if bool(empty.any()):
-        raise ValueError(f"decode_tail: the logits of rows {_first(ids[empty])} are all NaN: no lane "
-                         "has a probability to sample from")
-
-
-def _first(idx: torch.Tensor, n: int = 8) -> str:
-    idx = idx.tolist()
-    return str(idx[:n]) + (f" and {len(idx) - n} more" if len(idx) > n else "")
+    nan_policy(ids, nans > 0, nans == v, nan_fold=nan_fold)

@@ -99,3 +99,24 @@ def check_threads(threads) -> None:
     need(threads is None or (is_int(threads) and threads >= 1),
          f"threads must be a positive int or None; got {threads!r}")
 
+
+
+def nan_policy(ids: torch.Tensor, has_nan: torch.Tensor, all_nan: torch.Tensor, *, nan_fold: bool) -> None:
+    """The sampler's NaN policy on rows ids [n] (the caller's row numbers) with has_nan /
+    all_nan [n] bool: a row holding NaN is a ValueError naming the rows unless nan_fold
+    (then its NaN lanes carry no mass); a row of NaN only has no distribution at all and
+    is a ValueError either way. Never a silent change of a row's sampling mode."""
+    if not bool(has_nan.any()):
+        return
+    if not nan_fold:
+        raise ValueError(f"decode_tail: NaN in the logits of rows {_first_rows(ids[has_nan])} (from a NaN or inf "
+                         "input or weight); nan_fold=False samples only NaN-free rows: fix the input or "
+                         "pass nan_fold=True to give NaN lanes no probability")
+    if bool(all_nan.any()):
+        raise ValueError(f"decode_tail: the logits of rows {_first_rows(ids[all_nan])} are all NaN: no lane "
+                         "has a probability to sample from")
+
+
+def _first_rows(idx: torch.Tensor, n: int = 8) -> str:
+    idx = idx.tolist()
+    return str(idx[:n]) + (f" and {len(idx) - n} more" if len(idx) > n else "")

@@ -59,7 +59,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from . import candidates, exchange
-from .checks import check_eps, gamma32, is_int, need, need_tensor, undefined_rows
+from .checks import check_eps, gamma32, is_int, nan_policy, need, need_tensor, undefined_rows
 from .config import EXCHANGES, HEAD_INPUTS, TailConfig
 from .kernels.gemm import TAIL_ORDERS as GEMM_ORDERS
 from .kernels.gemm import gemm_bf16, gemm_decl
@@ -310,22 +310,7 @@ def check_nan_rows(rows_bf16: torch.Tensor, *, nan_fold: bool, only: torch.Tenso
     NaN-free); None scans every row."""
     nan = torch.isnan(rows_bf16 if only is None else rows_bf16[only])  # [R | n, V]
     ids = torch.arange(rows_bf16.shape[0]) if only is None else only  # [R | n]
-    bad = nan.any(dim=1)
-    if not bool(bad.any()):
-        return
-    if not nan_fold:
-        raise ValueError(f"decode_tail: NaN in the logits of rows {_first_rows(ids[bad])} (from a NaN or inf "
-                         "input or weight); nan_fold=False samples only NaN-free rows: fix the input or "
-                         "pass nan_fold=True to give NaN lanes no probability")
-    empty = nan.all(dim=1)
-    if bool(empty.any()):
-        raise ValueError(f"decode_tail: the logits of rows {_first_rows(ids[empty])} are all NaN: no lane "
-                         "has a probability to sample from")
-
-
-def _first_rows(idx: torch.Tensor, n: int = 8) -> str:
-    idx = idx.tolist()
-    return str(idx[:n]) + (f" and {len(idx) - n} more" if len(idx) > n else "")
+    nan_policy(ids, nan.any(dim=1), nan.all(dim=1), nan_fold=nan_fold)
 
 
 def _owned_candidates(merged, sampling_params, cfg: TailConfig, logits, v: int) -> TailOutput:
