@@ -11,6 +11,8 @@
  *            z <= m, scalar (shifted_exp1), 8 lanes (AVX-512: shifted_exp8) and 4 lanes
  *            (AVX2: sexp4); K[17] = INV_LN2, LN2_HI, LN2_LO, C[0..13] comes from Python
  *            (numerics.exp64_constants()): no constant here
+ *   top-k    select_top / sort_desc on uint64_t keys (rows_tail.c's and shard_partials.c's
+ *            exact top-k; shard_partials.c's int64 keys go through key ^ 2**63, order kept)
  *   cpu      lmtail_cpu_features(): LMTAIL_CPU_* bits from cpuid (via the compiler's
  *            probe) and, for AMX, the OS permission (arch_prctl)
  *   threads  lmtail_parallel(fn, job, n): fn(job) on the caller and n-1 helpers of a
@@ -272,6 +274,78 @@ sexp4(__m256d *y, const __m256d *z, __m256d mv, const __m256d *KV) {
     }
 }
 #endif
+
+/* ================================================================ top-k keys */
+static inline LMTAIL_UNUSED void swap64(uint64_t *a, uint64_t *b) {
+    const uint64_t t = *a;
+    *a = *b;
+    *b = t;
+}
+
+/* Afterwards a[0..k) hold the k largest of a[0..n) and a[k-1] is the k-th largest (keys
+ * distinct). Hoare quickselect, median-of-three pivot. */
+static LMTAIL_UNUSED void select_top(uint64_t *a, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1;
+    const int64_t t = k - 1;
+    while (hi > lo) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (a[mid] > a[lo]) swap64(&a[mid], &a[lo]);
+        if (a[hi] > a[lo]) swap64(&a[hi], &a[lo]);
+        if (a[hi] > a[mid]) swap64(&a[hi], &a[mid]);
+        const uint64_t x = a[mid]; /* a[lo] >= x >= a[hi] */
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] > x) ++i;
+            while (a[j] < x) --j;
+            if (i <= j) {
+                swap64(&a[i], &a[j]);
+                ++i;
+                --j;
+            }
+        }
+        if (t <= j) hi = j;
+        else if (t >= i) lo = i;
+        else break;
+    }
+}
+
+/* Sort a[0..n) descending: quicksort to small parts, then insertion sort. */
+static LMTAIL_UNUSED void sort_desc(uint64_t *a, int64_t n) {
+    while (n > 24) {
+        const int64_t mid = n / 2;
+        if (a[mid] > a[0]) swap64(&a[mid], &a[0]);
+        if (a[n - 1] > a[0]) swap64(&a[n - 1], &a[0]);
+        if (a[n - 1] > a[mid]) swap64(&a[n - 1], &a[mid]);
+        const uint64_t x = a[mid];
+        int64_t i = 0, j = n - 1;
+        while (i <= j) {
+            while (a[i] > x) ++i;
+            while (a[j] < x) --j;
+            if (i <= j) {
+                swap64(&a[i], &a[j]);
+                ++i;
+                --j;
+            }
+        }
+        if (j + 1 < n - i) { /* recurse on the smaller part */
+            sort_desc(a, j + 1);
+            a += i;
+            n -= i;
+        } else {
+            sort_desc(a + i, n - i);
+            n = j + 1;
+        }
+    }
+    for (int64_t i = 1; i < n; ++i) {
+        const uint64_t x = a[i];
+        int64_t j = i;
+        while (j > 0 && a[j - 1] < x) {
+            a[j] = a[j - 1];
+            --j;
+        }
+        a[j] = x;
+    }
+}
 
 /* ================================================================ cpu */
 enum {

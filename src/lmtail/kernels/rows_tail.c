@@ -19,9 +19,10 @@
  * the order-preserving map of lmtail.topk.mono_keys (-0 -> +0, a folded NaN -> 1, below
  * -inf). The answer is the k largest keys, sorted: unique, so any exact method gives the
  * same bytes. Method: the first `cap` lanes go to a buffer; whenever the buffer is full, a
- * quickselect keeps its k largest keys and the k-th one's mono16 becomes the threshold;
- * later lanes (higher ids) enter only if their raw 16-bit order key is strictly greater
- * (an equal value with a higher id can never beat the k-th key). The raw key
+ * quickselect (lmtail_kernels.h's select_top; its sort_desc sorts the k at the end) keeps
+ * its k largest keys and the k-th one's mono16 becomes the threshold; later lanes (higher
+ * ids) enter only if their raw 16-bit order key is strictly greater (an equal value with
+ * a higher id can never beat the k-th key). The raw key
  * b ^ ((b >> 15) & 0x7FFF) orders every bf16 pattern like mono16 except -0.0 (one below
  * +0.0) and folded NaNs; neither can be rejected wrongly (a -0.0 or a positive NaN that
  * should enter passes the compare; a folded NaN never beats a filled threshold), so the
@@ -113,77 +114,6 @@ static inline uint16_t mono_to_bits(uint32_t mono) { /* topk.mono_to_bf16 */
 
 static inline uint64_t make_key(uint16_t bits, int64_t v, int fold) {
     return ((uint64_t)mono_of(bits, fold) << 32) | (uint64_t)(0xFFFFFFFFu - (uint32_t)v);
-}
-
-static inline void swap64(uint64_t *a, uint64_t *b) {
-    const uint64_t t = *a;
-    *a = *b;
-    *b = t;
-}
-
-/* Afterwards a[0..k) hold the k largest of a[0..n) and a[k-1] is the k-th largest (keys
- * distinct). Hoare quickselect, median-of-three pivot. */
-static void select_top(uint64_t *a, int64_t n, int64_t k) {
-    int64_t lo = 0, hi = n - 1;
-    const int64_t t = k - 1;
-    while (hi > lo) {
-        const int64_t mid = lo + (hi - lo) / 2;
-        if (a[mid] > a[lo]) swap64(&a[mid], &a[lo]);
-        if (a[hi] > a[lo]) swap64(&a[hi], &a[lo]);
-        if (a[hi] > a[mid]) swap64(&a[hi], &a[mid]);
-        const uint64_t x = a[mid]; /* a[lo] >= x >= a[hi] */
-        int64_t i = lo, j = hi;
-        while (i <= j) {
-            while (a[i] > x) ++i;
-            while (a[j] < x) --j;
-            if (i <= j) {
-                swap64(&a[i], &a[j]);
-                ++i;
-                --j;
-            }
-        }
-        if (t <= j) hi = j;
-        else if (t >= i) lo = i;
-        else break;
-    }
-}
-
-/* Sort a[0..n) descending: quicksort to small parts, then insertion sort. */
-static void sort_desc(uint64_t *a, int64_t n) {
-    while (n > 24) {
-        const int64_t mid = n / 2;
-        if (a[mid] > a[0]) swap64(&a[mid], &a[0]);
-        if (a[n - 1] > a[0]) swap64(&a[n - 1], &a[0]);
-        if (a[n - 1] > a[mid]) swap64(&a[n - 1], &a[mid]);
-        const uint64_t x = a[mid];
-        int64_t i = 0, j = n - 1;
-        while (i <= j) {
-            while (a[i] > x) ++i;
-            while (a[j] < x) --j;
-            if (i <= j) {
-                swap64(&a[i], &a[j]);
-                ++i;
-                --j;
-            }
-        }
-        if (j + 1 < n - i) { /* recurse on the smaller part */
-            sort_desc(a, j + 1);
-            a += i;
-            n -= i;
-        } else {
-            sort_desc(a + i, n - i);
-            n = j + 1;
-        }
-    }
-    for (int64_t i = 1; i < n; ++i) {
-        const uint64_t x = a[i];
-        int64_t j = i;
-        while (j > 0 && a[j - 1] < x) {
-            a[j] = a[j - 1];
-            --j;
-        }
-        a[j] = x;
-    }
 }
 
 typedef struct {

@@ -15,11 +15,14 @@
  *
  * Keys. key = mono32(b) * 2**32 + (2**32 - 1 - id), b the fp32 bits as int32: -0 -> +0,
  * negative b -> b ^ 0x7FFFFFFF, with nan_fold every NaN -> NAN_MONO. Keys are unique, so
- * any exact method gives the k1 largest. Method (as rows_tail.c's): the first `cap` lanes
- * go to a buffer; whenever it is full a quickselect keeps its k1 largest and the k1-th
- * key's mono32 becomes the threshold; later lanes (higher ids) enter only if their raw
- * order key raw32(b) = b ^ ((b >> 31) & 0x7FFFFFFF) is strictly greater (an equal mono
- * with a higher id cannot beat the k1-th key). raw32 equals mono32 except at -0 (raw -1,
+ * any exact method gives the k1 largest. They are held as key ^ 2**63 (KEY_BIAS: the
+ * uint64 order is the int64 order), so the select and sort are lmtail_kernels.h's
+ * select_top / sort_desc, shared with rows_tail.c; the output undoes the bias. Method (as
+ * rows_tail.c's): the first `cap` lanes go to a buffer; whenever it is full a quickselect
+ * (select_top) keeps its k1 largest and the k1-th key's mono32 becomes the threshold;
+ * later lanes (higher ids) enter only if their raw order key
+ * raw32(b) = b ^ ((b >> 31) & 0x7FFFFFFF) is strictly greater (an equal mono with a higher
+ * id cannot beat the k1-th key). raw32 equals mono32 except at -0 (raw -1,
  * mono 0; mono -1 is no lane's, so a -0 that belongs passes) and, with nan_fold, at NaNs
  * (a positive NaN passes and is keyed NAN_MONO, then loses in the select; a negative NaN's
  * raw is below NAN_MONO, the lowest mono a folded row has, so it never belongs). The filter
@@ -54,6 +57,7 @@ enum { LANES = 256, BLK = 16 /* lanes per sexp4 call: 16 | 256 */ };
 #define NEG_INF (-__builtin_inf())
 #define NAN_MONO (INT32_MIN + 1)
 #define PAD_KEY INT64_MIN
+#define KEY_BIAS 0x8000000000000000ull /* int64 key <-> held uint64 key */
 
 typedef struct {
     const float *x;
@@ -84,83 +88,15 @@ static inline int32_t raw32(uint32_t u) { /* the filter's order key */
     return b ^ ((b >> 31) & 0x7FFFFFFF);
 }
 
-static inline int64_t make_key(uint32_t u, int64_t id, int fold) {
-    return (int64_t)(((uint64_t)(int64_t)mono32(u, fold) << 32) | (uint64_t)(0xFFFFFFFFu - (uint32_t)id));
-}
-
-static inline void swap64(int64_t *a, int64_t *b) {
-    const int64_t t = *a;
-    *a = *b;
-    *b = t;
-}
-
-/* Afterwards a[0..k) hold the k largest of a[0..n) and a[k-1] is the k-th largest (keys
- * distinct). Hoare quickselect, median-of-three pivot. */
-static void select_top(int64_t *a, int64_t n, int64_t k) {
-    int64_t lo = 0, hi = n - 1;
-    const int64_t t = k - 1;
-    while (hi > lo) {
-        const int64_t mid = lo + (hi - lo) / 2;
-        if (a[mid] > a[lo]) swap64(&a[mid], &a[lo]);
-        if (a[hi] > a[lo]) swap64(&a[hi], &a[lo]);
-        if (a[hi] > a[mid]) swap64(&a[hi], &a[mid]);
-        const int64_t x = a[mid];
-        int64_t i = lo, j = hi;
-        while (i <= j) {
-            while (a[i] > x) ++i;
-            while (a[j] < x) --j;
-            if (i <= j) {
-                swap64(&a[i], &a[j]);
-                ++i;
-                --j;
-            }
-        }
-        if (t <= j) hi = j;
-        else if (t >= i) lo = i;
-        else break;
-    }
-}
-
-/* Sort a[0..n) descending: quicksort to small parts, then insertion sort. */
-static void sort_desc(int64_t *a, int64_t n) {
-    while (n > 24) {
-        const int64_t mid = n / 2;
-        if (a[mid] > a[0]) swap64(&a[mid], &a[0]);
-        if (a[n - 1] > a[0]) swap64(&a[n - 1], &a[0]);
-        if (a[n - 1] > a[mid]) swap64(&a[n - 1], &a[mid]);
-        const int64_t x = a[mid];
-        int64_t i = 0, j = n - 1;
-        while (i <= j) {
-            while (a[i] > x) ++i;
-            while (a[j] < x) --j;
-            if (i <= j) {
-                swap64(&a[i], &a[j]);
-                ++i;
-                --j;
-            }
-        }
-        if (j + 1 < n - i) {
-            sort_desc(a, j + 1);
-            a += i;
-            n -= i;
-        } else {
-            sort_desc(a + i, n - i);
-            n = j + 1;
-        }
-    }
-    for (int64_t i = 1; i < n; ++i) {
-        const int64_t x = a[i];
-        int64_t j = i;
-        while (j > 0 && a[j - 1] < x) {
-            a[j] = a[j - 1];
-            --j;
-        }
-        a[j] = x;
-    }
+/* The lane's key held as key ^ KEY_BIAS: a uint64 in the int64 key's order, for
+ * lmtail_kernels.h's select_top / sort_desc; its high half is mono32 ^ 0x80000000. */
+static inline uint64_t make_key(uint32_t u, int64_t id, int fold) {
+    return ((uint64_t)((uint32_t)mono32(u, fold) ^ 0x80000000u) << 32) |
+           (uint64_t)(0xFFFFFFFFu - (uint32_t)id);
 }
 
 typedef struct {
-    int64_t *buf;
+    uint64_t *buf; /* held keys (key ^ KEY_BIAS) */
     int64_t n, cap, k, col0;
     int32_t thr; /* lanes enter iff raw32 > thr */
     int fold;
@@ -169,7 +105,7 @@ typedef struct {
 static inline void pool_reduce(pool_t *P) {
     select_top(P->buf, P->n, P->k);
     P->n = P->k;
-    P->thr = (int32_t)(P->buf[P->k - 1] >> 32);
+    P->thr = (int32_t)((uint32_t)(P->buf[P->k - 1] >> 32) ^ 0x80000000u); /* mono32 */
 }
 
 static inline void pool_push(pool_t *P, uint32_t u, int64_t j) {
@@ -228,7 +164,7 @@ static AVX512 void scan_avx512(pool_t *P, const uint32_t *x, int64_t j, int64_t 
 #endif
 
 /* The k1 largest keys of row x, descending, into out[0..k1) (PAD_KEY past V). */
-static void keys_row(const job_t *J, const uint32_t *x, int64_t *buf, int64_t cap, int64_t *out) {
+static void keys_row(const job_t *J, const uint32_t *x, uint64_t *buf, int64_t cap, int64_t *out) {
     const int64_t V = J->V, k = J->k1;
     pool_t P = {buf, 0, cap, k, J->col0, 0, J->fold};
     int64_t j = 0;
@@ -245,7 +181,7 @@ static void keys_row(const job_t *J, const uint32_t *x, int64_t *buf, int64_t ca
     if (P.n > k) select_top(P.buf, P.n, k);
     const int64_t have = P.n < k ? P.n : k;
     sort_desc(P.buf, have);
-    memcpy(out, P.buf, sizeof(int64_t) * (size_t)have);
+    for (int64_t t = 0; t < have; ++t) out[t] = (int64_t)(P.buf[t] ^ KEY_BIAS);
     for (int64_t t = have; t < k; ++t) out[t] = PAD_KEY;
 }
 
@@ -397,7 +333,7 @@ static AVX512 double chunk_sum_avx512(const float *x, int64_t lo, int64_t w, int
 
 /* ================================================================ one row */
 typedef struct {
-    int64_t *buf; /* [cap] candidate keys */
+    uint64_t *buf; /* [cap] candidate keys, held (key ^ KEY_BIAS) */
     int64_t cap;
     double *acc;  /* [LANES], 64-byte aligned */
     float *mx;    /* [c] chunk maxima */
@@ -487,7 +423,7 @@ static void *worker(void *arg) {
     scratch_t sc;
     sc.cap = 4 * J->k1 + 64;
     if (sc.cap > J->V + 1) sc.cap = J->V + 1; /* the fill then holds the whole row */
-    sc.buf = malloc(sizeof(int64_t) * (size_t)sc.cap);
+    sc.buf = malloc(sizeof(uint64_t) * (size_t)sc.cap);
     sc.mx = malloc(sizeof(float) * (size_t)(J->c + 1));
     if (posix_memalign((void **)&sc.acc, 64, sizeof(double) * LANES)) sc.acc = NULL;
     if (!sc.buf || !sc.mx || !sc.acc) {
