@@ -115,7 +115,7 @@ def assert_equal_all_threads(backend, x, bounds, col0, *, k1, nan_fold, scale_t,
 # every backend == torch
 # ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", C_BACKENDS)
-@pytest.mark.parametrize("vs", [1, 7, 255, 257, 1000, 4099])
+@pytest.mark.parametrize("vs", [1, 7, 255, 257, 1000, pytest.param(4099, marks=pytest.mark.slow)])
 def test_backend_equals_torch(backend, vs):
     backend_or_skip(backend)
     for seed in range(3):
