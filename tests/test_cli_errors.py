@@ -92,6 +92,7 @@ def cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["generate", "--prompt", "hi", "--exchange", "bf16"], "argument --exchange: invalid choice: 'bf16'"),
         (["generate", "--prompt", "hi", "--head-input", "fp32"], "argument --head-input: invalid choice: 'fp32'"),
         (["serve", "--exchange", "all"], "argument --exchange: invalid choice: 'all'"),
+        (["serve", "--ranks", "3"], "--ranks must be a power of two in [1, 256]"),
     ]
 
 

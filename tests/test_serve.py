@@ -32,7 +32,8 @@ from lmtail.serve import protocol  # noqa: E402
 from lmtail.serve.app import create_app  # noqa: E402
 from lmtail.serve.batch import grow, row_cache, step_rows  # noqa: E402
 from lmtail.serve.cli import ThreadServer  # noqa: E402
-from lmtail.serve.engine import Done, Engine, Failed, Job, QueueFull, TextTracker, Token, score_positions  # noqa: E402
+from lmtail.serve.engine import (Done, Engine, Failed, Job, Prompt, QueueFull, TextTracker, Token,  # noqa: E402
+                                 score_positions)
 from lmtail.tail import decode_tail  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -440,7 +441,7 @@ def test_load_16_clients_every_response_equals_solo(bundle):
     counts."""
     engine = Engine(bundle, max_batch=16, max_queue=64, k=K)
     srv = ThreadServer(create_app(engine, model_name=MODEL)).start()
-    n, clients, budget_s = 192, 16, 1200
+    n, clients, budget_s = 320, 16, 1800
     specs = [_load_spec(i) for i in range(n)]
     c = client(srv)
     t0 = time.monotonic()
@@ -502,6 +503,196 @@ def test_sigterm_stops_within_bound(tmp_path):
         assert time.monotonic() - t0 < 20
         log = proc.stdout.read().decode()
         assert "lmtail engine closed" in log and "Finished server process" in log, log[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+# ---------------------------------------------------------------------------------------
+# --ranks N: the sampling step's tail vocab-parallel over N gloo ranks (serve/ranks.py)
+# ---------------------------------------------------------------------------------------
+def children(pid: int) -> set[int]:
+    """Live (not zombie) processes whose parent is `pid`, from /proc."""
+    import os
+
+    out = set()
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                st = f.read()
+        except OSError:
+            continue
+        state, ppid = st.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == pid and state != "Z":
+            out.add(int(d))
+    return out
+
+
+def children_alive(pids: set[int]) -> set[int]:
+    """The pids of `pids` that are still running (not gone, not zombies)."""
+    alive = set()
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.add(p)
+        except OSError:
+            pass
+    return alive
+
+
+RANK_REQUESTS = [  # (prompt, params, max_tokens, joins at step, logprobs, echo)
+    ("Why is the sky blue?", SamplingParams(temperature=0.0, seed=1), 6, 0, None, False),
+    ("Name three fruits.", SamplingParams(temperature=0.9, top_p=0.9, seed=11), 3, 0, 3, False),
+    ("Write a haiku about rain.", SamplingParams(temperature=0.7, top_k=40, min_p=0.05, seed=12), 5, 1, None, True),
+    ("What is 2+2?", SamplingParams(temperature=0.0, seed=2), 2, 2, 2, True),
+    ("Say hello in French.", SamplingParams(temperature=1.2, top_k=8, seed=13), 4, 2, None, False),
+]
+
+
+def rank_events(engine: Engine, bundle, requests=RANK_REQUESTS):
+    """Each request's events as comparable bytes: (kind, id, logprob bits, top (id, bits)...)."""
+    sinks = [Collect() for _ in requests]
+    jobs = [Job(prompt_ids=chat_ids(bundle, p), params=sp, max_tokens=n, sink=s, logprobs=lp, echo_logprobs=echo)
+            for (p, sp, n, _, lp, echo), s in zip(requests, sinks)]
+    for step in range(64):
+        for job, r in zip(jobs, requests):
+            if r[3] == step:
+                engine.admit(job)
+        if all(s.done for s in sinks):
+            break
+        engine.step()
+    assert all(isinstance(s.events[-1], Done) for s in sinks), [s.events[-1] for s in sinks]
+
+    def enc(e):
+        if isinstance(e, Token):
+            return ("tok", e.id, bits(e.logprob), e.text, [(i, bits(v)) for i, v in (e.top or [])])
+        if isinstance(e, Prompt):
+            return ("prompt", [bits(v) for v in e.logprobs], [[(i, bits(v)) for i, v in t] for t in (e.top or [])])
+        return ("done", e.finish_reason, e.completion_tokens, e.text)
+
+    return [[enc(e) for e in s.events] for s in sinks]
+
+
+def test_engine_ranks2_bytes_equal_ranks1_and_close_leaves_no_rank(bundle):
+    """Engine(ranks=2) on a join/leave schedule of greedy, seeded sampled, top_k / top_p /
+    min_p rows (odd and even row counts: padded steps), with top logprobs and echo scoring:
+    every event byte-equal to Engine(ranks=1). PLANTED: the ranks' rows gathered in the
+    wrong order must go red. close() leaves no rank process (/proc)."""
+    import os
+
+    want = rank_events(Engine(bundle, max_batch=8, k=K), bundle)
+    before = children(os.getpid())
+    engine = Engine(bundle, max_batch=8, k=K, ranks=2)
+    pids = set(engine.rank_pids())
+    try:
+        assert len(pids) == 1 and pids <= children(os.getpid()) - before
+        got = rank_events(engine, bundle)
+        assert engine.max_rows_seen >= 4
+        assert got == want
+        real = engine._ranks.tail
+
+        def flipped(x, sp):  # PLANTED: rows come back reversed (a wrong gather order)
+            out = real(x, sp)
+            return type(out)(*(t.flip(0) for t in (out.tokens, out.logprobs, out.truncated, out.topk_indices,
+                                                   out.topk_values)))
+
+        engine._ranks.tail = flipped
+        plain = [RANK_REQUESTS[0], RANK_REQUESTS[4][:3] + (0, None, False)]  # no top logprobs: no local check
+        assert rank_events(engine, bundle, plain) != rank_events(Engine(bundle, max_batch=8, k=K), bundle, plain)
+        with pytest.raises(RuntimeError, match="ranks' tokens differ"):  # top logprobs: the local check trips
+            rank_events(engine, bundle, RANK_REQUESTS[:2])
+        engine._ranks.tail = real
+    finally:
+        assert engine.close(10)
+    assert engine.rank_pids() == [] and not (pids & children(os.getpid()))
+    assert not any(os.path.exists(f"/proc/{p}") for p in pids)
+
+
+def test_cli_ranks_rule(bundle):
+    """--ranks must divide 49152 and 256: 3, 5, 0, 512 refused naming the flag; 1, 2, 4, 256
+    pass; Engine refuses 3 (candidates: 256 mass chunks) and 5 (the vocab)."""
+    import argparse
+
+    from lmtail.serve import cli
+
+    ap = argparse.ArgumentParser()
+    cli.configure(ap)
+    for n in (1, 2, 4, 256):
+        cli.check(ap.parse_args(["--ranks", str(n)]))
+    for n in (3, 5, 0, 512):
+        with pytest.raises(ValueError, match=rf"^--ranks must be .*; got {n}$"):
+            cli.check(ap.parse_args(["--ranks", str(n)]))
+    with pytest.raises(ValueError, match="VTP dividing 256"):  # the engine: before any rank is spawned
+        Engine(bundle, ranks=3)
+    with pytest.raises(ValueError, match="ranks must be an int >= 1 dividing the vocab"):
+        Engine(bundle, ranks=5)
+
+
+@pytest.mark.slow
+def test_http_ranks2_concurrent_equals_ranks1(bundle, server):
+    """Over HTTP: MIXED sent concurrently to a ranks=2 server == each sent alone to the
+    ranks=1 server (text, ids, logprobs, finish reasons)."""
+    srv1, _ = server
+    alone = [call(client(srv1), spec) for spec in MIXED]
+    engine = Engine(bundle, max_batch=8, max_queue=32, k=K, ranks=2)
+    srv = ThreadServer(create_app(engine, model_name=MODEL)).start()
+    try:
+        c = client(srv)
+        with cf.ThreadPoolExecutor(len(MIXED)) as ex:
+            together = list(ex.map(lambda s: call(c, s), MIXED))
+    finally:
+        assert srv.stop(30) and engine.close(10)
+    assert together == alone
+    assert engine.rank_pids() == []
+
+
+@pytest.mark.slow
+def test_sigterm_ranks2_leaves_no_rank(tmp_path):
+    """`python -m lmtail.serve --ranks 2`: serves a request, then SIGTERM ends it and every
+    process it started (its children in /proc) is gone."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "lmtail.serve", "--port", str(port), "--ranks", "2",
+                             "--shutdown-timeout", "3"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        t_end = time.monotonic() + 180
+        while time.monotonic() < t_end:
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        kids = children(proc.pid)
+        ranks = {p for p in kids if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()}
+        assert len(ranks) == 1, kids
+        body = {"model": MODEL, "prompt": "Tell me", "max_tokens": 4, "temperature": 0.8, "seed": 3}
+        r = httpx.post(base + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 4, r.text
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+        assert time.monotonic() - t0 < 20
+        assert not children_alive(ranks), ranks
+        # the rank at once; the rest (multiprocessing's resource tracker, which exits on its
+        # pipe's EOF) within a few seconds
+        t_end = time.monotonic() + 10
+        while (left := kids & children_alive(kids)) and time.monotonic() < t_end:
+            time.sleep(0.2)
+        assert not left, left
+        log = proc.stdout.read().decode()
+        assert "lmtail engine closed" in log, log[-2000:]
     finally:
         if proc.poll() is None:
             proc.kill()

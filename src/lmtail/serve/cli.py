@@ -6,7 +6,9 @@ at most --shutdown-timeout s (then their connections are cancelled, which cancel
 jobs), close the engine (waiting and active jobs fail with "server shutting down"; the
 thread joined within the same bound; logged "lmtail engine closed"), then uvicorn re-raises
 the signal, so the process ends as killed by it (status -15 / 143 for SIGTERM, the
-convention). No rank processes exist (--ranks 1 only).
+convention). With --ranks N > 1 the engine's close also stops its N - 1 rank processes
+(a stop command, a bounded join, then terminate), and each rank is SIGKILLed by the kernel
+if this process dies any other way (PR_SET_PDEATHSIG): none outlives the server.
 
 Shape legend: none (a command line).
 """
@@ -27,7 +29,9 @@ def configure(ap: argparse.ArgumentParser) -> None:
                       "to the same request served alone.")
     ap.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--ranks", type=int, default=1, help="vocab-parallel tail ranks (only 1 is supported yet)")
+    ap.add_argument("--ranks", type=int, default=1,
+                    help="vocab-parallel tail ranks: N spawned gloo ranks share the decode tail's head, every "
+                         "response byte-equal to --ranks 1 (N must divide 49152 and 256)")
     ap.add_argument("--max-batch", type=int, default=16, help="requests decoding at once")
     ap.add_argument("--max-queue", type=int, default=64, help="requests waiting at most (beyond: HTTP 429)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -47,7 +51,8 @@ def check(args: argparse.Namespace) -> None:
     """ValueError naming the flag (expected vs got) for a value the server cannot take."""
     rules = [
         ("--port", args.port, 0 <= args.port <= 65535, "in [0, 65535]"),
-        ("--ranks", args.ranks, args.ranks == 1, "1 (vocab-parallel serving is not built yet)"),
+        ("--ranks", args.ranks, args.ranks >= 1 and 49152 % args.ranks == 0 and 256 % args.ranks == 0,
+         "a power of two in [1, 256] (dividing the vocab 49152 and the candidates exchange's 256 mass chunks)"),
         ("--max-batch", args.max_batch, args.max_batch >= 1, ">= 1"),
         ("--max-queue", args.max_queue, args.max_queue >= 0, ">= 0"),
         ("--threads", args.threads, args.threads >= 0, ">= 0 (0: torch's default)"),
@@ -71,7 +76,7 @@ def build(args: argparse.Namespace, bundle=None):
         torch.set_num_threads(args.threads)
     bundle = load_model() if bundle is None else bundle
     engine = Engine(bundle, max_batch=args.max_batch, max_queue=args.max_queue, k=args.k, exchange=args.exchange,
-                    head_input=args.head_input)
+                    head_input=args.head_input, ranks=args.ranks)
     return engine, create_app(engine, model_name=args.model_name, shutdown_timeout=args.shutdown_timeout)
 
 
@@ -83,8 +88,10 @@ def run(args: argparse.Namespace) -> int:
     engine, app = build(args)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=args.shutdown_timeout)
-    uvicorn.Server(config).run()
-    ok = engine.close(args.shutdown_timeout)
+    try:
+        uvicorn.Server(config).run()
+    finally:  # the app's lifespan has closed the engine already, unless uvicorn never started
+        ok = engine.close(args.shutdown_timeout)
     return 0 if ok else 1
 
 

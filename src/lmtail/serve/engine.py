@@ -9,6 +9,8 @@ requests join the running batch after their own prefill and leave when done.
         step:  one decode_tail over the active rows' hidden states (row-invariant), each
                row's u drawn from its own seed at its own position; tokens appended,
                finished rows leave; then batch.step_rows (per-row caches) for the rest
+               (ranks = N > 1: that decode_tail runs vocab-parallel over N spawned gloo
+               ranks, serve/ranks.py, with the same bytes; the body stays here)
 
 A row's tokens and logprobs are therefore the bytes of the same request served alone,
 whatever joins or leaves around it (tests/test_serve.py: bit for bit, with joins and
@@ -212,11 +214,16 @@ class Engine:
     request's bytes never depend on its neighbours' top_k); body: "batched"
     (batch.step_rows, the default) or "rows" (llama.forward per row: the reference);
     ops: the declared body (llama.lmtail_ops()); exchange, head_input: the tail's
-    (TailConfig's defaults; config.EXCHANGES, config.HEAD_INPUTS)."""
+    (TailConfig's defaults; config.EXCHANGES, config.HEAD_INPUTS); ranks: N > 1 runs the
+    sampling step's tail vocab-parallel over N gloo ranks (serve.ranks.RankTail, spawned
+    here, stopped by close(); N must divide V, and 256 with exchange "candidates"), with
+    every token and logprob bit of ranks = 1; top logprobs, echo scoring and the prompt's
+    logprobs stay on this process's full head (the same bytes); rank_timeout_s bounds the
+    ranks' start and each of their collectives."""
 
     def __init__(self, bundle: ModelBundle, *, max_batch: int = 16, max_queue: int = 64, k: int = 256,
                  body: str = "batched", ops: Ops | None = None, exchange: str = TailConfig.exchange,
-                 head_input: str = TailConfig.head_input):
+                 head_input: str = TailConfig.head_input, ranks: int = 1, rank_timeout_s: float = 120.0):
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0; got {max_batch}, {max_queue}")
         if body not in ("batched", "rows"):
@@ -231,6 +238,14 @@ class Engine:
         self.ops = lmtail_ops() if ops is None else ops
         if self.ops.body != "declared":
             raise ValueError(f"ops.body must be 'declared'; got {self.ops.body!r}")
+        if not isinstance(ranks, int) or ranks < 1 or bundle.config.vocab % ranks:
+            raise ValueError(f"ranks must be an int >= 1 dividing the vocab {bundle.config.vocab}; got {ranks!r}")
+        self.ranks = ranks
+        self._ranks = None  # serve.ranks.RankTail with ranks > 1 (the sampling step's tail)
+        if ranks > 1:
+            from .ranks import RankTail
+
+            self._ranks = RankTail(bundle, ranks, k=k, timeout_s=rank_timeout_s, **self.tail_kw)
         self._pending: collections.deque[Job] = collections.deque()
         self._rows: list[Row] = []
         self._cv = threading.Condition()
@@ -273,10 +288,18 @@ class Engine:
         with self._cv:
             self._closing = True
             self._cv.notify()
-        if self._thread is None:
-            return True
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        t_end = time.monotonic() + timeout
+        ended = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+            ended = not self._thread.is_alive()
+        if self._ranks is not None:  # after the thread: no step is using them any more (when it ended)
+            ended = self._ranks.close(max(1.0, t_end - time.monotonic())) and ended
+        return ended
+
+    def rank_pids(self) -> list[int]:
+        """The pids of this engine's rank processes still running ([] with ranks = 1)."""
+        return [] if self._ranks is None else self._ranks.alive()
 
     # ---- the engine thread ----------------------------------------------------------------
     def _run(self) -> None:
@@ -360,10 +383,7 @@ class Engine:
         x = torch.stack([r.x for r in rows])  # [R, H]
         sp = self.step_params(rows)  # [R, 5]
         want = [r.job.logprobs is not None and r.job.logprobs > 0 for r in rows]
-        out = decode_tail(x, self.bundle.final_norm, self.bundle.lm_head_weight_t, eps=self.bundle.config.eps,
-                          k=self.k, sampling_params=sp, emit_logits=any(want),
-                          debug_taps=any(want) and self.tail_kw["exchange"] == "candidates", **self.tail_kw)
-        lse = tail_lse(out, torch.tensor(want), self.tail_kw["exchange"]) if any(want) else None  # [R_want]
+        out, top_out, lse = self._tail(x, sp, want)
         keep, w = [], 0
         stop_ids = self.bundle.tokenizer.stop_ids
         for i, r in enumerate(rows):
@@ -371,8 +391,8 @@ class Engine:
             top = None
             if want[i]:
                 n = r.job.logprobs
-                vals = values_logprobs(out.topk_values[i:i + 1, :n], lse[w:w + 1])[0]  # [n]
-                top = list(zip(out.topk_indices[i, :n].tolist(), vals.tolist()))
+                vals = values_logprobs(top_out.topk_values[w:w + 1, :n], lse[w:w + 1])[0]  # [n]
+                top = list(zip(top_out.topk_indices[w, :n].tolist(), vals.tolist()))
                 w += 1
             r.generated += 1
             special = tid in stop_ids
@@ -391,6 +411,38 @@ class Engine:
         with self._cv:
             self._rows = [r for r, _ in keep]
 
+    def _tail(self, x: torch.Tensor, sp: torch.Tensor, want: list[bool]):
+        """The sampling step's tail over x [R, H], sp [R, 5]: (out with tokens / logprobs
+        [R], top_out with topk_values / topk_indices of the `want` rows in order (or None),
+        their lse1 [R_want] float64 (or None)).
+
+        ranks = 1: one decode_tail call over all rows (emit_logits / debug_taps only when
+        some row wants top alternatives). ranks > 1: tokens and logprobs from the ranks
+        (RankTail.tail: the single-rank bytes); the want rows' top alternatives and lse1
+        from a local full-head decode_tail over those rows only (row-invariant: the same
+        bytes as inside the all-row call), whose tokens must equal the ranks' (checked:
+        RuntimeError otherwise)."""
+        cand = self.tail_kw["exchange"] == "candidates"
+        mask = torch.tensor(want, dtype=torch.bool)  # [R]
+        if self._ranks is None:
+            out = decode_tail(x, self.bundle.final_norm, self.bundle.lm_head_weight_t, eps=self.bundle.config.eps,
+                              k=self.k, sampling_params=sp, emit_logits=any(want), debug_taps=any(want) and cand,
+                              **self.tail_kw)
+            if not any(want):
+                return out, None, None
+            lse = tail_lse(out, mask, self.tail_kw["exchange"])  # [R_want]
+            return out, _Top(out.topk_values[mask], out.topk_indices[mask]), lse
+        out = self._ranks.tail(x, sp)
+        if not any(want):
+            return out, None, None
+        loc = decode_tail(x[mask].contiguous(), self.bundle.final_norm, self.bundle.lm_head_weight_t,
+                          eps=self.bundle.config.eps, k=self.k, sampling_params=sp[mask].contiguous(),
+                          emit_logits=True, debug_taps=cand, **self.tail_kw)
+        if not torch.equal(loc.tokens, out.tokens[mask]):
+            raise RuntimeError("the ranks' tokens differ from the local tail's on the same rows (a bug)")
+        ones = torch.ones(int(mask.sum()), dtype=torch.bool)
+        return out, _Top(loc.topk_values, loc.topk_indices), tail_lse(loc, ones, self.tail_kw["exchange"])
+
     def step_params(self, rows: list[Row]) -> torch.Tensor:
         """[R, 5] fp32 sampling rows: each row's params, u drawn at ITS OWN position."""
         return sampling_tensor([r.job.params for r in rows], positions=[r.position for r in rows])
@@ -407,6 +459,14 @@ class Engine:
                            for i, r in enumerate(rows)])  # [R, H]
         for i, r in enumerate(rows):
             r.x = h[i].contiguous()
+
+
+@dataclass(frozen=True)
+class _Top:
+    """The top alternatives of the rows that asked for them, in row order."""
+
+    topk_values: torch.Tensor  # [R_want, k] fp32 (candidates) or bf16 (mirror)
+    topk_indices: torch.Tensor  # [R_want, k] int64
 
 
 def _emit(job: Job, event) -> None:

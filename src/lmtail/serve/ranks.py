@@ -1,0 +1,264 @@
+"""The server's vocab-parallel decode tail: `lmtail serve --ranks N` (N > 1).
+
+    RankTail(bundle, N, k=..., exchange=..., head_input=...)   in the server process (rank 0)
+      |-- spawn ranks 1..N-1 (daemon, spawn context; each dies with the server)
+      |   each gets gamma [H] fp32 and ITS head shard w[:, r*V_s:(r+1)*V_s] [H, V_s] bf16
+      |   (shared memory, mapped), a command pipe, and joins the gloo group (tcp store on
+      |   127.0.0.1, rank 0 = the server process: the default process group)
+    tail(x [B, H] fp32, sp [B, 5] fp32) -> RankOut, every call:
+      rank 0 pads to gbs = ceil(B / N) * N (zero rows, greedy dummies: generate.group_step's
+      padding), sends (gbs, x, sp) down each command pipe (raw bytes: an idle server holds no
+      collective open, so idle time never trips a gloo timeout); every rank runs
+      decode_tail(group=WORLD) on its shard with the sampling rows it owns
+      (layout.owned_rows), then one all-gather of [R, 3 + 2k] int64 per rank (token,
+      logprob bits, truncated, top-k ids, top-k value bits) assembles all rows in row order.
+    close(): a stop command down every pipe, join (bounded), terminate leftovers, destroy
+    the process group.
+
+Bytes: decode_tail's vocab-parallel path equals the single-rank call on the same global
+inputs, bitwise (tests/test_exchange.py, tests/test_candidates.py), and a row's outputs do
+not depend on the other rows (zero dummies included); the gather moves bit patterns. So
+RankOut's rows are the bytes of decode_tail(x, gamma, w, sampling_params=sp) on one rank
+(tests/test_serve.py: an Engine(ranks=2) vs Engine(ranks=1), every token and logprob bit).
+
+Lifetime: a rank exits on a stop command, on EOF of its pipe (the server closed it or
+died), on a failed collective, and by PR_SET_PDEATHSIG (launch._die_with_parent) when the
+server process dies however it dies. One RankTail per process at a time (it owns the
+default process group; a second is a RuntimeError).
+
+Shape legend: B rows of a step, gbs = B rounded up to a multiple of N, R = gbs / N rows a
+rank owns, H hidden, V vocab, V_s = V / N vocab shard, k candidates.
+"""
+from __future__ import annotations
+
+import os
+import struct
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ..candidates import check_vtp
+from ..exchange import ExchangeError
+from ..layout import owned_rows
+
+_CMD_TAIL, _CMD_STOP = 1, 0
+_HEADER = struct.Struct("<qq")  # (command, gbs)
+_GREEDY_DUMMY = (0.0, 1.0, 0.0, 0.0, 0.0)  # (top_k, top_p, temperature, u, min_p) of a padding row
+
+
+@dataclass(frozen=True)
+class RankOut:
+    """One tail step over all B rows (rank 0's view, rows in call order)."""
+
+    tokens: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] fp32
+    truncated: torch.Tensor  # [B] bool
+    topk_indices: torch.Tensor  # [B, k] int64 global ids
+    topk_values: torch.Tensor  # [B, k] fp32 (exchange "candidates") or bf16 ("mirror")
+
+
+def _value_dtype(exchange: str) -> torch.dtype:
+    return torch.float32 if exchange == "candidates" else torch.bfloat16
+
+
+def _pad(x: torch.Tensor, sp: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x [gbs, H] fp32 with zero rows after B, sp [gbs, 5] fp32 with greedy dummies)."""
+    b, hid = x.shape
+    gbs = -(-b // n) * n
+    xp = torch.zeros(gbs, hid, dtype=torch.float32)
+    xp[:b] = x
+    spp = torch.tensor([_GREEDY_DUMMY], dtype=torch.float32).repeat(gbs, 1)
+    spp[:b] = sp
+    return xp, spp
+
+
+def _rank_step(rank: int, n: int, xp, spp, gamma, w, opts: dict) -> torch.Tensor:
+    """This rank's part of one step (collective over the world): decode_tail on its shard,
+    then the all-gather. Returns [gbs, 3 + 2k] int64 rows in global row order."""
+    from ..tail import decode_tail
+
+    gbs, k, timeout = xp.shape[0], opts["k"], opts["timeout"]
+    res = decode_tail(xp, gamma, w, eps=opts["eps"], k=k, sampling_params=spp[owned_rows(rank, n, gbs)],
+                      group=dist.group.WORLD, emit_logits=False, exchange=opts["exchange"],
+                      head_input=opts["head_input"], timeout=timeout)
+    vbits = res.topk_values.view(torch.int32 if res.topk_values.dtype == torch.float32 else torch.int16)
+    mine = torch.cat([res.tokens[:, None], res.logprobs.view(torch.int32).to(torch.int64)[:, None],
+                      res.truncated.to(torch.int64)[:, None], res.topk_indices,
+                      vbits.to(torch.int64)], dim=1).contiguous()  # [R, 3 + 2k] int64, bits exact
+    got = [torch.empty_like(mine) for _ in range(n)]
+    work = dist.all_gather(got, mine, async_op=True)
+    try:
+        work.wait(timeout=timedelta(seconds=timeout))
+    except Exception as e:  # gloo raises RuntimeError on a timeout or a reset connection
+        raise ExchangeError(f"serve ranks: the result all-gather failed on rank {rank} (timeout {timeout} s): "
+                            f"a peer rank failed, died or is hanging ({type(e).__name__}: {e})") from e
+    order = torch.tensor([r for q in range(n) for r in owned_rows(q, n, gbs)])  # [gbs]
+    full = torch.empty(gbs, mine.shape[1], dtype=torch.int64)
+    full[order] = torch.cat(got)
+    return full
+
+
+def _unpack(full: torch.Tensor, b: int, k: int, exchange: str) -> RankOut:
+    full = full[:b]  # dummies dropped
+    vdt = _value_dtype(exchange)
+    ibits = torch.int32 if vdt == torch.float32 else torch.int16
+    return RankOut(tokens=full[:, 0].clone(),
+                   logprobs=full[:, 1].to(torch.int32).view(torch.float32).clone(),
+                   truncated=full[:, 2].bool(),
+                   topk_indices=full[:, 3:3 + k].clone(),
+                   topk_values=full[:, 3 + k:].to(ibits).view(vdt).clone())
+
+
+def _worker(rank, n, port, gamma, w, opts, conn, parent_pid, threads):
+    """Rank `rank` (>= 1): join the group, then serve tail commands from the pipe until a
+    stop command, EOF or a failed collective."""
+    from ..launch import _die_with_parent
+
+    _die_with_parent(parent_pid)
+    code = 0
+    try:
+        torch.set_num_threads(threads)
+        td = timedelta(seconds=opts["timeout"])
+        store = dist.TCPStore("127.0.0.1", port, n, False, timeout=td)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=n, timeout=td)
+        hid = gamma.shape[0]
+        while True:
+            try:
+                msg = conn.recv_bytes()
+            except (EOFError, OSError):
+                break
+            cmd, gbs = _HEADER.unpack_from(msg)
+            if cmd == _CMD_STOP:
+                break
+            body = np.frombuffer(msg, dtype=np.float32, offset=_HEADER.size)
+            xp = torch.from_numpy(body[:gbs * hid].copy()).view(gbs, hid)
+            spp = torch.from_numpy(body[gbs * hid:].copy()).view(gbs, 5)
+            try:
+                _rank_step(rank, n, xp, spp, gamma, w, opts)
+            except ExchangeError as e:
+                print(f"lmtail serve rank {rank}: {e}", file=sys.stderr, flush=True)
+                code = 1
+                break
+            except ValueError:
+                continue  # bad inputs: decode_tail refuses them on every rank before any byte moves
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    os._exit(code)  # skip interpreter teardown (a failed collective may linger)
+
+
+class RankTail:
+    """The decode tail over `ranks` gloo ranks, this process being rank 0 (module docstring).
+
+    bundle: the loaded model (its final_norm [H] fp32 and lm_head_weight_t [H, V] bf16);
+    ranks: N > 1 dividing V (and 256 with exchange "candidates": candidates.check_vtp);
+    k, exchange, head_input: decode_tail's; timeout_s bounds the start (spawn + group
+    init) and every collective (exchange.ExchangeError past it); threads: torch threads
+    per rank (default: this process's count)."""
+
+    def __init__(self, bundle, ranks: int, *, k: int, exchange: str, head_input: str,
+                 timeout_s: float = 120.0, threads: int | None = None):
+        v = bundle.config.vocab
+        if not isinstance(ranks, int) or ranks < 2 or v % ranks:
+            raise ValueError(f"ranks must be an int >= 2 dividing the vocab {v}; got {ranks!r}")
+        if exchange == "candidates":
+            check_vtp(ranks)
+        if dist.is_initialized():
+            raise RuntimeError("RankTail needs this process's default process group, which already exists "
+                               "(one RankTail per process; close the other first)")
+        self.n, self.k, self.exchange = ranks, k, exchange
+        self.hidden = bundle.final_norm.shape[-1]
+        self.opts = dict(k=k, eps=bundle.config.eps, exchange=exchange, head_input=head_input,
+                         timeout=float(timeout_s))
+        vs = v // ranks
+        self.gamma = bundle.final_norm.reshape(-1).to(torch.float32).contiguous()  # [H]
+        self.w = bundle.lm_head_weight_t[:, :vs].contiguous()  # [H, V_s] bf16: rank 0's shard
+        self.broken: str | None = None
+        self.procs, self.conns = [], []
+        td = timedelta(seconds=timeout_s)
+        self._store = dist.TCPStore("127.0.0.1", 0, ranks, True, wait_for_workers=False, timeout=td)
+        ctx = mp.get_context("spawn")
+        threads = torch.get_num_threads() if threads is None else threads
+        try:
+            for r in range(1, ranks):
+                shard = bundle.lm_head_weight_t[:, r * vs:(r + 1) * vs].contiguous().share_memory_()
+                recv_end, send_end = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=_worker, daemon=True, name=f"lmtail-serve-rank{r}",
+                                args=(r, ranks, self._store.port, self.gamma.clone().share_memory_(), shard,
+                                      self.opts, recv_end, os.getpid(), threads))
+                p.start()
+                recv_end.close()
+                self.procs.append(p)
+                self.conns.append(send_end)
+            dist.init_process_group("gloo", store=self._store, rank=0, world_size=ranks, timeout=td)
+        except BaseException:
+            self._reap(0.0)
+            raise
+
+    def tail(self, x: torch.Tensor, sp: torch.Tensor) -> RankOut:
+        """decode_tail's sampling outputs for x [B, H] fp32 (the rows' pre-final-norm hidden
+        states) and sp [B, 5] fp32 (sampler.sampling_tensor rows), over the ranks: the bytes
+        of the single-rank decode_tail(x, gamma, w, k=k, sampling_params=sp) (module
+        docstring). ValueError for inputs decode_tail refuses (the ranks stay up);
+        ExchangeError when a rank fails (the RankTail is then broken: RuntimeError after)."""
+        if self.broken is not None:
+            raise RuntimeError(f"the serve ranks are down: {self.broken}")
+        if x.dim() != 2 or x.shape[1] != self.hidden or x.dtype != torch.float32:
+            raise ValueError(f"x must be [B, {self.hidden}] fp32; got {tuple(x.shape)} {x.dtype}")
+        if sp.shape != (x.shape[0], 5) or sp.dtype != torch.float32:
+            raise ValueError(f"sp must be [{x.shape[0]}, 5] fp32; got {tuple(sp.shape)} {sp.dtype}")
+        xp, spp = _pad(x, sp, self.n)
+        msg = _HEADER.pack(_CMD_TAIL, xp.shape[0]) + xp.numpy().tobytes() + spp.numpy().tobytes()
+        try:
+            for c in self.conns:
+                c.send_bytes(msg)
+            full = _rank_step(0, self.n, xp, spp, self.gamma, self.w, self.opts)
+        except ValueError:
+            raise
+        except Exception as e:
+            self.broken = f"{type(e).__name__}: {e}"
+            raise
+        return _unpack(full, x.shape[0], self.k, self.exchange)
+
+    def alive(self) -> list[int]:
+        """The pids of rank processes still running."""
+        return [p.pid for p in self.procs if p.is_alive()]
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """Stop the ranks: a stop command down each pipe, join within `timeout` s, terminate
+        (then kill) what is left, destroy the process group. True when every rank had
+        exited by itself. Idempotent."""
+        for c in self.conns:
+            try:
+                c.send_bytes(_HEADER.pack(_CMD_STOP, 0))
+            except OSError:
+                pass
+        return self._reap(timeout)
+
+    def _reap(self, timeout: float) -> bool:
+        t_end = time.monotonic() + timeout
+        for p in self.procs:
+            p.join(max(0.0, t_end - time.monotonic()))
+        clean = all(not p.is_alive() for p in self.procs)
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(2)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        for c in self.conns:
+            c.close()
+        self.conns = []
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.broken = self.broken or "closed"
+        return clean
