@@ -462,9 +462,9 @@ def test_load_16_clients_every_response_equals_solo(bundle):
     assert equal == n
 
 
-@pytest.mark.slow
-def test_sigterm_stops_within_bound(tmp_path):
-    import signal
+def serve_process(*flags: str):
+    """`python -m lmtail.serve --port <free> *flags` on 127.0.0.1, waited for /health (180 s
+    at most). Returns (proc, base URL); the caller ends it."""
     import socket
     import subprocess
     import sys
@@ -472,17 +472,25 @@ def test_sigterm_stops_within_bound(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "lmtail.serve", "--port", str(port), "--shutdown-timeout", "3"],
+    proc = subprocess.Popen([sys.executable, "-m", "lmtail.serve", "--port", str(port), *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    t_end = time.monotonic() + 180
+    while time.monotonic() < t_end and proc.poll() is None:
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    return proc, base
+
+
+@pytest.mark.slow
+def test_sigterm_stops_within_bound(tmp_path):
+    import signal
+
+    proc, base = serve_process("--shutdown-timeout", "3")
     try:
-        base = f"http://127.0.0.1:{port}"
-        t_end = time.monotonic() + 180
-        while time.monotonic() < t_end:
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
         body = {"model": MODEL, "prompt": "Tell me", "max_tokens": 2000, "stream": True}
         with httpx.Client(timeout=60) as h:
             with h.stream("POST", base + "/v1/completions", json=body) as r:
@@ -654,26 +662,10 @@ def test_http_ranks2_concurrent_equals_ranks1(bundle, server):
 def test_sigterm_ranks2_leaves_no_rank(tmp_path):
     """`python -m lmtail.serve --ranks 2`: serves a request, then SIGTERM ends it and every
     process it started (its children in /proc) is gone."""
-    import os
     import signal
-    import socket
-    import subprocess
-    import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "lmtail.serve", "--port", str(port), "--ranks", "2",
-                             "--shutdown-timeout", "3"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc, base = serve_process("--ranks", "2", "--shutdown-timeout", "3")
     try:
-        base = f"http://127.0.0.1:{port}"
-        t_end = time.monotonic() + 180
-        while time.monotonic() < t_end:
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
         kids = children(proc.pid)
         ranks = {p for p in kids if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()}
         assert len(ranks) == 1, kids

@@ -67,6 +67,23 @@ class LaunchError(RuntimeError):
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
+def stop_processes(procs, *, settle_s: float) -> bool:
+    """Join processes for up to settle_s seconds in all, then terminate (2 s) and kill what is
+    left; every process is joined on return. True if all had exited within settle_s."""
+    t_end = time.monotonic() + settle_s
+    for p in procs:
+        p.join(max(0.0, t_end - time.monotonic()))
+    clean = all(not p.is_alive() for p in procs)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(2)
+            if p.is_alive():
+                p.kill()
+        p.join()
+    return clean
+
+
 def _die_with_parent(parent_pid: int) -> None:
     """Bind this rank's life to its launcher's: on Linux the kernel SIGKILLs it when the
     launching process dies, however that dies (prctl PR_SET_PDEATHSIG); and if the
@@ -200,16 +217,7 @@ def _launch(fn, nprocs, backend, args, timeout_s, grace_s, pg_timeout_s, threads
     try:
         results, failures = _collect(procs, conns, timeout_s, grace_s)
     finally:
-        settle = time.monotonic() + (0.0 if failures else 10.0)  # let healthy ranks tear down
-        for p in procs:
-            p.join(max(0.0, settle - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(2)
-                if p.is_alive():
-                    p.kill()
-            p.join()
+        stop_processes(procs, settle_s=0.0 if failures else 10.0)  # let healthy ranks tear down
         del store
     if failures:
         first = next(iter(failures.values()))

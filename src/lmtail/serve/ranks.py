@@ -34,7 +34,6 @@ from __future__ import annotations
 import os
 import struct
 import sys
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -45,6 +44,7 @@ import torch.multiprocessing as mp
 
 from ..candidates import check_vtp
 from ..exchange import ExchangeError
+from ..launch import stop_processes
 from ..layout import owned_rows
 
 _CMD_TAIL, _CMD_STOP = 1, 0
@@ -244,17 +244,7 @@ class RankTail:
         return self._reap(timeout)
 
     def _reap(self, timeout: float) -> bool:
-        t_end = time.monotonic() + timeout
-        for p in self.procs:
-            p.join(max(0.0, t_end - time.monotonic()))
-        clean = all(not p.is_alive() for p in self.procs)
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(2)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
+        clean = stop_processes(self.procs, settle_s=timeout)
         for c in self.conns:
             c.close()
         self.conns = []
