@@ -24,3 +24,18 @@ def same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
         return a is None and b is None
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
 
+
+
+def gather_rows(per_rank, maps, gbs):
+    """{rank: tensor [R, ...]} placed at rows maps[rank] -> [gbs, ...]; each row exactly once
+    (the vocab-parallel tests gather per-rank outputs into global row order with it)."""
+    first = next(iter(per_rank.values()))
+    out = torch.empty((gbs,) + tuple(first.shape[1:]), dtype=first.dtype)
+    seen = torch.zeros(gbs, dtype=torch.int64)
+    for r, t in per_rank.items():
+        idx = torch.tensor(maps[r], dtype=torch.int64)
+        assert idx.min() >= 0 and idx.max() < gbs, f"rank {r}'s map leaves the batch: {maps[r]}"
+        out[idx] = t
+        seen[idx] += 1
+    assert bool((seen == 1).all()), "some rows owned zero or several times"
+    return out

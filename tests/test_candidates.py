@@ -30,8 +30,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import bits, same_bits
+from conftest import bits, gather_rows as gather, same_bits
 from lmtail import candidates
+from lmtail.contract.exchange_kinds import special_logits_data
 from lmtail.launch import launch
 from lmtail.layout import owned_rows
 from lmtail.numerics import log64
@@ -79,33 +80,14 @@ def random_inputs(seed, gbs, v, *, k, distinct=None, sp_cols=5):
 
 def special_inputs(seed, gbs, v, *, k, sp_cols=5, all_inf=False):
     """Inputs whose logits (gemm_order "chain", IEEE subnormals) hold +-inf, NaN, +0, -0 and
-    ties. Every hidden lane is nonzero; lane 0 is +-4 by row (the sign of the inf lanes),
-    lane 1 is 2**-16 (times W = -2**-133 gives -2**-149, times rms < 1/2: -0). Columns:
-    c % 8 == 0: W[0] = +inf (+-inf); c % 8 == 1: W[0] = +inf, W[2] = -inf (NaN on rows
-    with lane 0 > 0, -inf on the others); c % 8 == 2: zeros (+0); c % 8 == 3: W[1] =
-    -2**-133 (-0); c % 8 == 4: a copy of column 5 (ties); else random. all_inf: every
-    column is W[0] = +inf (rows of all +inf or all -inf)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.rand(gbs, H, generator=g) * 4 + 4
-    x[:, 1] = 2.0**-16
-    x[:, 0] = torch.where(torch.rand(gbs, generator=g) < 0.5, -4.0, 4.0)
-    w = torch.zeros(H, v)
-    w[2:] = torch.randn(H - 2, v, generator=g) * 0.2
-    c = torch.arange(v)
-    w[:, c % 8 == 0] = 0.0
-    w[0, c % 8 == 0] = INF
-    w[:, c % 8 == 1] = 0.0
-    w[0, c % 8 == 1], w[2, c % 8 == 1] = INF, -INF
-    w[:, c % 8 == 2] = 0.0
-    w[:, c % 8 == 3] = 0.0
-    w[1, c % 8 == 3] = -(2.0**-133)
-    four = c[(c % 8 == 4) & (c + 1 < v)]
-    w[:, four] = w[:, four + 1]
-    if all_inf:
-        w = torch.zeros(H, v)
-        w[0] = INF
+    ties: the contract's construction (contract.exchange_kinds.special_logits_data: lane 0
+    +-4 by row, lane 1 2**-16; columns c % 8 == 0 +-inf, 1 NaN or -inf, 2 +0, 3 -0, 4 a tie
+    with column 5; all_inf: rows of all +inf or all -inf), with this file's sampling rows."""
+    d = special_logits_data(seed, gbs, v, k=k, nan_fold=False, sampled=False, all_inf=all_inf)
+    g = torch.Generator().manual_seed(seed + 1)
     sp = sampling(g, gbs, k, sp_cols) if sp_cols else None
-    return x, torch.ones(H), w.to(torch.bfloat16).contiguous(), sp
+    assert d["w"].shape[0] == H
+    return d["x"], d["gamma"], d["w"].contiguous(), sp
 
 
 def t_pass(sp) -> np.ndarray | None:
@@ -539,18 +521,6 @@ def _ranks_job(rank, world, cases):
     parents = _parents(rank, world)
     outs = [_run_case(case, parents[case["vtp"]]) for case in cases]
     return dict(outs=outs, errors=_errors(rank, world, parents))
-
-
-def gather(per_rank, maps, gbs):
-    first = next(iter(per_rank.values()))
-    out = torch.empty((gbs,) + tuple(first.shape[1:]), dtype=first.dtype)
-    seen = torch.zeros(gbs, dtype=torch.int64)
-    for r, t in per_rank.items():
-        idx = torch.tensor(maps[r], dtype=torch.int64)
-        out[idx] = t
-        seen[idx] += 1
-    assert bool((seen == 1).all()), "some rows owned zero or several times"
-    return out
 
 
 def check_ranks(res, cases, world, *, shift=0):

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import bits
+from conftest import bits, gather_rows as gather
 from lmtail.exchange import ExchangeError, exchange_rows, hop_groups
 from lmtail.launch import LaunchError, launch
 from lmtail.layout import owned_row_block, owned_rows
@@ -194,20 +194,6 @@ def run():
 # ---------------------------------------------------------------------------------------
 # gathering per-rank outputs into global rows, and the byte comparison
 # ---------------------------------------------------------------------------------------
-def gather(per_rank, maps, gbs):
-    """{rank: tensor [R, ...]} placed at rows maps[rank] -> [gbs, ...]; each row exactly once."""
-    first = next(iter(per_rank.values()))
-    out = torch.empty((gbs,) + tuple(first.shape[1:]), dtype=first.dtype)
-    seen = torch.zeros(gbs, dtype=torch.int64)
-    for r, t in per_rank.items():
-        idx = torch.tensor(maps[r], dtype=torch.int64)
-        assert idx.min() >= 0 and idx.max() < gbs, f"rank {r}'s map leaves the batch: {maps[r]}"
-        out[idx] = t
-        seen[idx] += 1
-    assert bool((seen == 1).all()), "some rows owned zero or several times"
-    return out
-
-
 def assert_gathered_equal(outs, maps, ref, gbs):
     """outs {rank: TailOutput}; every field gathered through maps must equal ref bitwise."""
     for f in FIELDS:
