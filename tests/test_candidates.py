@@ -442,6 +442,10 @@ def test_packed_rows_carry_what_the_owner_needs():
     assert same_bits(back.mass, part.mass)
     m1 = back.mass[0, :, 0]
     assert bool((bits(m1) == 0).all())  # +0.0, never -0.0
+    # planted: mT recomputed as m1 * (1/T) (one more rounding) is not the kernel's value
+    at_t = candidates.needs_t(sp)
+    planted = back.mass[:, :, 0] * (1.0 / sp[:, 2].double())[:, None]
+    assert not same_bits(planted[at_t], part.mass[at_t][:, :, 2])
 
 
 # ---------------------------------------------------------------------------------------

@@ -453,3 +453,23 @@ def test_amx32_range_declares_daz_and_ftz(deferred, order):
         ieee = replace(decl, sums=tuple(replace(s, flush=False) for s in decl.sums))
         lo, hi = logits_range(xx, gamma, ww, decl=ieee, **kw)
         assert not ((lo <= got) & (got <= hi)).all(), name
+
+
+def test_bf16x2_split_is_exact():
+    """head_input="bf16x2": a_lo = bf16(fp32(g - a_hi)) where the fp32 difference g - a_hi is
+    exact (the rounding error of a bf16 rounding of an fp32 value is an fp32 number), so
+    a_hi + a_lo carries g to 16 significant bits: |g - (a_hi + a_lo)| <= 2**-16 |g| + 2**-134
+    (float64; the absolute term is half a bf16 subnormal step). Values across the fp32 range,
+    subnormals included. Planted: the difference taken in bf16 arithmetic (0 here), whose
+    split is as coarse as a_hi alone."""
+    g32 = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * torch.logspace(-40, 30, 4096)
+    g32 = g32.to(torch.float32)
+    hi = g32.to(torch.bfloat16)
+    diff = g32 - hi.to(torch.float32)
+    assert torch.equal(diff.double(), g32.double() - hi.double())  # the fp32 difference is exact
+    lo = diff.to(torch.bfloat16)
+    err = (g32.double() - (hi.double() + lo.double())).abs()
+    bound = 2.0**-16 * g32.double().abs() + 2.0**-134
+    assert bool((err <= bound).all())
+    planted = (g32.to(torch.bfloat16) - hi).double()  # the difference in bf16: always 0 here
+    assert not bool(((g32.double() - (hi.double() + planted)).abs() <= bound).all())
