@@ -555,6 +555,50 @@ int lmtail_add_rms_rows(const void *x, int64_t ldx, int x_bf16, const uint16_t *
     return 0;
 }
 
+/* The fp32 stream's add + RMSNorm (the q32 body), one row of H, the order of add_rms_row
+ * without its bf16 roundings:
+ *   h_i = fl32(x_i + r_i)            (r == NULL: r_i = +0.0)
+ *   ssq = lane chains acc_t = fma(h_i, h_i, acc_t) over i = t, t + lanes, ... from +0.0,
+ *         xor butterfly (halves folded: 16, 8, 4, 2, 1) per 32 lanes, groups added in order
+ *   inv = fl32(1 / sqrt(fl32(fl32(ssq / H) + eps)))   (IEEE sqrt and division)
+ *   y_i = fl32(fl32(h_i * inv) * gamma_i)
+ * lanes % 32 == 0 and lanes <= NORM32_MAX_LANES (the caller checks): no allocation. */
+enum { NORM32_MAX_LANES = 1024 };
+CLONES static void add_rms_row32(const float *x, const float *r, const float *gamma, int64_t H,
+                                 float eps, int64_t lanes, float *h, float *y) {
+    float acc[NORM32_MAX_LANES];
+    for (int64_t i = 0; i < H; ++i) h[i] = x[i] + (r ? r[i] : 0.0f);
+    for (int64_t t = 0; t < lanes; ++t) acc[t] = 0.0f;
+    for (int64_t i0 = 0; i0 < H; i0 += lanes) {
+        const int64_t n = H - i0 < lanes ? H - i0 : lanes;
+        for (int64_t t = 0; t < n; ++t) acc[t] = fmaf(h[i0 + t], h[i0 + t], acc[t]);
+    }
+    float ssq = 0.0f;
+    for (int64_t g = 0; g < lanes / 32; ++g) {
+        float *l = acc + 32 * g;
+        for (int half = 16; half >= 1; half /= 2)
+            for (int i = 0; i < half; ++i) l[i] = l[i] + l[i + half];
+        ssq = g == 0 ? l[0] : ssq + l[0];
+    }
+    const float m = ssq / (float)H;
+    const float d = m + eps;
+    const float inv = 1.0f / __builtin_sqrtf(d);
+    for (int64_t i = 0; i < H; ++i) y[i] = (h[i] * inv) * gamma[i];
+}
+
+/* x [N, ldx] fp32, r [N, H] fp32 or NULL, gamma [H] fp32 -> h, y [N, H] fp32 (h may alias r:
+ * each h_i is written after r_i is read). Returns 0, or -3 for lanes outside
+ * (0, NORM32_MAX_LANES] or not a multiple of 32 (nothing written then). */
+int lmtail_add_rms_rows32(const float *x, int64_t ldx, const float *r, const float *gamma,
+                          int64_t N, int64_t H, float eps, int64_t lanes, float *h, float *y) {
+    if (lanes <= 0 || lanes > NORM32_MAX_LANES || lanes % 32) return -3;
+    unsigned old = pin_mxcsr();
+    for (int64_t m = 0; m < N; ++m)
+        add_rms_row32(x + m * ldx, r ? r + m * H : NULL, gamma, H, eps, lanes, h + m * H, y + m * H);
+    restore_mxcsr(old);
+    return 0;
+}
+
 /* ------------------------------------------------------------------ rope + cache write */
 /* qkv [B*T, ld] fp32 rows = [q (nh*HD) | k (nkv*HD) | v (nkv*HD)] of the fused GEMM;
  * cs, sn [P, HD/2] fp32 rope tables; pos [B*T] int64 positions (>= 0, < P).

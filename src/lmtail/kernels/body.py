@@ -25,6 +25,7 @@ _library = kernel_library("body.c", {
     "lmtail_silu_mul": ([_P, _P, _I64, _I64, _I64], None),
     "lmtail_attend": ([_P] * 5 + [_I64] * 6 + [_F32, _INT, _INT], _INT),
     "lmtail_add_rms_rows": ([_P, _I64, _INT, _P, _P, _I64, _I64, _F32, _I64, _P, _P], _INT),
+    "lmtail_add_rms_rows32": ([_P, _I64, _P, _P, _I64, _I64, _F32, _I64, _P, _P], _INT),
     "lmtail_rope_qkv": ([_P, _I64, _P, _P, _P, _P, _P, _P] + [_I64] * 6, None),
     "lmtail_silu_mul_bf16": ([_P, _P, _I64, _I64, _I64], None),
     "lmtail_body_constants": ([_P], _INT),
@@ -89,6 +90,22 @@ def add_rms_rows(x: torch.Tensor, residual: torch.Tensor, gamma32: torch.Tensor,
                                         gamma32.data_ptr(), N, H, float(eps), lanes, h.data_ptr(), y.data_ptr())
     if rc != 0:
         raise MemoryError("add_rms_rows: scratch allocation failed")
+    return h, y
+
+
+def add_rms_rows32(x: torch.Tensor, residual: torch.Tensor | None, gamma32: torch.Tensor, eps: float,
+                   lanes: int):
+    """x [N, H] fp32 (unit column stride), residual [N, H] fp32 C-contiguous or None (+0),
+    gamma32 [H] fp32 C-contiguous, lanes % 32 == 0, lanes <= 1024 -> (h, y) [N, H] fp32
+    (model.body.add_rms_rows32)."""
+    N, H = x.shape
+    h = torch.empty(N, H, dtype=torch.float32)  # [N, H]
+    y = torch.empty(N, H, dtype=torch.float32)  # [N, H]
+    ldx = x.stride(0) if N > 1 else H
+    rp = None if residual is None else residual.data_ptr()
+    rc = _library().lmtail_add_rms_rows32(x.data_ptr(), ldx, rp, gamma32.data_ptr(), N, H, float(eps), lanes,
+                                          h.data_ptr(), y.data_ptr())
+    assert rc == 0, f"add_rms_rows32: lanes {lanes} rejected"
     return h, y
 
 

@@ -28,7 +28,7 @@ import torch
 from ..checks import check_threads
 from ..kernels import _backend, cpu
 from ..kernels import body as kbody
-from ..norms import NormResult, add_rms
+from ..norms import NormResult, add_rms, inv_rms
 from ..numerics import Decl, SumDecl, exp64, fma32, log64
 from ..orders import strided
 
@@ -339,6 +339,36 @@ def add_rms_rows(x: torch.Tensor, residual: torch.Tensor, gamma32: torch.Tensor,
     assert gamma32.shape == (H,) and gamma32.dtype == torch.float32 and gamma32.is_contiguous()
     assert x.dtype in (torch.float32, torch.bfloat16) and (N <= 1 or x.stride(1) == 1) and lanes % 32 == 0
     return NormResult(*kbody.add_rms_rows(x, residual, gamma32, eps, lanes))
+
+
+NORM32_MAX_LANES = 1024  # body.c's add_rms_rows32 keeps its lane sums on the stack
+
+
+def add_rms_rows32(x: torch.Tensor, residual: torch.Tensor | None, gamma32: torch.Tensor, *, eps: float,
+                   lanes: int):
+    """The fp32 stream's residual add + RMSNorm (the q32 body), one C pass per row:
+
+        h = fl32(x + residual)                      (residual None: x + 0.0)
+        ssq = strided(lanes) fp32 fma chains over h, 32-lane butterflies, groups in order
+        inv = fl32(1 / sqrt(fl32(fl32(ssq / H) + eps)))   (IEEE sqrt and division)
+        y = fl32(fl32(h * inv) * gamma)
+
+    lmtail.norms.add_rms's order without its two bf16 roundings (norms.inv_rms computes the
+    same inv). x [N, H] fp32, unit column stride; residual [N, H] fp32 C-contiguous or None;
+    gamma32 [H] fp32 C-contiguous; lanes a multiple of 32, <= NORM32_MAX_LANES. Returns
+    NormResult(h, y), both [N, H] fp32. Row-independent. Without the C library: the torch
+    spelling (norms.inv_rms), the same bytes."""
+    assert lanes % 32 == 0 and 0 < lanes <= NORM32_MAX_LANES
+    if not kbody.available():
+        h = x + (torch.zeros((), dtype=torch.float32) if residual is None else residual)  # [N, H]
+        inv = inv_rms(h, eps=eps, order=strided(lanes))  # [N]
+        return NormResult(h, (h * inv[:, None]) * gamma32)
+    N, H = x.shape
+    assert residual is None or (residual.shape == (N, H) and residual.is_contiguous()
+                                and residual.dtype == torch.float32)
+    assert gamma32.shape == (H,) and gamma32.dtype == torch.float32 and gamma32.is_contiguous()
+    assert x.dtype == torch.float32 and (N <= 1 or x.stride(1) == 1)
+    return NormResult(*kbody.add_rms_rows32(x, residual, gamma32, eps, lanes))
 
 
 def rope_qkv(qkv: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor, pos: torch.Tensor,

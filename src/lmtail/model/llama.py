@@ -59,6 +59,7 @@ import torch.nn.functional as Fn
 from ..kernels import body as kbody
 from ..kernels import gemm as gemm_mod
 from ..kernels import quant as quant_mod
+from ..kernels import step as kstep
 from ..norms import DEFAULT_ORDER, add_rms
 from ..numerics import exp64
 from ..orders import Order
@@ -80,8 +81,9 @@ def add_rms_fp32(x, residual, gamma, *, eps):
     return h, h * inv * gamma
 
 
-BODIES = ("fp32", "declared", "quant")
+BODIES = ("fp32", "declared", "quant", "q32")
 QUANT_BODY = "quant"  # the declared body with gemm_q linears on the GGUF's own Q4_1 / Q8_0 blocks
+Q32_BODY = "q32"  # the file's own blocks (gemm_q) on an fp32 stream: no activation rounding
 
 
 @dataclass(frozen=True)
@@ -99,13 +101,19 @@ class Ops:
     gemm_order: the order of gemm_bf16 for the declared body ("amx32" or "chain");
     fused_norm_lanes: None, or T when add_rms_bf16 IS lmtail.norms.add_rms in the plain
     order strided(T) (the caller's statement; lmtail_ops sets it): the declared body then
-    runs kernels.body.add_rms_rows, the same bytes in one C pass per row."""
+    runs kernels.body.add_rms_rows, the same bytes in one C pass per row;
+    "q32": the GGUF's own blocks through gemm_q on an fp32 stream (fp32 residual, norms by
+    model.body.add_rms_rows32 in the order strided(fused_norm_lanes), fp32 attention and silu
+    outputs straight into the next linear: no activation is rounded below fp32);
+    native_step (q32 only): run the layer loop as ONE kernels.step call when its C libraries
+    are built (the same bytes as the python loop, tested), else the python loop."""
 
     add_rms: Callable
     body: str = "fp32"
     gemm_order: str = gemm_mod.DEFAULT_ORDER
     add_rms_bf16: Callable | None = None
     fused_norm_lanes: int | None = None
+    native_step: bool = True
 
     def __post_init__(self):
         if self.body not in BODIES:
@@ -117,6 +125,9 @@ class Ops:
         lanes = self.fused_norm_lanes
         if lanes is not None and not (isinstance(lanes, int) and lanes >= 32 and lanes % 32 == 0):
             raise ValueError(f"fused_norm_lanes must be None or a positive multiple of 32; got {lanes!r}")
+        if self.body == Q32_BODY and (lanes is None or lanes > decl.NORM32_MAX_LANES):
+            raise ValueError(f"the q32 body needs fused_norm_lanes (its norm's strided order) in "
+                             f"[32, {decl.NORM32_MAX_LANES}]; got {lanes!r}")
 
 
 FP32_OPS = Ops(add_rms=add_rms_fp32)
@@ -165,6 +176,7 @@ class KVCache:
     v: list[torch.Tensor]  # L x [B, nkv, S_cap + SLACK, hd] fp32
     pad: torch.Tensor  # [B] int64, left pad slots of each row
     length: int = 0  # slots filled so far (S)
+    scratch: object = None  # the q32 body's native-step buffers (kernels.step.StepBuffers), made on first use
 
     @property
     def capacity(self) -> int:
@@ -330,12 +342,17 @@ def linear16(y: torch.Tensor, w: torch.Tensor, *, order: str, row=None, threads:
 
 def linear_q(y: torch.Tensor, ws: tuple, *, row, threads: int) -> torch.Tensor:
     """The quant body's linear: y [N, in] bf16 (fp32 is rounded once to bf16: the same
-    input as linear16's) widened exactly to fp32, times each QuantWeight of `ws` ([out_i, in])
-    by gemm_q's declared lanes32 order, outputs side by side by columns -> [N, sum out_i]
-    fp32. row, threads: quant.GEMM_Q's backend row and worker count the forward resolved
-    once (its unchecked entry; the weights were checked at load, y's shape per forward).
+    input as linear16's) widened exactly to fp32, then linear_q32."""
+    return linear_q32((y if y.dtype == torch.bfloat16 else y.to(torch.bfloat16)).float(), ws, row=row,
+                      threads=threads)
+
+
+def linear_q32(a: torch.Tensor, ws: tuple, *, row, threads: int) -> torch.Tensor:
+    """a [N, in] fp32 (as it is: no rounding) times each QuantWeight of `ws` ([out_i, in]) by
+    gemm_q's declared lanes32 order, outputs side by side by columns -> [N, sum out_i] fp32.
+    row, threads: quant.GEMM_Q's backend row and worker count the forward resolved once (its
+    unchecked entry; the weights were checked at load, a's shape per forward).
     Row-invariant by gemm_q's declaration."""
-    a = (y if y.dtype == torch.bfloat16 else y.to(torch.bfloat16)).float()  # [N, in] exact widening
     out = torch.empty(a.shape[0], sum(w.shape[0] for w in ws), dtype=torch.float32)  # [N, sum out_i]
     c0 = 0
     for w in ws:
@@ -448,6 +465,78 @@ def _body_declared(bundle: ModelBundle, ids, cache: KVCache, ops: Ops, qpos, s0)
     return h.float().view(B, T, -1), y.float().view(B, T, -1)
 
 
+# ---------------------------------------------------------------------------------------
+# the q32 body: the file's own blocks on an fp32 stream, one native call per forward
+# ---------------------------------------------------------------------------------------
+_Q32_MODELS: dict = {}  # (path, gamma pointers, lanes, eps, backends) -> kernels.step.Q32Model
+
+
+def _q32_model(bundle: ModelBundle, lanes: int, gemm_backend: str, attend_avx512: bool):
+    """kernels.step.Q32Model of this bundle, built once per (file, norm weights, lanes,
+    backends): the weights are quant_linears(bundle) (the file's memory map)."""
+    cfg = bundle.config
+    an = [lw.attn_norm.float().contiguous() for lw in bundle.layers]
+    fn_ = [lw.ffn_norm.float().contiguous() for lw in bundle.layers]
+    fin = bundle.final_norm.float().contiguous()
+    key = (bundle.path, tuple(t.data_ptr() for t in (*an, *fn_, fin)), lanes, cfg.eps, gemm_backend, attend_avx512)
+    if key not in _Q32_MODELS:
+        cos_t, sin_t = decl.rope_table(cfg.context_length, cfg.head_dim, cfg.rope_base)  # [ctx, hd/2]
+        lins = [(*q.w_qkv, *q.w_o, *q.w_gu, *q.w_down) for q in quant_linears(bundle)]
+        shape = kstep.StepShape(L=cfg.n_layers, H=cfg.hidden, nh=cfg.n_heads, nkv=cfg.n_kv_heads, F=cfg.ffn)
+        _Q32_MODELS[key] = kstep.Q32Model(shape, lins, an, fn_, fin, cos_t, sin_t, lanes=lanes, eps=cfg.eps,
+                                          scale=1.0 / math.sqrt(cfg.head_dim), gemm_backend=gemm_backend,
+                                          attend_avx512=attend_avx512)
+    return _Q32_MODELS[key]
+
+
+def _q32_layers(bundle: ModelBundle, x, cache: KVCache, ops: Ops, pos, s0, kern: DeclaredKernels):
+    """The q32 body's layer loop in python (kernels.step.run_q32 is the same calls in C):
+    x [N, H] fp32 embedding rows -> (h, y) [N, H] fp32."""
+    cfg, lanes = bundle.config, ops.fused_norm_lanes
+    B, T = pos.shape
+    nh, hd = cfg.n_heads, cfg.head_dim
+
+    def norm(a, r, lw_gamma):
+        return decl.add_rms_rows32(a, r, lw_gamma.float().contiguous(), eps=cfg.eps, lanes=lanes)
+
+    cos_t, sin_t = decl.rope_table(cfg.context_length, cfg.head_dim, cfg.rope_base)  # [ctx, hd/2]
+    silu = kbody.silu_mul if kbody.available() else decl.silu_mul
+    layers = bundle.layers
+    h, y = norm(x, None, layers[0].attn_norm)
+    for i, q in enumerate(quant_linears(bundle)):
+        qkv = kern.linear(y, q.w_qkv)  # [N, qd + 2 kvd]
+        qr = kern.rope_qkv(qkv, cos_t, sin_t, pos, cache.k[i], cache.v[i], s0, nh)  # [B, T, nh, hd]
+        att = attend_unchecked(qr, cache.k[i], cache.v[i], cache.pad, s0=s0, scale=1.0 / math.sqrt(hd),
+                               row=kern.attend_row, threads=kern.attend_threads)  # [B, T, nh, hd]
+        h, y = norm(kern.linear(att.view(B * T, nh * hd), q.w_o), h, layers[i].ffn_norm)
+        s = silu(kern.linear(y, q.w_gu))  # [N, F] fp32
+        nxt = layers[i + 1].attn_norm if i + 1 < len(layers) else bundle.final_norm
+        h, y = norm(kern.linear(s, q.w_down), h, nxt)
+    return h, y
+
+
+def _body_q32(bundle: ModelBundle, ids, cache: KVCache, ops: Ops, qpos, s0):
+    cfg = bundle.config
+    pos = qpos.clamp(min=0).contiguous()  # [B, T]
+    assert pos.numel() == 0 or int(pos.max()) < cfg.context_length  # rope_qkv indexes the tables by it
+    B, T = ids.shape
+    x = bundle.embed[ids.reshape(-1)]  # [N, H] fp32: the Q8_0 embedding's exact values
+    threads = torch.get_num_threads()
+    gemm_row, attend_row = quant_mod.GEMM_Q.pick(None), decl.ATTEND.pick(None)
+    attend_threads = decl.attend_threads(None, B, T, cfg.n_heads, s0)
+    if ops.native_step and kstep.available(gemm_row.name, attend_row.name):
+        model = _q32_model(bundle, ops.fused_norm_lanes, gemm_row.name, attend_row.name == "avx512")
+        if cache.scratch is None:
+            cache.scratch = kstep.StepBuffers(model.shape)
+        h, y = kstep.run_q32(model, cache.scratch, x, cache.k, cache.v, pos, cache.pad, s0=s0,
+                             gemm_threads=threads, attend_threads=attend_threads)
+    else:
+        kern = dataclasses.replace(declared_kernels(ops, cfg.eps, B, T, cfg.n_heads, s0),
+                                   linear=functools.partial(linear_q32, row=gemm_row, threads=threads))
+        h, y = _q32_layers(bundle, x, cache, ops, pos, s0, kern)
+    return h.view(B, T, -1), y.view(B, T, -1)
+
+
 def _body_fp32(bundle: ModelBundle, ids, cache: KVCache, ops: Ops, qpos, s0):
     cfg, layers, eps = bundle.config, bundle.layers, bundle.config.eps
     cos, sin = rope_cos_sin(qpos.clamp(min=0), head_dim=cfg.head_dim, base=cfg.rope_base)
@@ -483,7 +572,7 @@ def forward(bundle: ModelBundle, ids: torch.Tensor, cache: KVCache, *, ops: Ops 
     if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab:
         raise ValueError(f"ids must be in [0, {cfg.vocab}); got [{int(ids.min())}, {int(ids.max())}]")
     qpos = torch.arange(s0, s0 + T)[None, :] - cache.pad[:, None]  # [B, T] (< 0: pad queries)
-    run = _body_fp32 if ops.body == "fp32" else _body_declared  # "quant" is the declared body on gemm_q
+    run = {"fp32": _body_fp32, Q32_BODY: _body_q32}.get(ops.body, _body_declared)  # "quant": declared on gemm_q
     h, y = run(bundle, ids, cache, ops, qpos, s0)
     cache.length = s0 + T
     return h, y

@@ -1,0 +1,110 @@
+/* lmtail's native body step: the q32 body's whole layer loop in ONE call (decode step,
+ * batch decode or a prefill chunk). It computes nothing itself: it calls the declared
+ * kernels it is handed (gemm_q.c's lmtail_gemm_q, body.c's lmtail_add_rms_rows32,
+ * lmtail_rope_qkv, lmtail_attend, lmtail_silu_mul) in the order model/llama.py's python loop
+ * calls them, on buffers the caller allocated once, so its bytes are the python loop's by
+ * construction (tests/test_step.py checks them equal). What it removes is per-op python:
+ * argument checks, tensor allocation, ctypes marshalling (~10 calls x 30 layers a token).
+ *
+ * Shape legend: N = B*T rows this call, H hidden, nh / nkv query / KV heads, HD = 64,
+ * qd = nh*HD, kvd = nkv*HD, F FFN width, S_cap cache slots (+ slack), L layers.
+ *   h, y     [N, H]            fp32  in: h = embedding rows; out: pre-final-norm h, final-normed y
+ *   qkv      [N, qd + 2 kvd]   fp32  scratch (q | k | v side by side by columns)
+ *   q, att   [N, qd]           fp32  scratch (roped queries, attention output)
+ *   a        [N, H]            fp32  scratch (o / down projection output)
+ *   gu       [N, 2F]           fp32  scratch (gate | up)
+ *   s        [N, F]            fp32  scratch (silu(gate) * up)
+ *   kc[l]    [B, nkv, HD, S_cap] fp32, vc[l] [B, nkv, S_cap, HD] fp32: layer l's cache
+ *
+ * Per layer l (Q4_1 / Q8_0 / ... blocks through gemm_q, everything else fp32):
+ *   qkv = y @ [Wq; Wk; Wv]^T;  q, kc, vc = rope_qkv(qkv, pos);  att = attend(q, kc, vc)
+ *   a = att @ Wo^T;            h, y = add_rms32(a, h, ffn_norm[l])
+ *   gu = y @ [Wg; Wu]^T;       s = silu_mul(gu);  a = s @ Wd^T
+ *   h, y = add_rms32(a, h, attn_norm[l + 1] or final_norm)
+ * The first norm (h, y = add_rms32(embed, 0, attn_norm[0])) runs here too.
+ */
+#include <stddef.h>
+#include <stdint.h>
+
+typedef int (*gemm_q_fn)(const float *a, int64_t lda, const uint8_t *w, int fmt, int64_t N, int64_t K,
+                         float *out, int64_t ldc, int64_t M, int nthreads, int isa);
+typedef int (*norm32_fn)(const float *x, int64_t ldx, const float *r, const float *gamma, int64_t N,
+                         int64_t H, float eps, int64_t lanes, float *h, float *y);
+typedef void (*rope_fn)(const float *qkv, int64_t ld, const float *cs, const float *sn, const int64_t *pos,
+                        float *q_out, float *kt, float *v, int64_t B, int64_t T, int64_t nh, int64_t nkv,
+                        int64_t S_cap, int64_t s0);
+typedef int (*attend_fn)(const float *q, const float *kt, const float *v, float *out, const int64_t *pad,
+                         int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t S_cap, int64_t s0, float scale,
+                         int threads, int no_avx512);
+typedef void (*silu_fn)(const float *gu, float *out, int64_t M, int64_t F, int64_t ld);
+
+/* One linear: a QuantWeight's blocks (fmt: gemm_q's code), N outputs of K inputs. */
+typedef struct {
+    const uint8_t *w;
+    int64_t fmt, n, k;
+} qlinear_t;
+
+enum { LIN_Q, LIN_K, LIN_V, LIN_O, LIN_GATE, LIN_UP, LIN_DOWN, NLIN };
+
+typedef struct {
+    qlinear_t lin[NLIN];
+    const float *attn_norm, *ffn_norm; /* [H] fp32 each */
+} layer_t;
+
+/* The model, built once per loaded model (kernels/step.py Q32Model). */
+typedef struct {
+    gemm_q_fn gemm_q;
+    norm32_fn norm;
+    rope_fn rope;
+    attend_fn attend;
+    silu_fn silu;
+    const layer_t *layers;
+    const float *final_norm, *cos_t, *sin_t; /* [H]; rope tables [P, HD/2] */
+    int64_t L, H, nh, nkv, F, lanes;
+    float eps, scale;
+    int64_t gemm_isa, no_avx512;
+} model_t;
+
+/* The caller's buffers for up to n_max rows (kernels/step.py StepBuffers). */
+typedef struct {
+    float *qkv, *q, *att, *a, *gu, *s;
+    int64_t n_max;
+} buffers_t;
+
+static int linear(const model_t *m, const qlinear_t *w, const float *x, int64_t ldx, float *out, int64_t ldc,
+                  int64_t N, int threads) {
+    return m->gemm_q(x, ldx, w->w, (int)w->fmt, w->n, w->k, out, ldc, N, threads, (int)m->gemm_isa);
+}
+
+/* Returns 0, or the first kernel's nonzero code (-1000 - layer * 10 - step, see step.py). */
+int lmtail_step_q32(const model_t *m, const buffers_t *bf, float *h, float *y, float *const *kc,
+                    float *const *vc, const int64_t *pos, const int64_t *pad, int64_t B, int64_t T,
+                    int64_t S_cap, int64_t s0, int gemm_threads, int attend_threads) {
+    const int64_t N = B * T, H = m->H, qd = m->nh * 64, kvd = m->nkv * 64, F = m->F;
+    const int64_t ldqkv = qd + 2 * kvd;
+    if (N > bf->n_max) return -1;
+    int rc = m->norm(h, H, NULL, m->layers[0].attn_norm, N, H, m->eps, m->lanes, h, y);
+    if (rc) return -1000 + rc;
+    for (int64_t l = 0; l < m->L; ++l) {
+        const layer_t *ly = &m->layers[l];
+        const int64_t code = -1000 - l * 10;
+        if (linear(m, &ly->lin[LIN_Q], y, H, bf->qkv, ldqkv, N, gemm_threads)
+            || linear(m, &ly->lin[LIN_K], y, H, bf->qkv + qd, ldqkv, N, gemm_threads)
+            || linear(m, &ly->lin[LIN_V], y, H, bf->qkv + qd + kvd, ldqkv, N, gemm_threads))
+            return (int)(code - 1);
+        m->rope(bf->qkv, ldqkv, m->cos_t, m->sin_t, pos, bf->q, kc[l], vc[l], B, T, m->nh, m->nkv, S_cap, s0);
+        if (m->attend(bf->q, kc[l], vc[l], bf->att, pad, B, T, m->nh, m->nkv, S_cap, s0, m->scale,
+                      attend_threads, (int)m->no_avx512))
+            return (int)(code - 2);
+        if (linear(m, &ly->lin[LIN_O], bf->att, qd, bf->a, H, N, gemm_threads)) return (int)(code - 3);
+        if (m->norm(bf->a, H, h, ly->ffn_norm, N, H, m->eps, m->lanes, h, y)) return (int)(code - 4);
+        if (linear(m, &ly->lin[LIN_GATE], y, H, bf->gu, 2 * F, N, gemm_threads)
+            || linear(m, &ly->lin[LIN_UP], y, H, bf->gu + F, 2 * F, N, gemm_threads))
+            return (int)(code - 5);
+        m->silu(bf->gu, bf->s, N, F, 2 * F);
+        if (linear(m, &ly->lin[LIN_DOWN], bf->s, F, bf->a, H, N, gemm_threads)) return (int)(code - 6);
+        const float *next = l + 1 < m->L ? m->layers[l + 1].attn_norm : m->final_norm;
+        if (m->norm(bf->a, H, h, next, N, H, m->eps, m->lanes, h, y)) return (int)(code - 7);
+    }
+    return 0;
+}
