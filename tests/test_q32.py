@@ -163,3 +163,21 @@ def test_q32_needs_a_plain_strided_norm():
     with pytest.raises(ValueError, match=r"the q32 body needs fused_norm_lanes .* got None"):
         llama.Ops(add_rms=llama.add_rms_fp32, body="q32")
     assert decl.NORM32_MAX_LANES == 1024
+
+
+def test_file_weights_bundle(bundle, ids):
+    """load_model(weights="file") keeps the file's blocks and the norms only: the q32 body on it
+    is the same bytes as on the full bundle; another body on it is a ValueError naming the
+    load; an unknown `weights` is a ValueError."""
+    light = load_model(weights="file")
+    assert light.embed is None and light.lm_head_weight_t is None and light.layers[0].wq is None
+    assert light.embed_q.fmt == "Q8_0" and light.head_q is light.embed_q
+    x, zero = torch.tensor([ids[:6]]), torch.zeros(1, dtype=torch.int64)
+    got, _ = llama.forward(light, x, llama.new_cache(light.config, pad=zero, capacity=6), ops=Q32)
+    want, _ = llama.forward(bundle, x, llama.new_cache(bundle.config, pad=zero, capacity=6), ops=Q32)
+    assert torch.equal(bits(got), bits(want))
+    assert torch.equal(bits(llama.embed_rows(light, x[0])), bits(bundle.embed[x[0]]))
+    with pytest.raises(ValueError, match=r"the declared body needs load_model\(weights='all'\); .* weights='file'"):
+        llama.forward(light, x, llama.new_cache(light.config, pad=zero, capacity=6), ops=llama.lmtail_ops())
+    with pytest.raises(ValueError, match=r"weights must be one of \('all', 'file'\); got 'bf16'"):
+        load_model(weights="bf16")

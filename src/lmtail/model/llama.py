@@ -489,6 +489,15 @@ def _q32_model(bundle: ModelBundle, lanes: int, gemm_backend: str, attend_avx512
     return _Q32_MODELS[key]
 
 
+def embed_rows(bundle: ModelBundle, ids: torch.Tensor) -> torch.Tensor:
+    """The embedding rows of ids [N] int64 from the file's own token_embd blocks
+    (bundle.embed_q), dequantized exactly (Q8_0: fp32(d) * q): [N, H] fp32, the same values
+    as bundle.embed's rows, read without the fp32 copy."""
+    w = bundle.embed_q
+    return quant_mod.dequantize(quant_mod.QuantWeight(w.fmt, (ids.shape[0], w.shape[1]), w.data[ids])).reshape(
+        ids.shape[0], w.shape[1])
+
+
 def _q32_layers(bundle: ModelBundle, x, cache: KVCache, ops: Ops, pos, s0, kern: DeclaredKernels):
     """The q32 body's layer loop in python (kernels.step.run_q32 is the same calls in C):
     x [N, H] fp32 embedding rows -> (h, y) [N, H] fp32."""
@@ -520,7 +529,7 @@ def _body_q32(bundle: ModelBundle, ids, cache: KVCache, ops: Ops, qpos, s0):
     pos = qpos.clamp(min=0).contiguous()  # [B, T]
     assert pos.numel() == 0 or int(pos.max()) < cfg.context_length  # rope_qkv indexes the tables by it
     B, T = ids.shape
-    x = bundle.embed[ids.reshape(-1)]  # [N, H] fp32: the Q8_0 embedding's exact values
+    x = embed_rows(bundle, ids.reshape(-1))  # [N, H] fp32
     threads = torch.get_num_threads()
     gemm_row, attend_row = quant_mod.GEMM_Q.pick(None), decl.ATTEND.pick(None)
     attend_threads = decl.attend_threads(None, B, T, cfg.n_heads, s0)
@@ -571,6 +580,9 @@ def forward(bundle: ModelBundle, ids: torch.Tensor, cache: KVCache, *, ops: Ops 
         raise ValueError(f"cache holds {cache.capacity} slots; {s0} used + {T} new overflow it")
     if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab:
         raise ValueError(f"ids must be in [0, {cfg.vocab}); got [{int(ids.min())}, {int(ids.max())}]")
+    if ops.body != Q32_BODY and bundle.weights != "all":
+        raise ValueError(f"the {ops.body} body needs load_model(weights='all'); this bundle was loaded "
+                         f"with weights={bundle.weights!r} (only the q32 body runs on it)")
     qpos = torch.arange(s0, s0 + T)[None, :] - cache.pad[:, None]  # [B, T] (< 0: pad queries)
     run = {"fp32": _body_fp32, Q32_BODY: _body_q32}.get(ops.body, _body_declared)  # "quant": declared on gemm_q
     h, y = run(bundle, ids, cache, ops, qpos, s0)
