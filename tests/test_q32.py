@@ -181,3 +181,41 @@ def test_file_weights_bundle(bundle, ids):
         llama.forward(light, x, llama.new_cache(light.config, pad=zero, capacity=6), ops=llama.lmtail_ops())
     with pytest.raises(ValueError, match=r"weights must be one of \('all', 'file'\); got 'bf16'"):
         load_model(weights="bf16")
+
+
+@pytest.mark.parametrize("ops", [Q32, Q32_PY], ids=["native", "python"])
+def test_rows_step_joins_and_leaves(bundle, ids, ops):
+    """serve.batch.step_rows on the q32 body: rows in their own one-row caches at different
+    positions, joining and leaving between steps; each row's h == llama.forward on that row
+    alone, bitwise (the continuous batch's gate). Planted: a shared slot (every row at the
+    first row's position) is told apart."""
+    from lmtail.serve import batch
+
+    cfg = bundle.config
+    prompts = [ids[:3], ids[20:31], ids[50:57]]
+
+    def caches():
+        out = []
+        for p in prompts:
+            c = batch.row_cache(cfg, 16)
+            llama.forward(bundle, torch.tensor([p]), c, ops=ops)
+            out.append(c)
+        return out
+
+    stepped, alone = caches(), caches()
+    scratch = kstep.StepBuffers(kstep.StepShape(L=cfg.n_layers, H=cfg.hidden, nh=cfg.n_heads,
+                                                nkv=cfg.n_kv_heads, F=cfg.ffn))
+    for t, rows in enumerate(([0, 1], [0, 1, 2], [1, 2])):
+        tok = torch.tensor([300 + t + r for r in rows])
+        h = batch.step_rows(bundle, tok, [stepped[r] for r in rows], ops, scratch=scratch)
+        for i, r in enumerate(rows):
+            want = llama.forward(bundle, tok[i, None, None], alone[r], ops=ops)[0][0, 0]
+            assert torch.equal(bits(h[i]), bits(want)), (t, r)
+    lens = [c.length for c in stepped]
+    assert lens == [len(p) + n for p, n in zip(prompts, (2, 3, 2))]
+    shared = caches()
+    for c in shared[1:]:
+        c.length = shared[0].length
+    wrong = batch.step_rows(bundle, torch.tensor([5, 5]), shared[:2], ops, scratch=scratch)
+    right = batch.step_rows(bundle, torch.tensor([5, 5]), caches()[:2], ops, scratch=scratch)
+    assert not torch.equal(bits(wrong[1]), bits(right[1]))

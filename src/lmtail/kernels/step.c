@@ -22,6 +22,9 @@
  *   gu = y @ [Wg; Wu]^T;       s = silu_mul(gu);  a = s @ Wd^T
  *   h, y = add_rms32(a, h, attn_norm[l + 1] or final_norm)
  * The first norm (h, y = add_rms32(embed, 0, attn_norm[0])) runs here too.
+ * Two entries: lmtail_step_q32 (B rows x T tokens sharing one cache per layer: a decode step,
+ * batch decode, a prefill chunk) and lmtail_step_q32_rows (R rows of one token, each in its
+ * own one-row cache at its own position: the server's continuous batch).
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -76,15 +79,48 @@ static int linear(const model_t *m, const qlinear_t *w, const float *x, int64_t 
     return m->gemm_q(x, ldx, w->w, (int)w->fmt, w->n, w->k, out, ldc, N, threads, (int)m->gemm_isa);
 }
 
-/* Returns 0, or the first kernel's nonzero code (-1000 - layer * 10 - step, see step.py). */
-int lmtail_step_q32(const model_t *m, const buffers_t *bf, float *h, float *y, float *const *kc,
-                    float *const *vc, const int64_t *pos, const int64_t *pad, int64_t B, int64_t T,
-                    int64_t S_cap, int64_t s0, int gemm_threads, int attend_threads) {
-    const int64_t N = B * T, H = m->H, qd = m->nh * 64, kvd = m->nkv * 64, F = m->F;
+/* Where a call's keys and values live. Batch mode (rows == 0): one cache per layer for B rows
+ * of T new tokens at slots s0.., kc[l] / vc[l], pos [B*T], pad [B] (llama.forward's layout).
+ * Rows mode (rows == 1, T == 1): R one-row caches per layer, kc[l*R + r] / vc[l*R + r], row r
+ * at its own slot s0s[r] (= its position: pad 0) in a cache of S_caps[r] slots; row r's rope
+ * and attention are the calls a one-row batch-mode step makes, so its bytes are that step's. */
+typedef struct {
+    int64_t rows;
+    float *const *kc, *const *vc;
+    const int64_t *pos, *pad; /* batch: [B*T], [B]; rows: pos [R] (= s0s), pad [1] = {0} */
+    int64_t B, T, S_cap, s0;  /* batch mode */
+    const int64_t *s0s, *S_caps; /* rows mode: [R] each */
+    int64_t attend_threads;
+} attn_t;
+
+static int attention(const model_t *m, const buffers_t *bf, const attn_t *at, int64_t l, int64_t ldqkv) {
+    const int64_t qd = m->nh * 64;
+    if (!at->rows) {
+        m->rope(bf->qkv, ldqkv, m->cos_t, m->sin_t, at->pos, bf->q, at->kc[l], at->vc[l], at->B, at->T, m->nh,
+                m->nkv, at->S_cap, at->s0);
+        return m->attend(bf->q, at->kc[l], at->vc[l], bf->att, at->pad, at->B, at->T, m->nh, m->nkv, at->S_cap,
+                         at->s0, m->scale, (int)at->attend_threads, (int)m->no_avx512);
+    }
+    for (int64_t r = 0; r < at->B; ++r) {
+        float *kc = at->kc[l * at->B + r], *vc = at->vc[l * at->B + r];
+        m->rope(bf->qkv + r * ldqkv, ldqkv, m->cos_t, m->sin_t, at->pos + r, bf->q + r * qd, kc, vc, 1, 1, m->nh,
+                m->nkv, at->S_caps[r], at->s0s[r]);
+        if (m->attend(bf->q + r * qd, kc, vc, bf->att + r * qd, at->pad, 1, 1, m->nh, m->nkv, at->S_caps[r],
+                      at->s0s[r], m->scale, (int)at->attend_threads, (int)m->no_avx512))
+            return -1;
+    }
+    return 0;
+}
+
+/* The layer loop over N rows (h in: embedding rows; out: h, y). Returns 0, or the first
+ * kernel's nonzero code as -1000 - layer * 10 - step (step 1..7: qkv, attend, o, ffn_norm,
+ * gate_up, down, norm; the first norm: -1000 - 7). */
+static int layers(const model_t *m, const buffers_t *bf, const attn_t *at, float *h, float *y, int64_t N,
+                  int gemm_threads) {
+    const int64_t H = m->H, qd = m->nh * 64, kvd = m->nkv * 64, F = m->F;
     const int64_t ldqkv = qd + 2 * kvd;
     if (N > bf->n_max) return -1;
-    int rc = m->norm(h, H, NULL, m->layers[0].attn_norm, N, H, m->eps, m->lanes, h, y);
-    if (rc) return -1000 + rc;
+    if (m->norm(h, H, NULL, m->layers[0].attn_norm, N, H, m->eps, m->lanes, h, y)) return -1007;
     for (int64_t l = 0; l < m->L; ++l) {
         const layer_t *ly = &m->layers[l];
         const int64_t code = -1000 - l * 10;
@@ -92,10 +128,7 @@ int lmtail_step_q32(const model_t *m, const buffers_t *bf, float *h, float *y, f
             || linear(m, &ly->lin[LIN_K], y, H, bf->qkv + qd, ldqkv, N, gemm_threads)
             || linear(m, &ly->lin[LIN_V], y, H, bf->qkv + qd + kvd, ldqkv, N, gemm_threads))
             return (int)(code - 1);
-        m->rope(bf->qkv, ldqkv, m->cos_t, m->sin_t, pos, bf->q, kc[l], vc[l], B, T, m->nh, m->nkv, S_cap, s0);
-        if (m->attend(bf->q, kc[l], vc[l], bf->att, pad, B, T, m->nh, m->nkv, S_cap, s0, m->scale,
-                      attend_threads, (int)m->no_avx512))
-            return (int)(code - 2);
+        if (attention(m, bf, at, l, ldqkv)) return (int)(code - 2);
         if (linear(m, &ly->lin[LIN_O], bf->att, qd, bf->a, H, N, gemm_threads)) return (int)(code - 3);
         if (m->norm(bf->a, H, h, ly->ffn_norm, N, H, m->eps, m->lanes, h, y)) return (int)(code - 4);
         if (linear(m, &ly->lin[LIN_GATE], y, H, bf->gu, 2 * F, N, gemm_threads)
@@ -107,4 +140,24 @@ int lmtail_step_q32(const model_t *m, const buffers_t *bf, float *h, float *y, f
         if (m->norm(bf->a, H, h, next, N, H, m->eps, m->lanes, h, y)) return (int)(code - 7);
     }
     return 0;
+}
+
+/* Batch mode: B rows x T tokens in one cache per layer (llama.forward). */
+int lmtail_step_q32(const model_t *m, const buffers_t *bf, float *h, float *y, float *const *kc,
+                    float *const *vc, const int64_t *pos, const int64_t *pad, int64_t B, int64_t T,
+                    int64_t S_cap, int64_t s0, int gemm_threads, int attend_threads) {
+    const attn_t at = {.rows = 0, .kc = kc, .vc = vc, .pos = pos, .pad = pad, .B = B, .T = T, .S_cap = S_cap,
+                       .s0 = s0, .attend_threads = attend_threads};
+    return layers(m, bf, &at, h, y, B * T, gemm_threads);
+}
+
+/* Rows mode: R rows, one token each, row r in its own one-row caches kc/vc[l*R + r] at slot
+ * s0s[r] of S_caps[r] (the continuous batch). */
+int lmtail_step_q32_rows(const model_t *m, const buffers_t *bf, float *h, float *y, float *const *kc,
+                         float *const *vc, const int64_t *s0s, const int64_t *S_caps, int64_t R,
+                         int gemm_threads, int attend_threads) {
+    static const int64_t pad0[1] = {0};
+    const attn_t at = {.rows = 1, .kc = kc, .vc = vc, .pos = s0s, .pad = pad0, .B = R, .T = 1, .s0s = s0s,
+                       .S_caps = S_caps, .attend_threads = attend_threads};
+    return layers(m, bf, &at, h, y, R, gemm_threads);
 }

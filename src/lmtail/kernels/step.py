@@ -26,6 +26,7 @@ from lmtail.kernels._cc import kernel_library
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _library = kernel_library("step.c", {
     "lmtail_step_q32": ([_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT, _INT], _INT),
+    "lmtail_step_q32_rows": ([_P, _P, _P, _P, _P, _P, _P, _P, _I64, _INT, _INT], _INT),
 }, what="native body step", fallback="the python layer loop (same bytes)")
 
 _STEPS = ("qkv", "attend", "o", "ffn_norm", "gate_up", "down", "norm")
@@ -134,8 +135,34 @@ def run_q32(model: Q32Model, bufs: StepBuffers, x: torch.Tensor, kc, vc, pos: to
     rc = _library().lmtail_step_q32(ctypes.byref(model.struct), ctypes.byref(bufs.struct), h.data_ptr(),
                                     y.data_ptr(), kp, vp, pos_c.data_ptr(), pad_c.data_ptr(), B, T,
                                     kc[0].shape[3], s0, gemm_threads, attend_threads)
+    _check(rc)
+    return h, y
+
+
+def run_q32_rows(model: Q32Model, bufs: StepBuffers, x: torch.Tensor, caches) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step of R rows, each in its OWN one-row cache at its own position (the
+    continuous batch): x [R, H] fp32 embedding rows of the rows' new tokens, caches R
+    one-row model.llama.KVCache values (pad 0) with room for one more slot. Row r's bytes are
+    those of a one-row batch-mode step on its cache (the same rope / attend calls; the
+    stacked linears and norms are row-invariant). Does not advance cache.length (the caller
+    does). Returns (h, y) [R, H] fp32. Validated by the caller (serve.batch)."""
+    R, H = x.shape
+    L = model.shape.L
+    bufs.ensure(R)
+    h, y = x.clone(), torch.empty(R, H, dtype=torch.float32)  # [R, H]
+    kp = (ctypes.c_void_p * (L * R))(*(c.k[i].data_ptr() for i in range(L) for c in caches))
+    vp = (ctypes.c_void_p * (L * R))(*(c.v[i].data_ptr() for i in range(L) for c in caches))
+    s0s = torch.tensor([c.length for c in caches], dtype=torch.int64)  # [R]
+    caps = torch.tensor([c.k[0].shape[3] for c in caches], dtype=torch.int64)  # [R] slots incl. slack
+    threads = torch.get_num_threads()
+    rc = _library().lmtail_step_q32_rows(ctypes.byref(model.struct), ctypes.byref(bufs.struct), h.data_ptr(),
+                                         y.data_ptr(), kp, vp, s0s.data_ptr(), caps.data_ptr(), R, threads, 1)
+    _check(rc)
+    return h, y
+
+
+def _check(rc: int) -> None:
     if rc != 0:
-        layer, step = divmod(-1000 - rc, 10) if rc <= -1000 else (-1, rc)
+        layer, step = divmod(-1000 - rc, 10) if rc <= -1000 else (-1, 0)
         raise RuntimeError(f"native step failed (code {rc}: layer {layer}, "
                            f"{_STEPS[step - 1] if 0 < step <= len(_STEPS) else 'setup'})")
-    return h, y

@@ -471,7 +471,7 @@ def _body_declared(bundle: ModelBundle, ids, cache: KVCache, ops: Ops, qpos, s0)
 _Q32_MODELS: dict = {}  # (path, gamma pointers, lanes, eps, backends) -> kernels.step.Q32Model
 
 
-def _q32_model(bundle: ModelBundle, lanes: int, gemm_backend: str, attend_avx512: bool):
+def q32_model(bundle: ModelBundle, lanes: int, gemm_backend: str, attend_avx512: bool):
     """kernels.step.Q32Model of this bundle, built once per (file, norm weights, lanes,
     backends): the weights are quant_linears(bundle) (the file's memory map)."""
     cfg = bundle.config
@@ -534,7 +534,7 @@ def _body_q32(bundle: ModelBundle, ids, cache: KVCache, ops: Ops, qpos, s0):
     gemm_row, attend_row = quant_mod.GEMM_Q.pick(None), decl.ATTEND.pick(None)
     attend_threads = decl.attend_threads(None, B, T, cfg.n_heads, s0)
     if ops.native_step and kstep.available(gemm_row.name, attend_row.name):
-        model = _q32_model(bundle, ops.fused_norm_lanes, gemm_row.name, attend_row.name == "avx512")
+        model = q32_model(bundle, ops.fused_norm_lanes, gemm_row.name, attend_row.name == "avx512")
         if cache.scratch is None:
             cache.scratch = kstep.StepBuffers(model.shape)
         h, y = kstep.run_q32(model, cache.scratch, x, cache.k, cache.v, pos, cache.pad, s0=s0,

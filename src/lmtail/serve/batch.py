@@ -33,10 +33,13 @@ import math
 
 import torch
 
+from ..kernels import quant as quant_mod
+from ..kernels import step as kstep
 from ..kernels.gemm import gemm_bf16
+from ..kernels.step import StepBuffers
 from ..model import body as decl
 from ..model.gguf_loader import LlamaConfig, ModelBundle
-from ..model.llama import KVCache, Ops, new_cache, norm_fn
+from ..model.llama import Q32_BODY, KVCache, Ops, embed_rows, forward, new_cache, norm_fn, q32_model
 
 GROW_SLOTS = 256  # a cache grows by at least this many slots at a time
 
@@ -70,20 +73,26 @@ def _gammas(bundle: ModelBundle):
     return attn, [lw.ffn_norm.float().contiguous() for lw in bundle.layers]
 
 
-def step_rows(bundle: ModelBundle, tokens: torch.Tensor, caches: list[KVCache], ops: Ops) -> torch.Tensor:
-    """Feed tokens [R] int64 (row r's next token) through the declared body, row r at
-    position caches[r].length of its own one-row cache (which must hold one more slot:
+def step_rows(bundle: ModelBundle, tokens: torch.Tensor, caches: list[KVCache], ops: Ops, *,
+              scratch: StepBuffers | None = None) -> torch.Tensor:
+    """Feed tokens [R] int64 (row r's next token) through the declared or the q32 body, row
+    r at position caches[r].length of its own one-row cache (which must hold one more slot:
     see grow); appends each row's key/value. Returns h [R, H] fp32, row r bytes-equal to
-    llama.forward(bundle, tokens[r, None, None], caches[r], ops=ops)[0][0, 0]."""
+    llama.forward(bundle, tokens[r, None, None], caches[r], ops=ops)[0][0, 0].
+    The q32 body runs kernels.step's rows entry (one C call for the R rows; `scratch` its
+    buffers, kept by the caller across steps; None: fresh ones) when its libraries are
+    built, else llama.forward row by row (the same bytes)."""
     cfg = bundle.config
-    if ops.body != "declared":
-        raise ValueError(f"ops.body must be 'declared' (row-invariant linears); got {ops.body!r}")
+    if ops.body not in ("declared", Q32_BODY):
+        raise ValueError(f"ops.body must be 'declared' or 'q32' (row-invariant linears); got {ops.body!r}")
     if tokens.dim() != 1 or tokens.dtype != torch.int64 or tokens.shape[0] != len(caches):
         raise ValueError(f"tokens must be [R={len(caches)}] int64; got {tuple(tokens.shape)} {tokens.dtype}")
     for c in caches:
         if c.pad.shape != (1,) or int(c.pad[0]) != 0 or c.length + 1 > c.capacity:
             raise ValueError(f"each cache must be one row, pad 0, with a free slot; got pad {c.pad.tolist()}, "
                              f"length {c.length}, capacity {c.capacity}")
+    if ops.body == Q32_BODY:
+        return _step_rows_q32(bundle, tokens, caches, ops, scratch)
     R, nh, hd = len(caches), cfg.n_heads, cfg.head_dim
     cos_t, sin_t = decl.rope_table(cfg.context_length, cfg.head_dim, cfg.rope_base)  # [ctx, hd/2]
     norm = norm_fn(ops, cfg.eps)
@@ -105,3 +114,16 @@ def step_rows(bundle: ModelBundle, tokens: torch.Tensor, caches: list[KVCache], 
     for c in caches:
         c.length += 1
     return h.float()
+
+
+def _step_rows_q32(bundle: ModelBundle, tokens, caches: list[KVCache], ops: Ops, scratch) -> torch.Tensor:
+    """step_rows for the q32 body (inputs checked): kernels.step.run_q32_rows, or per row."""
+    gemm_row, attend_row = quant_mod.GEMM_Q.pick(None), decl.ATTEND.pick(None)
+    if not (ops.native_step and kstep.available(gemm_row.name, attend_row.name)):
+        return torch.cat([forward(bundle, tokens[r, None, None], c, ops=ops)[0][0] for r, c in enumerate(caches)])
+    model = q32_model(bundle, ops.fused_norm_lanes, gemm_row.name, attend_row.name == "avx512")
+    scratch = kstep.StepBuffers(model.shape) if scratch is None else scratch
+    h, _ = kstep.run_q32_rows(model, scratch, embed_rows(bundle, tokens), caches)  # [R, H]
+    for c in caches:
+        c.length += 1
+    return h
