@@ -161,7 +161,7 @@ def test_body_variants_without_defect_are_the_real_ops():
 
     for name, variant in (("body.exp32", bk.exp32_variant), ("body.silu_mul", bk.silu_variant),
                           ("body.rope_table", bk.rope_variant), ("body.apply_rope", bk.apply_rope_variant),
-                          ("body.attend", bk.attend_variant)):
+                          ("body.attend", bk.attend_variant), ("body.add_rms_rows32", bk.add_rms32_variant)):
         kind = KINDS[name]
         for case in kind.gens["shapes"](True)[:3] + kind.gens["random"](True)[:1]:
             d = harness.diff_outputs(variant(case.data), kind.run(case.data), nan_equal=True)
@@ -170,9 +170,12 @@ def test_body_variants_without_defect_are_the_real_ops():
 
 def test_body_kinds_take_their_ranges_from_the_declarations():
     """Single-sourced: the sampler's declaration is rows_tail_decl, row_mass's sum is its
-    "S (full row)", the rope kinds use rope_decl, attention's depths follow the keys."""
+    "S (full row)", the rope kinds use rope_decl, attention's depths follow the keys, the fp32
+    norm's sum of squares is the bf16 norm's (add_rms_decl's)."""
     from lmtail.kernels.rows_tail import rows_tail_decl
     from lmtail.model import body
+    from lmtail.norms import add_rms_decl
+    from lmtail.orders import strided
 
     d = KINDS["tail.sampler"].gens["random"](True)[0].data
     assert KINDS["tail.sampler"].decl(d) == rows_tail_decl(d["rows"].shape[1], d["k"])
@@ -180,6 +183,8 @@ def test_body_kinds_take_their_ranges_from_the_declarations():
     assert KINDS["tail.row_mass"].decl(m).sums == (rows_tail_decl(m["row"].shape[1], 1).sum("S (full row)"),)
     for name in ("body.rope_table", "body.apply_rope", "body.rope_qkv"):
         assert KINDS[name].decl(KINDS[name].gens["random"](True)[0].data) == body.rope_decl()
+    d = KINDS["body.add_rms_rows32"].gens["shapes"](True)[1].data  # 9x33, lanes 32
+    assert KINDS["body.add_rms_rows32"].decl(d).sums == add_rms_decl(33, order=strided(32)).sums
     adv = KINDS["body.attend"].gens["adversarial"](True)[0].data
     assert KINDS["body.attend"].decl(adv).sum("den").depth == 200
 

@@ -113,6 +113,12 @@ OPS: tuple[OpSpec, ...] = (
            ("tail.exchange.chunks_move_with_vtp", "tail.exchange.keys_k_minus_1", "tail.exchange.keys_k",
             "tail.exchange.combine_out_of_order", "tail.exchange.decl_half_depth"),
            "tests/test_candidates.py", "benchmarks/bench_exchange.py"),
+    # decode_tail with the checkpoint's Q8_0 head (head_input="fp32"): gemm_q lanes32 on fp32(x*gamma)
+    OpSpec("decode_tail.q8_0", "lmtail.tail:decode_tail", "lmtail.tail:tail_decl",
+           Backends("lmtail.kernels.quant:available_backends"), "lmtail.reference.tail:logits_range",
+           ("tail.head.q8_0",), ("tail.q8_0.a_bf16", "tail.q8_0.d_bf16", "tail.q8_0.lanes_16",
+                                 "tail.q8_0.shard_strided", "tail.q8_0.plain_decl", "tail.q8_0.decl_half_depth"),
+           "tests/test_tail_q8.py", "benchmarks/bench_tail.py"),
     OpSpec("exact_topk", "lmtail.topk:exact_topk", "lmtail.topk:exact_topk_decl", TORCH_ONLY, "lmtail.reference.tail:topk_ref",
            ("tail.topk.exact",), ("tail.ties_higher_id", "tail.stage1_short"),
            "tests/test_topk.py", "benchmarks/bench_rows_tail.py"),
@@ -196,6 +202,10 @@ OPS: tuple[OpSpec, ...] = (
     OpSpec("add_rms_rows", "lmtail.model.body:add_rms_rows", "lmtail.norms:add_rms_decl",
            FUSED, "lmtail.reference.glue:norm_range", ("body.add_rms_rows",),
            ("body.add_rms_rows.lanes_128",), "tests/test_model.py", "benchmarks/bench_model.py"),
+    OpSpec("add_rms_rows32", "lmtail.model.body:add_rms_rows32", "lmtail.model.body:add_rms32_decl",
+           FUSED, "lmtail.reference.glue:norm_range32", ("body.add_rms_rows32",),
+           ("body.add_rms_rows32.lanes_128", "body.add_rms_rows32.h_bf16", "body.add_rms_rows32.sequential",
+            "body.add_rms_rows32.gamma_first"), "tests/test_q32.py", "benchmarks/bench_model.py"),
 )
 
 

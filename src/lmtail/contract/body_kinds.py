@@ -9,11 +9,13 @@
     body.rope_qkv      body.rope_qkv          q, kc, vc    exactly apply_rope + the cache writes
     body.attend        body.attend            out          attend_decl's sums (dot, den, acc) + exp32
     body.add_rms_rows  body.add_rms_rows      h, y         norms.add_rms_decl(H, strided(lanes))
+    body.add_rms_rows32 body.add_rms_rows32   h, y (fp32)  body.add_rms32_decl(H, strided(lanes)): h exact
 
 The emulate gate compares the op (its default backend: the C kernels where built) with an
 emulation of its declared order: the op's "torch" spelling for exp32 / silu / attention,
 reference.model.rope_emulation (an independent numpy spelling of rope_decl) for the rope
-table, numpy fp32 for apply_rope, reference.glue.emu_add_rms for the fused norm rows.
+table, numpy fp32 for apply_rope, reference.glue.emu_add_rms for the fused norm rows and
+reference.glue.emu_add_rms32 for their fp32 sibling (norm_range32 its float64 range).
 Controls restate the op with ONE defect (`*_variant(data, defect)`; defect=None is the op
 byte for byte, which tests/test_contract.py asserts) or plant a shallower declaration.
 
@@ -30,7 +32,7 @@ import torch
 
 from .. import norms
 from ..model import body
-from ..numerics import Decl, fma32
+from ..numerics import Decl, fma32, sqrt_rn32
 from ..orders import strided
 from ..reference import glue as gref
 from ..reference import model as mref
@@ -573,12 +575,130 @@ def _arr_kind() -> Kind:
 
 
 # =======================================================================================
+# add_rms_rows32 (the q32 body's fp32 residual add + RMSNorm)
+# =======================================================================================
+def _a32_run(d) -> dict:
+    h, y = body.add_rms_rows32(d["x"], d["residual"], d["gamma"], eps=d["eps"], lanes=d["lanes"])
+    return {"h": h, "y": y}
+
+
+def _a32_decl(d) -> Decl:
+    return body.add_rms32_decl(d["x"].shape[1], order=strided(d["lanes"]))
+
+
+def _a32_res(d):
+    return None if d["residual"] is None else d["residual"].numpy()
+
+
+def _a32_check(d, out, run, decl) -> Verdict:
+    """h: exactly fl32(x + residual); y: within the float64 range of the declared chain."""
+    h = gref.add_h32_ref(d["x"].numpy(), _a32_res(d))
+    ok, m, det = gref.compare("h", _np64(out["h"]), h, h)
+    if not ok:
+        return _verdict((ok, m, det))
+    lo, hi, free = gref.norm_range32(h, d["gamma"].numpy().astype(np.float64), ssq=decl.sum("ssq"), eps=d["eps"])
+    return _verdict(gref.compare("y", _np64(out["y"]), lo, hi, free=free))
+
+
+def _a32_emulate(d) -> dict:
+    h, y = gref.emu_add_rms32(d["x"].numpy(), _a32_res(d), d["gamma"].numpy(), eps=d["eps"],
+                              order=strided(d["lanes"]))
+    return {"h": torch.from_numpy(h), "y": torch.from_numpy(y)}
+
+
+def add_rms32_variant(d, defect=None) -> dict:
+    """add_rms_rows32 restated in torch (defect None: the op's bytes): "lanes_128" the sum in
+    128 lane chains; "h_bf16" h rounded to bf16; "sequential" ssq one fma chain in element
+    order; "gamma_first" y = fl32(fl32(h * gamma) * inv)."""
+    x, gam = d["x"], d["gamma"]
+    h = x + (torch.zeros((), dtype=F32) if d["residual"] is None else d["residual"])  # [N, H]
+    if defect == "h_bf16":
+        h = h.to(torch.bfloat16).float()
+    if defect == "sequential":
+        ssq = torch.zeros(h.shape[0])  # [N]
+        for j in range(h.shape[1]):
+            ssq = fma32(h[:, j], h[:, j], ssq)
+        r = sqrt_rn32(ssq / torch.full_like(ssq, float(h.shape[1])) + torch.full_like(ssq, d["eps"]))
+        inv = torch.ones_like(r) / r
+    else:
+        inv = norms.inv_rms(h, eps=d["eps"], order=strided(128 if defect == "lanes_128" else d["lanes"]))
+    if defect == "gamma_first":
+        return {"h": h, "y": (h * gam) * inv[:, None]}
+    return {"h": h, "y": (h * inv[:, None]) * gam}
+
+
+def _a32_data(n, h, seed, *, scale=1.0, lanes=LANES, residual=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g) * scale * torch.logspace(-2, 2, n)[:, None]  # [N, H]
+    r = torch.randn(n, h, generator=g) * scale if residual else None
+    return {"x": x, "residual": r, "gamma": 1 + 0.25 * torch.randn(h, generator=g), "eps": 1e-5, "lanes": lanes}
+
+
+def _a32_rows(d, idx):
+    return _rows(d, idx, names=("x",) if d["residual"] is None else ("x", "residual"))
+
+
+def _a32_special(residual=True):
+    """An inf lane, a subnormal row, a zero row, a NaN lane, a -0 row, a row of 1e30 (its
+    squares overflow: inv = 0)."""
+    d = _a32_data(6, 97, 3, residual=residual)
+    x = d["x"].clone()
+    x[0, 5], x[1], x[2], x[3, 7], x[4], x[5] = math.inf, 1e-41, 0.0, math.nan, -0.0, 1e30
+    if residual:
+        d["residual"][1:3], d["residual"][4:] = 0.0, -0.0
+    return dict(d, x=x)
+
+
+def _a32_exact():
+    """576 lanes of +-16, eps 0: every square and ssq exact, inv = 1/16, y = fl32(h/16 * gamma)."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.where(torch.rand(4, 576, generator=g) < 0.5, -16.0, 16.0)
+    return {"x": x, "residual": None, "gamma": 1 + 0.25 * torch.randn(576, generator=g), "eps": 0.0,
+            "lanes": LANES}
+
+
+def _a32_halfulp(h=576):
+    """Per row one +-1.0 and H-1 elements whose squares are 0.45 of half an ulp of 1: the lane
+    chain holding 1.0 drops each later square, and the butterfly adds of the other lanes'
+    totals onto ~1 round: ssq 2.4 ulps of 1 below its exact value (rows 0, 2; declared: 7.5)."""
+    c = math.sqrt(0.45 * 2.0**-24)
+    x = torch.full((3, h), c)
+    x[0, 0], x[1, 255], x[2, h - 1] = 1.0, 1.0, -1.0
+    x[1] *= torch.where(torch.arange(h) % 2 == 0, 1.0, -1.0)
+    return {"x": x, "residual": None, "gamma": torch.ones(h), "eps": 1e-5, "lanes": LANES}
+
+
+def _a32_gens():
+    return {
+        "shapes": lambda fast: [Case(f"{n}x{h} lanes {ln}{'' if r else ' no residual'}",
+                                     _a32_data(n, h, 80 + i, lanes=ln, residual=r)) for i, (n, h, ln, r) in
+                                enumerate([(1, 1, 256, True), (9, 33, 32, True), (5, 576, 256, False),
+                                           (3, 701, 256, True), (2, 1537, 32, False)])],
+        "random": lambda fast: [Case(f"seed {s} scale {sc}", _a32_data(6, 576, s, scale=sc, residual=s % 2 == 0))
+                                for s, sc in enumerate((1.0, 1.0, 1e-3, 1e3)[:2 if fast else 4])],
+        "special": lambda fast: [Case("inf lane, subnormal / zero / -0 / 1e30 rows, NaN lane", _a32_special()),
+                                 Case("the same, residual None", _a32_special(False))],
+        "adversarial": lambda fast: [Case("576 lanes of +-16 (squares exact), eps 0", _a32_exact()),
+                                     Case("1.0 among squares of 0.45 half-ulp (every fma rounds)", _a32_halfulp())],
+        "bytes": lambda fast: [Case("4x576 lanes 256", _a32_data(4, 576, 77)),
+                               Case("3x97 lanes 32 no residual", _a32_data(3, 97, 78, lanes=32, residual=False)),
+                               Case("6x97 special rows", _a32_special())],
+    }
+
+
+def _a32_kind() -> Kind:
+    return Kind("body.add_rms_rows32", _a32_decl, _a32_run, _a32_check, _a32_gens(), take_rows=_a32_rows,
+                emulate=_a32_emulate, group="body",
+                about="add_rms_rows32 -> h, y (fp32), body.add_rms32_decl(H, strided(lanes))")
+
+
+# =======================================================================================
 # the kinds and the controls
 # =======================================================================================
 def body_kinds() -> list[Kind]:
     """Every body kind (module docstring)."""
     return [_exp32_kind(), _silu_kind(), _silu_bf16_kind(), _rope_table_kind(), _apply_kind(), _qkv_kind(),
-            _attend_kind(), _arr_kind()]
+            _attend_kind(), _arr_kind(), _a32_kind()]
 
 
 def _qkv_no_rope_k(d) -> dict:
@@ -623,4 +743,13 @@ def body_controls() -> list[Control]:
                 "the real op, its sums declared half as deep", decl=half_depth(_attend_decl)),
         Control("body.add_rms_rows.lanes_128", "body.add_rms_rows", "emulate", "128 lane chains posing as 256",
                 partial(_arr_run, lanes=128)),
+        Control("body.add_rms_rows32.lanes_128", "body.add_rms_rows32", "emulate", "128 lane chains posing as 256",
+                partial(add_rms32_variant, defect="lanes_128")),
+        Control("body.add_rms_rows32.h_bf16", "body.add_rms_rows32", "random",
+                "h rounded to bf16 (the bf16 stream's h)", partial(add_rms32_variant, defect="h_bf16")),
+        Control("body.add_rms_rows32.sequential", "body.add_rms_rows32", "emulate",
+                "ssq as one sequential fma chain", partial(add_rms32_variant, defect="sequential")),
+        Control("body.add_rms_rows32.gamma_first", "body.add_rms_rows32", "emulate",
+                "y = fl32(fl32(h * gamma) * inv): the products swapped",
+                partial(add_rms32_variant, defect="gamma_first")),
     ]

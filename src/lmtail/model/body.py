@@ -28,7 +28,7 @@ import torch
 from ..checks import check_threads
 from ..kernels import _backend, cpu
 from ..kernels import body as kbody
-from ..norms import NormResult, add_rms, inv_rms
+from ..norms import NormResult, add_rms, inv_rms, ssq_decl
 from ..numerics import Decl, SumDecl, exp64, fma32, log64
 from ..orders import strided
 
@@ -339,6 +339,15 @@ def add_rms_rows(x: torch.Tensor, residual: torch.Tensor, gamma32: torch.Tensor,
     assert gamma32.shape == (H,) and gamma32.dtype == torch.float32 and gamma32.is_contiguous()
     assert x.dtype in (torch.float32, torch.bfloat16) and (N <= 1 or x.stride(1) == 1) and lanes % 32 == 0
     return NormResult(*kbody.add_rms_rows(x, residual, gamma32, eps, lanes))
+
+
+def add_rms32_decl(h: int, *, order=strided(256)) -> Decl:
+    """add_rms_rows32 on rows of width h: norms.add_rms_decl's rounding points without its two
+    bf16 roundings (the same sum of squares, norms.ssq_decl)."""
+    return Decl("add_rms32", ("h = fl32(x + residual)  (residual None: x + 0.0)",
+                              "ssq: fp32 sum of squares in the declared order", "m = fl32(ssq / n)",
+                              "d = fl32(m + fp32(eps))", "r = fl32(sqrt(d))", "inv = fl32(1 / r)",
+                              "t = fl32(h * inv)", "y = fl32(t * gamma32)"), (ssq_decl(h, order),))
 
 
 NORM32_MAX_LANES = 1024  # body.c's add_rms_rows32 keeps its lane sums on the stack

@@ -25,7 +25,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..launch import launch
-from .gguf_loader import LayerWeights, Linears16, ModelBundle
+from ..kernels.quant import QuantWeight
+from .gguf_loader import LayerWeights, Linears16, ModelBundle, load_model
 
 _ALIGN = 16  # fp32 elements (64 bytes) between tensor starts
 
@@ -33,7 +34,11 @@ _ALIGN = 16  # fp32 elements (64 bytes) between tensor starts
 def pack_bundle(bundle: ModelBundle) -> dict:
     """The bundle as {flat [N] fp32, head [H, V] bf16, flat16 [N16] bf16 (each in shared
     memory), layout, layout16, rest}: every body weight at a 64-byte-aligned offset of flat,
-    the declared body's linears in flat16, the rest (config, tokenizer, path) as is."""
+    the declared body's linears in flat16, the rest (config, tokenizer, path) as is.
+    A load_model(weights="file") bundle travels as {file: path}: each rank maps the same
+    file (the OS shares its pages), nothing is copied."""
+    if bundle.weights == "file":
+        return dict(file=bundle.path)
     named = [("embed", bundle.embed), ("final_norm", bundle.final_norm)]
     named += [(f"{i}.{f.name}", getattr(lw, f.name)) for i, lw in enumerate(bundle.layers) for f in fields(lw)]
     layout, off = [], 0
@@ -53,12 +58,21 @@ def pack_bundle(bundle: ModelBundle) -> dict:
     flat16 = torch.empty(off16, dtype=torch.bfloat16).share_memory_()  # [N16], the declared body's linears
     for (_, o, _), (_, t) in zip(layout16, named16):
         flat16[o:o + t.numel()] = t.reshape(-1)
+    quant = {}
+    for name in ("embed_q", "head_q"):  # the file's blocks (the q32 body, the Q8_0 head), in shared memory
+        w = getattr(bundle, name)
+        if w is not None and name == "head_q" and w is bundle.embed_q:
+            quant[name] = quant["embed_q"]  # tied: one buffer
+        elif w is not None:
+            quant[name] = QuantWeight(w.fmt, w.shape, w.data.clone().share_memory_())
     return dict(flat=flat, head=head, layout=layout, flat16=flat16, layout16=layout16,
-                rest=dict(config=bundle.config, tokenizer=bundle.tokenizer, path=bundle.path))
+                rest=dict(config=bundle.config, tokenizer=bundle.tokenizer, path=bundle.path, **quant))
 
 
 def unpack_bundle(parcel: dict) -> ModelBundle:
     """A ModelBundle of views into the parcel's buffers (no copy)."""
+    if "file" in parcel:
+        return load_model(parcel["file"], weights="file")
     views = {name: parcel["flat"][o:o + int(np.prod(s))].view(s) for name, o, s in parcel["layout"]}
     cfg = parcel["rest"]["config"]
     layers = tuple(LayerWeights(**{f.name: views[f"{i}.{f.name}"] for f in fields(LayerWeights)})

@@ -176,6 +176,23 @@ def emu_add_rms(x, res, g, *, eps, order) -> tuple[np.ndarray, np.ndarray]:
     return np.array(hs, np.float32), np.array(ys, np.float32)
 
 
+def emu_add_rms32(x, res, g, *, eps, order) -> tuple[np.ndarray, np.ndarray]:
+    """The q32 body's fp32 norm (model.body.add_rms_rows32), literally: x [T, H] fp32 values,
+    res [T, H] fp32 values or None (+0.0), g [H] -> (h, y) [T, H] float32 with h = fl32(x + res),
+    inv = emu_inv_rms(h) in `order`, y = fl32(fl32(h * inv) * g): emu_add_rms without its bf16
+    roundings."""
+    x = np.asarray(x, np.float32)
+    res = np.zeros_like(x) if res is None else np.asarray(res, np.float32)
+    hs, ys = [], []
+    with np.errstate(all="ignore"):
+        for xr, rr in zip(x, res):
+            h = [F32(F32(a) + F32(b)) for a, b in zip(xr, rr)]
+            inv = emu_inv_rms(h, n=len(h), eps=eps, **_order_kw(order))
+            hs.append(h)
+            ys.append([F32(F32(hj * inv) * F32(gj)) for hj, gj in zip(h, g)])
+    return np.array(hs, np.float32).reshape(x.shape), np.array(ys, np.float32).reshape(x.shape)
+
+
 def emu_moe_add_rms(x, slots, w, g, *, eps, n_shared, order) -> tuple[np.ndarray, np.ndarray]:
     """x [T, H], slots [S, T, H], w [T, R], g [H] -> (h, y) [T, H] (bf16 values)."""
     x = np.asarray(x, np.float32)
@@ -333,6 +350,29 @@ def norm_range(h_lo, h_hi, g, *, ssq: SumDecl, eps: float, rounding: str = "once
     y_lo, y_hi = y_range(h_lo, h_hi, i_lo[..., None], i_hi[..., None], g, rounding)
     free = np.broadcast_to((free_a | free_b)[..., None], y_lo.shape)
     return y_lo, y_hi, free
+
+
+def norm_range32(h, g, *, ssq: SumDecl, eps: float):
+    """y bounds of the fp32 norm y = fl32(fl32(h * inv) * g) for rows h [..., N] (a point:
+    fp32 values), the sum of squares as declared by `ssq`: norm_range's chain without the
+    final bf16 rounding. Returns (lo, hi, free)."""
+    h = np.asarray(h, np.float64)
+    sq = squares_range(h, h)[0]
+    s_lo, s_hi, free = sum_range(sq, ssq)
+    i_lo, i_hi = inv_range(s_lo, s_hi, h.shape[-1], eps)
+    with np.errstate(invalid="ignore", over="ignore"):
+        inv_lo, inv_hi = i_lo[..., None], i_hi[..., None]
+        t_lo, t_hi = _minmax(h * inv_lo, h * inv_hi)  # h * inv: exact in float64
+        p_lo, p_hi = _minmax(r32(t_lo) * g, r32(t_hi) * g)
+        return r32(p_lo), r32(p_hi), np.broadcast_to(free[..., None], h.shape)
+
+
+def add_h32_ref(x, res) -> np.ndarray:
+    """h = fl32(x + res) element-wise for fp32 x, res (res None: x + 0.0); float64 holds the
+    exact IEEE fp32 sum (53 >= 2*24 + 2)."""
+    res = 0.0 if res is None else np.asarray(res, np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return r32(np.asarray(x, np.float64) + res)
 
 
 def add_h_ref(x, res) -> np.ndarray:
