@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from .kernels.gemm import DEFAULT_ORDER
 
 EXCHANGES = ("mirror", "candidates")  # TailConfig.exchange
-HEAD_INPUTS = ("bf16", "bf16x2")  # TailConfig.head_input
+HEAD_INPUTS = ("bf16", "bf16x2")  # a bf16 head's activations (what generate / serve pass today)
+TAIL_HEAD_INPUTS = HEAD_INPUTS + ("fp32",)  # TailConfig.head_input: + the Q8_0 head's ("fp32")
 
 
 @dataclass(frozen=True)
@@ -46,11 +47,18 @@ class TailConfig:
         on bf16 values) or "candidates" (each shard's exact fp32 top-(k+1) and its chunk
         mass partials, lmtail.candidates: decisions on fp32 logits; VTP must divide 256).
         Either way the bytes do not depend on VTP, hops or batch groups.
-    head_input ("bf16"): the lm_head GEMM's activation, one of HEAD_INPUTS: "bf16" (a =
+    head_input ("bf16"): the lm_head GEMM's activation, one of TAIL_HEAD_INPUTS: "bf16" (a =
         bf16(x*gamma), one GEMM row per row) or "bf16x2" (a = a_hi + a_lo, a_hi =
         bf16(x*gamma), a_lo = bf16(x*gamma - a_hi): two GEMM rows per row in one GEMM call,
         logits = fp32(fp32(acc_hi + acc_lo) * rms); the activation carries 16 significant
-        bits instead of 8; needs deferred_rms).
+        bits instead of 8; needs deferred_rms) or "fp32" (the Q8_0 head: lm_head_weight_t
+        is a kernels.quant.QuantWeight "Q8_0" (V_s, H), the GGUF rows of this vocab shard;
+        g = fp32(x*gamma) goes into kernels.quant.gemm_q unrounded, acc in gemm_q's
+        declared order "lanes32", logits = fp32(acc * rms)). The rule is explicit, both
+        ways, checked by tail.validate_tail_inputs (ValueError naming the argument): a
+        QuantWeight head needs head_input="fp32", fmt "Q8_0", K = H (so H % 32 == 0),
+        deferred_rms=True and gemm_order at its default (it does not apply to gemm_q: a
+        non-default one is refused, never ignored); head_input="fp32" needs a QuantWeight.
     """
 
     eps: float = 1e-5

@@ -8,6 +8,10 @@
       head_input="bf16x2" (deferred): a_hi = bf16(g), a_lo = bf16(fp32(g - a_hi)) (0 where a_hi is inf),
                g = fp32(x * gamma);
                acc = fp32(gemm(a_hi, W) + gemm(a_lo, W)) (one GEMM over the 2 gbs rows); logits = fp32(acc * rms)
+      head_input="fp32" (deferred; W a kernels.quant.QuantWeight "Q8_0" (V_s, H), the GGUF rows):
+               g = fp32(x * gamma) (pad lanes 0, no activation rounding); acc = gemm_q(g, W) in the
+               declared order "lanes32" (docs/quant.md: the exact values fp32(d) * q, 32 lane fma
+               chains per block, halving tree, IEEE, no FTZ/DAZ); logits = fp32(acc * rms)
         gemm = kernels.gemm.gemm_bf16(order=gemm_order): "amx32" (default) per element
                32-lane blocks of even/odd fp32 fma chains, FTZ/DAZ; "chain" one chain over h;
                "dp32" per 32-lane block one odd-then-even fma chain, FTZ/DAZ
@@ -46,6 +50,8 @@ Numerics declared (`tail_decl`; docs/numerics.md has the float64 bounds):
         even), acc = acc + t, FTZ/DAZ as amx32; depth 32 + ceil(H/32).
   rounding points: x*gamma (fp32), a (bf16), ssq/H_u, +eps, sqrt, 1/s (fp32 each),
        acc*rms (fp32), mirror (bf16).
+  Q8_0 head (head_input "fp32"): no a:bf16 point; the gemm sum is
+       kernels.quant.gemm_q_decl(H, "Q8_0")'s (fp32, depth H/32 + 5, flush=False).
 Every step is row-independent, so a row's bytes never depend on the batch it is in.
 
 Shape legend: gbs global batch rows, H hidden (padded), H_u real hidden, V_s vocab shard,
@@ -60,9 +66,10 @@ import torch
 
 from . import candidates, exchange
 from .checks import check_eps, gamma32, is_int, nan_policy, need, need_tensor, undefined_rows
-from .config import EXCHANGES, HEAD_INPUTS, TailConfig
+from .config import EXCHANGES, TAIL_HEAD_INPUTS, TailConfig
 from .kernels.gemm import TAIL_ORDERS as GEMM_ORDERS
 from .kernels.gemm import gemm_bf16, gemm_decl
+from .kernels.quant import QuantWeight, gemm_q, gemm_q_decl
 from .kernels import rows_tail as rows_kernel
 from .layout import owned_rows, validate_layout
 from .numerics import Decl, SumDecl, sqrt_rn32
@@ -96,18 +103,24 @@ def tail_decl(h: int, deferred_rms: bool = True, gemm_order: str = TailConfig.ge
     exchange "mirror" the decisions see the bf16 mirror (rounding point "mirror:bf16");
     with "candidates" they see the fp32 logits (no mirror rounding point). head_input
     "bf16x2" adds the rounding points a_lo:bf16 and acc_hi+acc_lo:fp32 (each GEMM has the
-    gemm sum's declaration)."""
+    gemm sum's declaration). head_input "fp32" (the Q8_0 head, deferred only): no a:bf16
+    point (the GEMM reads g = fp32(x*gamma) itself), the weight's values exact
+    ("W:Q8_0 exact"), and the gemm sum is kernels.quant.gemm_q_decl(h, "Q8_0")'s (h a
+    multiple of 32; gemm_order does not apply)."""
+    q8 = head_input == "fp32"
     split = ("a_lo:bf16", "acc_hi+acc_lo:fp32") if head_input == "bf16x2" else ()
-    pts = (("x*gamma:fp32", "a:bf16") + split + ("ssq/H_u:fp32", "+eps:fp32", "sqrt:fp32", "1/s:fp32",
-            "acc*rms:fp32") if deferred_rms else
+    act = ("x*gamma:fp32", "W:Q8_0 exact") if q8 else ("x*gamma:fp32", "a:bf16")
+    pts = (act + split + ("ssq/H_u:fp32", "+eps:fp32", "sqrt:fp32", "1/s:fp32",
+                          "acc*rms:fp32") if deferred_rms else
            ("ssq/H_u:fp32", "+eps:fp32", "sqrt:fp32", "1/s:fp32", "x*rms:fp32",
             "(x*rms)*gamma:fp32", "a:bf16"))
+    gemm = gemm_q_decl(h, "Q8_0").sum("gemm") if q8 else gemm_decl(h, gemm_order).sum("gemm")
     return Decl(
         op="decode_tail" + ("" if deferred_rms else "[legacy]") + ("" if exchange == "mirror" else f"[{exchange}]")
-        + ("" if head_input == "bf16" else f"[{head_input}]"),
+        + {"bf16": "", "fp32": "[q8_0]"}.get(head_input, f"[{head_input}]"),
         rounding_points=pts + (("mirror:bf16",) if exchange == "mirror" else ()),
         sums=(SumDecl("ssq", "fp32", SSQ_ORDER.depth(h), SSQ_ORDER.describe(h)),
-              gemm_decl(h, gemm_order).sum("gemm")),
+              gemm),
     )
 
 
@@ -140,11 +153,16 @@ def validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, sampling_params
     gbs, h = x.shape
     need(gbs >= 1 and h >= 1, f"hidden_states must be non-empty [gbs, H]; got {tuple(x.shape)}")
     gamma32(gamma, h)
-    need_tensor("lm_head_weight_t", w, f"[H={h}, V_s] bf16")
-    need(w.dim() == 2 and w.shape[0] == h, f"lm_head_weight_t must be [H={h}, V_s]; got {tuple(w.shape)}")
-    need(w.dtype == torch.bfloat16, f"lm_head_weight_t must be bfloat16; got {w.dtype}")
-    need(w.is_contiguous(), "lm_head_weight_t must be C-contiguous (pass the transposed weight, "
-                            "e.g. w.t().contiguous()); got a strided view")
+    if isinstance(w, QuantWeight):
+        need(w.fmt == "Q8_0", f"lm_head_weight_t: a QuantWeight head must be fmt 'Q8_0'; got {w.fmt!r}")
+        need(w.shape[1] == h, f"lm_head_weight_t: a Q8_0 head must be (V_s, K=H={h}); got {w.shape} (K={w.shape[1]})")
+        need(w.shape[0] >= 1, f"lm_head_weight_t: a Q8_0 head needs V_s >= 1 rows; got {w.shape}")
+    else:
+        need_tensor("lm_head_weight_t", w, f"[H={h}, V_s] bf16 or a kernels.quant.QuantWeight Q8_0 (V_s, H={h})")
+        need(w.dim() == 2 and w.shape[0] == h, f"lm_head_weight_t must be [H={h}, V_s]; got {tuple(w.shape)}")
+        need(w.dtype == torch.bfloat16, f"lm_head_weight_t must be bfloat16; got {w.dtype}")
+        need(w.is_contiguous(), "lm_head_weight_t must be C-contiguous (pass the transposed weight, "
+                                "e.g. w.t().contiguous()); got a strided view")
     h_u = h if cfg.hidden_actual is None else cfg.hidden_actual
     need(is_int(h_u) and 1 <= h_u <= h, f"hidden_actual must be an int in [1, H={h}]; got {cfg.hidden_actual!r}")
     need(not (cfg.zero_interleaved_pad and h_u != h and (h % 4 or (h - h_u) % 4)),
@@ -161,11 +179,42 @@ def validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, sampling_params
     need(cfg.gemm_order in GEMM_ORDERS, f"gemm_order must be one of {GEMM_ORDERS}; got {cfg.gemm_order!r}")
     need(cfg.tail_path in TAIL_PATHS, f"tail_path must be one of {TAIL_PATHS}; got {cfg.tail_path!r}")
     need(cfg.exchange in EXCHANGES, f"exchange must be one of {EXCHANGES}; got {cfg.exchange!r}")
-    need(cfg.head_input in HEAD_INPUTS, f"head_input must be one of {HEAD_INPUTS}; got {cfg.head_input!r}")
+    need(cfg.head_input in TAIL_HEAD_INPUTS, f"head_input must be one of {TAIL_HEAD_INPUTS}; got {cfg.head_input!r}")
     need(cfg.head_input == "bf16" or cfg.deferred_rms,
-         f"head_input={cfg.head_input!r} needs deferred_rms=True (the split is of x*gamma); got deferred_rms=False")
+         f"head_input={cfg.head_input!r} needs deferred_rms=True (its GEMM input is x*gamma, rms applied "
+         "after); got deferred_rms=False")
+    _check_head_kind(w, h, cfg)
     if sampling_params is not None:
         validate_params(sampling_params, gbs if rows is None else rows)
+
+
+def _check_head_kind(w, h: int, cfg: TailConfig) -> None:
+    """The head's storage and the options that go with it (fields already in their sets):
+    a QuantWeight (Q8_0) head needs head_input "fp32" and the default gemm_order; "fp32"
+    needs a QuantWeight."""
+    if not isinstance(w, QuantWeight):
+        need(cfg.head_input != "fp32", "head_input='fp32' needs a kernels.quant.QuantWeight Q8_0 head "
+                                       f"(V_s, H={h}) as lm_head_weight_t; got a {w.dtype} tensor")
+        return
+    need(cfg.head_input == "fp32", "head_input must be 'fp32' with a Q8_0 head (the GEMM reads fp32(x*gamma), "
+                                   f"unrounded); got {cfg.head_input!r}")
+    need(cfg.gemm_order == TailConfig.gemm_order,
+         f"gemm_order must be the default {TailConfig.gemm_order!r} with a Q8_0 head (its sum is gemm_q's "
+         f"declared order lanes32, not a gemm_bf16 order); got {cfg.gemm_order!r}")
+
+
+def head_shard_width(w) -> int:
+    """V_s of a head shard: [H, V_s] bf16 tensor -> V_s (its last dim); QuantWeight (V_s, H) -> V_s."""
+    return w.shape[0] if isinstance(w, QuantWeight) else w.shape[-1]
+
+
+def head_shard(w, r: int, vtp: int):
+    """Rank r's shard of a full-vocab head (V % vtp == 0): [H, V] bf16 -> columns
+    [H, V_s] (contiguous); QuantWeight (V, H) -> rows r*V_s:(r+1)*V_s (a view, no copy)."""
+    vs = head_shard_width(w) // vtp
+    if isinstance(w, QuantWeight):
+        return w.rows(r * vs, (r + 1) * vs)
+    return w[:, r * vs:(r + 1) * vs].contiguous()
 
 
 # ---------------------------------------------------------------------------------------
@@ -173,10 +222,10 @@ def validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, sampling_params
 # ---------------------------------------------------------------------------------------
 def normed_rows(hidden_states, gamma, config: TailConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The norm half of `shard_logits` for every row: (a [gbs, H] bf16, rms [gbs] fp32),
-    a the GEMM's input (pad lanes 0), rms the 1/sqrt scale (module docstring). Inputs
-    validated. With fp32(eps) = 0, a row whose real lanes square to 0 (no rms) is a
-    ValueError naming it, raised here, before the GEMM: this pass is the tail's only
-    sum of squares."""
+    a the GEMM's input (pad lanes 0; head_input "fp32": g = fp32(x*gamma) [gbs, H] fp32),
+    rms the 1/sqrt scale (module docstring). Inputs validated. With fp32(eps) = 0, a row
+    whose real lanes square to 0 (no rms) is a ValueError naming it, raised here, before
+    the GEMM: this pass is the tail's only sum of squares."""
     cfg = config
     h = hidden_states.shape[1]
     h_u = h if cfg.hidden_actual is None else cfg.hidden_actual
@@ -190,6 +239,11 @@ def normed_rows(hidden_states, gamma, config: TailConfig) -> tuple[torch.Tensor,
     undefined_rows(m, cfg.eps, "hidden_states")  # m == 0 with eps32 = 0: 1/sqrt(0)
     s = sqrt_rn32(m + torch.tensor(cfg.eps, dtype=torch.float32))
     rms = torch.tensor(1.0, dtype=torch.float32) / s  # [gbs]
+    if cfg.head_input == "fp32":  # the Q8_0 head: gemm_q reads g unrounded
+        a = x * g  # [gbs, H] fp32
+        if h_u != h:
+            a = torch.where(real, a, torch.zeros((), dtype=torch.float32))
+        return a, rms
     if cfg.head_input == "bf16x2":
         xg = x * g  # [gbs, H] fp32
         hi = xg.to(torch.bfloat16)
@@ -206,9 +260,12 @@ def normed_rows(hidden_states, gamma, config: TailConfig) -> tuple[torch.Tensor,
 
 
 def logits_from(a, rms, lm_head_weight_t, config: TailConfig) -> torch.Tensor:
-    """The GEMM half of `shard_logits`: a [n, H] bf16 ([n, 2, H] with head_input "bf16x2"),
-    rms [n] fp32 (from normed_rows, any row block of them) -> [n, V_s] fp32."""
-    if a.dim() == 3:  # bf16x2: one GEMM over the 2n rows (a_hi, a_lo of each row, adjacent)
+    """The GEMM half of `shard_logits`: a [n, H] bf16 ([n, 2, H] with head_input "bf16x2";
+    [n, H] fp32 with "fp32" and a QuantWeight head), rms [n] fp32 (from normed_rows, any
+    row block of them) -> [n, V_s] fp32."""
+    if isinstance(lm_head_weight_t, QuantWeight):  # Q8_0 head: gemm_q, lanes32
+        acc = gemm_q(a, lm_head_weight_t)  # [n, V_s] fp32
+    elif a.dim() == 3:  # bf16x2: one GEMM over the 2n rows (a_hi, a_lo of each row, adjacent)
         n, _, h = a.shape
         acc2 = gemm_bf16(a.reshape(2 * n, h), lm_head_weight_t, order=config.gemm_order)  # [2n, V_s]
         acc2 = acc2.view(n, 2, -1)
@@ -356,8 +413,10 @@ def decode_tail(hidden_states, gamma, lm_head_weight_t, *, eps: float = 1e-5,
     pre-widened fp32 copy), the same on every rank; gamma [H] or [1, H] fp32 or bf16
     (widened exactly); lm_head_weight_t [H, V_s] bf16 C-contiguous: this rank's shard of
     the transposed lm_head weight (the one name for it across lmtail's public API; from a
-    model's [V, H] weight: w[r*V_s:(r+1)*V_s].t().contiguous()); rank r of `group` holds
-    vocab ids r*V_s ..;
+    model's [V, H] weight: w[r*V_s:(r+1)*V_s].t().contiguous()), or a
+    kernels.quant.QuantWeight "Q8_0" of shape (V_s, H) (the GGUF head's rows r*V_s..,
+    `QuantWeight.rows(r*V_s, (r+1)*V_s)`; needs head_input="fp32", H % 32 == 0 and the
+    default gemm_order); rank r of `group` holds vocab ids r*V_s ..;
     sampling_params (default None: no sampling, so tokens/logprobs/truncated are None)
     [R, 3|4|5] fp32 for the rows this rank owns, in layout.owned_rows(r, VTP, gbs, hops,
     batch_groups) order: (top_k, top_p, temperature[, u[, min_p]]), best built with
@@ -369,8 +428,8 @@ def decode_tail(hidden_states, gamma, lm_head_weight_t, *, eps: float = 1e-5,
     emit_logits=True, debug_taps=False, gemm_order=TailConfig.gemm_order ("amx32"),
     tail_path="fused" (mirror only), exchange="candidates" (decisions on the fp32 logits;
     "mirror": on their bf16 mirror), head_input="bf16" ("bf16x2": the head GEMM's
-    activation in two bf16 rows); or pass `config=TailConfig(...)` and leave them at their
-    defaults.
+    activation in two bf16 rows; "fp32": fp32(x*gamma) unrounded into gemm_q, the Q8_0
+    head's); or pass `config=TailConfig(...)` and leave them at their defaults.
     Layout: group (default None: one rank; a ProcessGroup or an exchange.HopGroups),
     hops (default None: one hop of size VTP), batch_groups G (default 1: G overlapped
     single-hop all-to-alls), fence (default False: a zero all-reduce per hop first;
@@ -403,9 +462,10 @@ def decode_tail(hidden_states, gamma, lm_head_weight_t, *, eps: float = 1e-5,
                                   timeout=timeout)
     need(batch_groups == 1 and not fence, "batch_groups and fence need a process group; got "
                                           f"batch_groups={batch_groups}, fence={fence}")
-    need_tensor("lm_head_weight_t", lm_head_weight_t, "[H, V_s] bf16")
+    if not isinstance(lm_head_weight_t, QuantWeight):
+        need_tensor("lm_head_weight_t", lm_head_weight_t, "[H, V_s] bf16 or a kernels.quant.QuantWeight Q8_0")
     validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, sampling_params, cfg,
-                         vocab_size=lm_head_weight_t.shape[-1])
+                         vocab_size=head_shard_width(lm_head_weight_t))
     a, rms = normed_rows(hidden_states, gamma, cfg)  # [gbs, H] bf16, [gbs] fp32
     logits = logits_from(a, rms, lm_head_weight_t, cfg)  # [gbs, V]
     if cfg.exchange == "candidates":
@@ -431,7 +491,9 @@ def _f64_bits(v) -> int:
     return struct.unpack("<q", struct.pack("<d", float(v)))[0]
 
 
-TAIL_SIGNATURE = ("gbs", "H", "V_s", "k", "hidden dtype", "gamma dtype", "hidden_actual",
+HEAD_FORMATS = ("bf16", "Q8_0")  # the head's storage: a [H, V_s] bf16 tensor or a QuantWeight Q8_0
+
+TAIL_SIGNATURE = ("gbs", "H", "V_s", "head format", "k", "hidden dtype", "gamma dtype", "hidden_actual",
                   "zero_interleaved_pad", "eps", "deferred_rms", "nan_fold", "gemm_order", "tail_path", "exchange", "head_input",
                   "sampling_params columns", "batch_groups", "fence", "hops",
                   "hidden_states checksum", "gamma checksum")
@@ -444,13 +506,15 @@ def tail_signature(hidden_states, gamma, lm_head_weight_t, sampling_params, cfg:
     hidden = hidden_states
     gbs, h = hidden.shape
     hops = tuple(hops)
-    sig = {"gbs": gbs, "H": h, "V_s": lm_head_weight_t.shape[1], "k": cfg.k,
+    sig = {"gbs": gbs, "H": h, "V_s": head_shard_width(lm_head_weight_t),
+           "head format": HEAD_FORMATS.index(lm_head_weight_t.fmt if isinstance(lm_head_weight_t, QuantWeight)
+                                             else "bf16"), "k": cfg.k,
            "hidden dtype": _DTYPES[hidden.dtype], "gamma dtype": _DTYPES[gamma.dtype],
            "hidden_actual": h if cfg.hidden_actual is None else cfg.hidden_actual,
            "zero_interleaved_pad": int(cfg.zero_interleaved_pad), "eps": (_f64_bits(cfg.eps), cfg.eps),
            "deferred_rms": int(cfg.deferred_rms), "nan_fold": int(cfg.nan_fold),
            "gemm_order": GEMM_ORDERS.index(cfg.gemm_order), "tail_path": TAIL_PATHS.index(cfg.tail_path),
-           "exchange": EXCHANGES.index(cfg.exchange), "head_input": HEAD_INPUTS.index(cfg.head_input),
+           "exchange": EXCHANGES.index(cfg.exchange), "head_input": TAIL_HEAD_INPUTS.index(cfg.head_input),
            "sampling_params columns": 0 if sampling_params is None else sampling_params.shape[1],
            "batch_groups": batch_groups, "fence": int(fence),
            "hops": (exchange.bytes_digest(repr(hops).encode()), hops),
@@ -468,7 +532,9 @@ def _decode_tail_ranks(hidden_states, gamma, lm_head_weight_t, sampling_params, 
         raise ValueError(f"hops must match the HopGroups given as group ({hg.hops}); got {tuple(hops)}")
     hops = hg.hops if hg else hops
     layout_hops = validate_layout(vtp, vtp * batch_groups, hops, batch_groups)  # gbs-free checks
-    shapes_ok = all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in (hidden_states, lm_head_weight_t))
+    shapes_ok = isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 2 and (
+        isinstance(lm_head_weight_t, QuantWeight) or isinstance(lm_head_weight_t, torch.Tensor)
+        and lm_head_weight_t.dim() == 2)
     gbs = hidden_states.shape[0] if shapes_ok else None
     if gbs:
         validate_layout(vtp, gbs, layout_hops, batch_groups)  # raises before any collective
@@ -477,7 +543,7 @@ def _decode_tail_ranks(hidden_states, gamma, lm_head_weight_t, sampling_params, 
     local_error, sig, normed = None, None, None
     try:  # a rank's bad inputs become a ValueError on every rank (via the signature)
         validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, sampling_params, cfg,
-                             vocab_size=lm_head_weight_t.shape[1] * vtp if shapes_ok else 1,
+                             vocab_size=head_shard_width(lm_head_weight_t) * vtp if shapes_ok else 1,
                              rows=gbs // vtp if gbs else None)
         normed = normed_rows(hidden_states, gamma, cfg)  # [gbs, H] bf16, [gbs]; eps=0 check
         sig = tail_signature(hidden_states, gamma, lm_head_weight_t, sampling_params, cfg,
@@ -499,7 +565,7 @@ def _decode_tail_ranks(hidden_states, gamma, lm_head_weight_t, sampling_params, 
 
     recv = exchange.exchange_rows(mirror_block, gbs=gbs, group=hg or parent, hops=layout_hops,
                                   batch_groups=batch_groups, fence=fence, timeout=timeout)
-    assert recv.shape == (gbs // vtp, lm_head_weight_t.shape[1] * vtp), "received [R, V]"
+    assert recv.shape == (gbs // vtp, head_shard_width(lm_head_weight_t) * vtp), "received [R, V]"
     logits = kept[0] if len(kept) == 1 else torch.cat(kept, dim=0)  # [gbs, V_s]
     return _owned_tail(recv, sampling_params, cfg, logits)
 
@@ -509,7 +575,7 @@ def _candidates_ranks(a, rms, lm_head_weight_t, sampling_params, cfg, *, group, 
     """exchange="candidates" over VTP ranks (inputs agreed): every rank learns every row's
     sampling params (one all-gather), sends each row's shard partials (candidates module),
     and merges the partials of the rows it owns."""
-    gbs, vtp, vs = a.shape[0], parent.size(), lm_head_weight_t.shape[1]
+    gbs, vtp, vs = a.shape[0], parent.size(), head_shard_width(lm_head_weight_t)
     v, me = vs * vtp, parent.rank()
     sp_all = None
     if sampling_params is not None:  # [gbs, P] in global row order

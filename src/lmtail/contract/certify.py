@@ -119,7 +119,9 @@ def certify_tail(hidden, gamma, w, out, *, sampling_params=None, eps=1e-5, hidde
     """Certify a single-rank decode_tail's outputs against float64.
 
     hidden [gbs, H], gamma [H], w [H, V] bf16 (the FULL vocab: single rank, or the
-    concatenated shards), out: a TailOutput (or dict) with topk_indices [gbs, k] and, when
+    concatenated shards) or, with head_input="fp32", the full-vocab Q8_0 head (a
+    kernels.quant.QuantWeight (V, H): the ideal logits use its exact dequantized values),
+    out: a TailOutput (or dict) with topk_indices [gbs, k] and, when
     sampling_params [gbs, 3|4|5] is given, tokens and truncated [gbs]. eps, hidden_actual,
     interleaved (zero_interleaved_pad), deferred_rms, gemm_order, exchange, head_input: as
     passed to decode_tail. decl: the tail's declaration the bound is computed from (default
@@ -139,6 +141,11 @@ def certify_tail(hidden, gamma, w, out, *, sampling_params=None, eps=1e-5, hidde
         raise ValueError(f"out must hold every row of hidden (single-rank outputs): topk_indices is "
                          f"{tuple(ids.shape)}, hidden is {tuple(hidden.shape)}")
     k = ids.shape[1] if k is None else k
+    quant = hasattr(w, "fmt") and hasattr(w, "data")
+    if quant != (head_input == "fp32"):
+        raise ValueError("head_input='fp32' goes with a Q8_0 head (a kernels.quant.QuantWeight (V, H)) and a "
+                         f"[H, V] bf16 w with 'bf16'/'bf16x2'; got head_input={head_input!r} with "
+                         + (f"a QuantWeight {w.fmt} {w.shape}" if quant else f"a {type(w).__name__}"))
     decl = tail_decl(hidden.shape[1], deferred_rms, gemm_order, exchange, head_input) if decl is None else decl
     ref, delta = ideal_bound(hidden, gamma, w, eps=eps, decl=decl, hidden_actual=hidden_actual,
                              interleaved=interleaved, deferred_rms=deferred_rms, col_chunk=col_chunk)

@@ -54,6 +54,8 @@ from ..sampler import GREEDY_TEMPERATURE
 from ..tail import (
     SSQ_ORDER,
     decode_tail,
+    head_shard,
+    head_shard_width,
     logits_from,
     normed_rows,
     pad_mask,
@@ -75,9 +77,9 @@ def exchange_decl_of(data) -> Decl:
     """The tail's declaration with exchange "candidates" (no mirror rounding point: the
     certification bound is the norm + GEMM range only) + candidates.candidates_decl(V)'s
     float64 points and sums."""
-    t = tail_decl(data["w"].shape[0], data.get("deferred", True), tk.gemm_order_of(data), "candidates",
+    t = tail_decl(data["x"].shape[1], data.get("deferred", True), tk.gemm_order_of(data), "candidates",
                   data.get("head_input", "bf16"))
-    c = candidates.candidates_decl(data["w"].shape[1])
+    c = candidates.candidates_decl(head_shard_width(data["w"]))
     return Decl(f"{t.op} + {c.op}", t.rounding_points + c.rounding_points, t.sums + c.sums)
 
 
@@ -146,7 +148,7 @@ def exchange_variant(data, defect=None, vtp=None) -> dict:
     in hop_transposed_order)."""
     x, w, sp = data["x"], data["w"], data["sp"]
     cfg = _cfg(data)
-    v, k, nf = w.shape[1], data["k"], data["nan_fold"]
+    v, k, nf = head_shard_width(w), data["k"], data["nan_fold"]
     vtp = data.get("vtp") or vtp or _default_vtp(v)
     validate_tail_inputs(x, data["gamma"], w, sp, cfg, vocab_size=v)
     candidates.check_vtp(vtp)
@@ -156,7 +158,7 @@ def exchange_variant(data, defect=None, vtp=None) -> dict:
     vs = v // vtp
     slabs, shards = [], []
     for r in range(vtp):
-        lg = logits_from(a, rms, w[:, r * vs:(r + 1) * vs].contiguous(), cfg)  # [gbs, V_s]
+        lg = logits_from(a, rms, head_shard(w, r, vtp), cfg)  # [gbs, V_s]
         shards.append(lg)
         if defect == "chunks_move":
             keys, mass, nans = shard_kernel.shard_partials(
@@ -170,6 +172,28 @@ def exchange_variant(data, defect=None, vtp=None) -> dict:
             keys[:, k - 1 if defect == "keys_k_minus_1" else k:] = candidates.PAD_KEY
             part = replace(part, keys=keys)
         slabs.append(candidates.pack(part))
+    return merged_outputs(data, shards, slabs, defect=defect)
+
+
+def outputs_from_shards(data, shards) -> dict:
+    """Every output of decode_tail(exchange="candidates") from given shard logits ([gbs,
+    V_s] fp32 per rank, in rank order): each shard's partials packed, side by side in rank
+    order, unpacked, merged, the NaN policy, sample_merged (no defect)."""
+    k, nf, sp = data["k"], data["nan_fold"], data["sp"]
+    vs = shards[0].shape[1]
+    v = vs * len(shards)
+    slabs = [candidates.pack(candidates.shard_partials(lg, col0=r * vs, v=v, k=k, nan_fold=nf, sp=sp))
+             for r, lg in enumerate(shards)]
+    return merged_outputs(data, shards, slabs)
+
+
+def merged_outputs(data, shards, slabs, *, defect=None) -> dict:
+    """The owner's half of exchange_variant: the packed slabs [R, B] of the VTP shards side
+    by side, unpacked, merged (defect "combine_out_of_order": the chunk terms reordered),
+    the NaN policy, sample_merged; shards: the shard logits (the "logits" output)."""
+    sp, k, nf = data["sp"], data["k"], data["nan_fold"]
+    vtp = len(slabs)
+    v = shards[0].shape[1] * vtp
     recv = torch.cat(slabs, dim=1)  # [R, VTP*B]: what the exchange delivers
     part = candidates.unpack(recv, vtp=vtp, k=k, sp=sp)
     if defect == "combine_out_of_order" and part.mass is not None:
@@ -216,7 +240,7 @@ def emulation_verdict(data, out) -> Verdict:
 
 def vtp_verdict(data, out, run) -> Verdict:
     """(b): for each VTP in VTPS dividing V, run(vtp=VTP) gives out's bytes, every field."""
-    v = data["w"].shape[1]
+    v = head_shard_width(data["w"])
     done = []
     for vtp in VTPS:
         if v % vtp:

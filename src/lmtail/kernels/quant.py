@@ -133,6 +133,15 @@ class QuantWeight:
         raw = gguf.quants.quantize(w.detach().float().numpy(), gguf.GGMLQuantizationType[fmt])
         return cls(fmt, (int(w.shape[0]), int(w.shape[1])), torch.from_numpy(raw.copy()))
 
+    def rows(self, start: int, stop: int) -> "QuantWeight":
+        """Rows start..stop-1 (0 <= start <= stop <= N): QuantWeight(fmt, (stop - start, K)),
+        its data a view of these rows' bytes (no copy). A vocab-parallel rank r of VTP takes
+        the head's rows(r * V_s, (r + 1) * V_s), V_s = N / VTP."""
+        n = self.shape[0]
+        need(is_int(start) and is_int(stop) and 0 <= start <= stop <= n,
+             f"rows(start, stop) needs ints 0 <= start <= stop <= N={n}; got ({start!r}, {stop!r})")
+        return QuantWeight(self.fmt, (int(stop) - int(start), self.shape[1]), self.data[start:stop])
+
     @property
     def nbytes(self) -> int:
         return self.data.numel()

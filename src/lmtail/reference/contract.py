@@ -27,7 +27,7 @@ import math
 import numpy as np
 
 from ..numerics import U, Decl, gamma
-from .tail import as_np, logits_range, logits_ref, mirror_range
+from .tail import as_np, head_values, logits_range, logits_ref, mirror_range
 
 GREEDY_T = 1e-5  # temperature below this is greedy (compared in float64 after widening the fp32 temperature)
 
@@ -67,8 +67,11 @@ def ideal_bound(x, gamma_, w, *, eps, decl, hidden_actual=None, interleaved=True
     (the mirror exchange: decisions on the bf16 mirror), as is otherwise (the candidates
     exchange: decisions on the fp32 logits); so any op inside its declared range decides
     on values within ref +- delta. Computed col_chunk vocab columns at a time (the range
-    is column-separable), so a 49k vocab needs a few hundred MB, not several GB."""
-    w64 = as_np(w)
+    is column-separable), so a 49k vocab needs a few hundred MB, not several GB.
+    w: [H, V] bf16 values, or a Q8_0 head (kernels.quant.QuantWeight (V, H)): the ideal
+    logits then use its exact dequantized values (reference.tail.head_values), and decl
+    must be the Q8_0 head's (tail_decl(..., head_input="fp32"))."""
+    w64 = head_values(w)
     kw = dict(hidden_actual=hidden_actual, interleaved=interleaved)
     ref = logits_ref(x, gamma_, w64, eps=eps, **kw)
     mirror = any(pt.startswith("mirror:") for pt in decl.rounding_points)

@@ -11,6 +11,13 @@ Two kinds of reference live here:
     come from the op's declaration (a numerics.Decl with sums "ssq" and "gemm"), which
     the caller passes in: this module never imports the op it checks.
 
+The head W is [H, V] (bf16 values, a tensor or an array) or a GGUF block weight (an
+object with .fmt, .shape (V, H), .data: kernels.quant.QuantWeight, the Q8_0 head), read
+through `head_values` as its exact values (reference.quant.dequantize_f64, transposed).
+Which activation the GEMM reads comes from the declaration: with a rounding point
+"a:bf16" it is bf16(fp32(x*gamma)), without one (the Q8_0 head, head_input "fp32") the
+fp32 product itself.
+
 Shape legend: gbs rows, H hidden, V vocab, k candidates.
 """
 from __future__ import annotations
@@ -23,6 +30,7 @@ import torch
 
 from ..numerics import U, Decl, SumDecl, exp64, gamma, log64
 from .gemm import daz
+from .quant import dequantize_f64
 
 BF16 = ml_dtypes.bfloat16
 _W64 = 4 * 2.0**-53  # widening for float64 arithmetic on interval ends
@@ -36,6 +44,15 @@ def as_np(t) -> np.ndarray:
             t = t.float()
         return t.double().numpy()
     return np.asarray(t, dtype=np.float64)
+
+
+def head_values(w) -> np.ndarray:
+    """The head as float64 [H, V], exactly: a [H, V] tensor or array as is (as_np); a
+    GGUF block weight (.fmt, shape (V, H), .data) by its format's values
+    (reference.quant.dequantize_f64), transposed."""
+    if hasattr(w, "fmt") and hasattr(w, "data"):
+        return dequantize_f64(w).T
+    return as_np(w)
 
 
 def real_lanes(h: int, h_u: int, interleaved: bool) -> np.ndarray:
@@ -66,12 +83,12 @@ def rms_ref(x, *, eps, hidden_actual=None, interleaved=True) -> np.ndarray:
 
 
 def logits_ref(x, gamma_, w, *, eps, hidden_actual=None, interleaved=True) -> np.ndarray:
-    """[gbs, V] float64: ((x * rms) * gamma) @ W with W's bf16 values, no rounding of the
-    activations; pad lanes contribute nothing."""
+    """[gbs, V] float64: ((x * rms) * gamma) @ W with W's values (head_values: bf16, or a
+    Q8_0 head's exact values), no rounding of the activations; pad lanes contribute nothing."""
     rms = rms_ref(x, eps=eps, hidden_actual=hidden_actual, interleaved=interleaved)
     x, g, real, _ = _prep(x, gamma_, hidden_actual, interleaved)
     a = np.where(real, x * g, 0.0)
-    return (a @ as_np(w)) * rms[:, None]
+    return (a @ head_values(w)) * rms[:, None]
 
 
 def topk_ref(values, k: int, *, nan_fold: bool = True):
@@ -170,14 +187,17 @@ def rms_range(x, *, eps, ssq: SumDecl, hidden_actual=None, interleaved=True):
         return _round_range(1.0 / hi, 1.0 / lo, u, np.float32)
 
 
-def gemm_input(x, gamma_, *, hidden_actual=None, interleaved=True, rms=None) -> np.ndarray:
+def gemm_input(x, gamma_, *, hidden_actual=None, interleaved=True, rms=None, bf16=True) -> np.ndarray:
     """The op's bf16 GEMM input, emulated exactly: bf16(fp32(x*gamma)) (deferred) or
-    bf16(fp32(fp32(x*rms)*gamma)) given the op's fp32 rms (legacy). float64 [gbs, H]."""
+    bf16(fp32(fp32(x*rms)*gamma)) given the op's fp32 rms (legacy); bf16=False: the fp32
+    product unrounded (the Q8_0 head's g). float64 [gbs, H], pad lanes 0."""
     x, g, real, _ = _prep(x, gamma_, hidden_actual, interleaved)
     x32, g32 = _fp32(x), _fp32(g)
     if rms is not None:
         x32 = x32 * _fp32(rms)[:, None]
-    a = (x32 * g32).astype(BF16).astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        a = x32 * g32
+    a = (a.astype(BF16) if bf16 else a).astype(np.float64)
     return np.where(real, a, 0.0)
 
 
@@ -220,7 +240,10 @@ def logits_range(x, gamma_, w, *, eps, decl: Decl, hidden_actual=None, interleav
     decl: the tail's declaration (tail.tail_decl(H, deferred_rms, gemm_order, exchange,
     head_input)); its sums "ssq" and "gemm" set the two sums' ranges (the GEMM's with its
     declared flush); a rounding point "a_lo:bf16" (head_input "bf16x2") makes the GEMM two
-    (a_hi and a_lo, each the declared sum) added in fp32."""
+    (a_hi and a_lo, each the declared sum) added in fp32; no "a:bf16" point (the Q8_0
+    head) makes the GEMM's input the unrounded fp32(x*gamma). w: [H, V] values or a Q8_0
+    head (V, H) (head_values)."""
+    w = head_values(w)
     r_lo, r_hi = rms_range(x, eps=eps, ssq=decl.sum("ssq"), hidden_actual=hidden_actual, interleaved=interleaved)
     kw = dict(hidden_actual=hidden_actual, interleaved=interleaved)
     gemm = decl.sum("gemm")
@@ -232,7 +255,7 @@ def logits_range(x, gamma_, w, *, eps, decl: Decl, hidden_actual=None, interleav
         cands = [lo * r_lo[:, None], lo * r_hi[:, None], hi * r_lo[:, None], hi * r_hi[:, None]]
         return _round_range(np.minimum.reduce(cands), np.maximum.reduce(cands), U["fp32"], np.float32)
     if deferred_rms:
-        a = gemm_input(x, gamma_, **kw)
+        a = gemm_input(x, gamma_, bf16="a:bf16" in decl.rounding_points, **kw)
         lo, hi = gemm_range(a, a, w, gemm=gemm)
         cands = [lo * r_lo[:, None], lo * r_hi[:, None], hi * r_lo[:, None], hi * r_hi[:, None]]
         return _round_range(np.minimum.reduce(cands), np.maximum.reduce(cands), U["fp32"], np.float32)
