@@ -6,10 +6,11 @@
       run C  request 0 alone, 1 rank    solo vs in the batch
       run D  request 1 alone, 1 rank
       run E  batch, N ranks (gloo)      vocab-parallel tail, body replicated per rank
-      run F  batch, 1 rank, the seed's tail: exchange="mirror", head_input="bf16" (the
-             "before" of the certification table)
-    A-E run the tail as TAIL (exchange="candidates": decisions on the fp32 logits;
-    head_input="bf16x2": the head GEMM's activation carried in 16 bits).
+      run F  batch, 1 rank, the seed's design: the declared bf16 body, the bf16 head,
+             exchange="mirror" (the "before" of the certification table)
+    A-E run generate()'s defaults (the q32 body: the file's own blocks on an fp32 stream;
+    the file's Q8_0 head with an fp32 input, head_input="fp32"; exchange="candidates":
+    decisions on the fp32 logits).
     checks   token ids and logprob bits identical: E vs A, B vs A, C/D vs A's rows
     float64  run A's and run F's tail steps replayed through
              lmtail.contract.certify.certify_tail (certify_generation): greedy and sampled
@@ -42,15 +43,16 @@ from rich.panel import Panel
 from rich.table import Table
 
 from ..contract.certify import certify_tail
-from ..model.generate import Generation, generate
+from ..model.generate import Generation, generate, head_weight
+from ..model.llama import lmtail_ops
 from ..model.gguf_loader import ModelBundle, ModelFileMissing, load_model
 from ..sampler import GREEDY_TEMPERATURE, SamplingParams
 from .report import cert_table, describe
 
 PROMPTS = ("Explain in two sentences why the sky is blue.", "Write a haiku about the sea.",
            "Describe a sunset in one sentence.", "Give me a name for a friendly robot.")
-TAIL = dict(exchange="candidates", head_input="bf16x2")  # the tail of runs A-E
-SEED_TAIL = dict(exchange="mirror", head_input="bf16")  # run F: the seed's design
+TAIL = dict(exchange="candidates")  # runs A-E: generate()'s body and head (q32, the Q8_0 head)
+SEED_TAIL = dict(exchange="mirror", head_input="bf16", ops=lmtail_ops())  # run F: the seed's design
 REQUESTS = (  # (prompt index, sampling) - rows 0 and 1 share the demo's main prompt
     (0, SamplingParams(temperature=0.0)),
     (0, SamplingParams(temperature=0.7, top_p=0.9, seed=1234)),
@@ -94,7 +96,7 @@ def certify_generation(bundle: ModelBundle, gen: Generation, *, rows: str = "all
                     decisions={d: dict(certified=0, matched=0, near_ties=0) for d in ("argmax", "topk", "sample")},
                     near_tie_rows={}, worst_margin={}, mismatches=[], ok=True, where=[])
     out = dict(topk_indices=tr.topk_indices[mask], tokens=tr.tokens[mask], truncated=tr.truncated[mask])
-    cert = certify_tail(tr.hidden[mask], bundle.final_norm, bundle.lm_head_weight_t, out,
+    cert = certify_tail(tr.hidden[mask], bundle.final_norm, head_weight(bundle, tr.head_input), out,
                         sampling_params=tr.params[mask], eps=bundle.config.eps, exchange=tr.exchange,
                         head_input=tr.head_input)
     return {**cert, "where": where}
@@ -113,15 +115,16 @@ def run_table(runs: dict[str, Generation]) -> Table:
 def header(con: Console, bundle, load_s: float) -> None:
     cfg = bundle.config
     con.rule("[bold]lmtail demo[/] - SmolLM2-135M-Instruct end to end on lmtail's ops")
-    con.print(f"model: {cfg.n_layers} layers, H={cfg.hidden}, V={cfg.vocab}, Q4_1 GGUF -> bf16 weights "
-              f"(rounded once at load), bf16 tied head; loaded in {load_s:.1f} s; torch threads "
-              f"{torch.get_num_threads()}")
-    con.print("body: every linear on [bold]lmtail.kernels.gemm.gemm_bf16[/] (amx32 order), declared "
-              "attention / rope / silu / exp32, every residual add + RMSNorm [bold]lmtail.norms.add_rms[/] "
+    con.print(f"model: {cfg.n_layers} layers, H={cfg.hidden}, V={cfg.vocab}, the GGUF's own Q4_1 body and Q8_0 "
+              f"tied head, read in place; loaded in {load_s:.1f} s; torch threads {torch.get_num_threads()}")
+    con.print("body (runs A-E, the q32 body): every linear on [bold]lmtail.kernels.quant.gemm_q[/] (lanes32 "
+              "order over the file's exact values), an fp32 stream (add + RMSNorm [bold]add_rms_rows32[/]), "
+              "declared attention / rope / silu / exp32, the layer loop as ONE native call per step "
               "(row-invariant by construction)\n"
-              "tail: [bold]lmtail.tail.decode_tail[/] (deferred RMS, head GEMM in the amx32 order over the "
-              "activation's bf16 hi + lo rows, exact fp32 top-256 and the sampler on fp32 logits (the "
-              "candidates exchange); per-request seed + position draws)")
+              "tail: [bold]lmtail.tail.decode_tail[/] (deferred RMS, the Q8_0 head GEMM on the fp32 "
+              "activation, exact fp32 top-256 and the sampler on fp32 logits (the candidates exchange); "
+              "per-request seed + position draws)\n"
+              "run F: the seed's design (bf16 weights and stream, bf16 head, decisions on the bf16 mirror)")
     req = Table(title="requests (one batch)", title_justify="left")
     for col in ("#", "prompt (chat template)", "sampling"):
         req.add_column(col)
@@ -141,7 +144,7 @@ def run_all(con: Console, bundle, *, max_new_tokens: int, ranks: int) -> dict[st
             ("D #1 solo", "D: request 1 alone", dict(prompts=prompts[1:2], params=params[1:2])),
             (f"E {ranks} ranks", f"E: batch of 5 on {ranks} gloo ranks (each runs the body)",
              dict(prompts=prompts, params=params, ranks=ranks)),
-            ("F mirror", "F: the batch on the seed's tail (bf16 mirror)",
+            ("F mirror", "F: the batch on the seed's design (bf16 body, bf16 head, bf16 mirror)",
              dict(prompts=prompts, params=params, record=True, **SEED_TAIL))]
     runs = {}
     for name, status, args in plan:
@@ -169,7 +172,8 @@ def print_certification(con: Console, bundle: ModelBundle, a: Generation, f: Gen
                  for tag, g in (("A", a), ("F", f)) for rows in ("greedy", "sampled")}
         cert_s = time.perf_counter() - t0
     con.print(cert_table(certs, title="tail decisions vs a float64 tail on the same hidden states (A: fp32 "
-                                      "candidates, bf16x2 head input; F: the bf16 mirror)",
+                                      "candidates, the Q8_0 head on an fp32 input; F: the bf16 mirror of "
+                                      "the bf16 head)",
                          group="rows run", count="steps"))
     for name, c in certs.items():
         for m in c["mismatches"]:

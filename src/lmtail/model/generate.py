@@ -59,17 +59,52 @@ import torch
 
 from ..numerics import draw_u
 from ..sampler import DEFAULT_U, SamplingParams, sampling_tensor, seed_int64
-from ..config import EXCHANGES, HEAD_INPUTS, TailConfig
+from ..config import EXCHANGES, TAIL_HEAD_INPUTS, TailConfig
 from ..tail import decode_tail
 from .gguf_loader import ModelBundle
-from .llama import Ops, forward, lmtail_ops, new_cache, prefill
+from .llama import Q32_BODY, Ops, forward, lmtail_ops, new_cache, prefill
 from .ranks import pack_bundle, run_ranks, unpack_bundle
 
 __all__ = ["Generation", "TailTrace", "StepOut", "DEFAULT_TAIL", "generate", "check_request", "request_params",
            "step_params", "encode_prompts", "local_step", "group_step", "decode_loop", "rank_decode",
-           "pack_bundle", "unpack_bundle"]
+           "pack_bundle", "unpack_bundle", "DEFAULT_BODY", "default_ops", "default_head_input", "head_weight",
+           "head_shard"]
 
 DEFAULT_TAIL = functools.partial(decode_tail, emit_logits=False)
+DEFAULT_BODY = Q32_BODY  # generate()'s body: the file's own blocks on an fp32 stream, the Q8_0 head
+
+
+def default_ops() -> Ops:
+    """generate()'s body when ops is None: llama.lmtail_ops(body="q32") (docs/model.md: the
+    file's own weights, no activation rounded below fp32, the fastest body and the closest to
+    the fp32 reference)."""
+    return lmtail_ops(body=DEFAULT_BODY)
+
+
+def default_head_input(ops: Ops) -> str:
+    """The tail's head input that goes with a body: "fp32" (the file's Q8_0 head) for the q32
+    body, TailConfig's "bf16" (the bf16 head) for the others."""
+    return "fp32" if ops.body == Q32_BODY else TailConfig.head_input
+
+
+def head_weight(bundle: ModelBundle, head_input: str):
+    """The full-vocab head the tail reads for `head_input`: bundle.head_q (Q8_0 QuantWeight
+    [V, H]) for "fp32", else bundle.lm_head_weight_t ([H, V] bf16; ValueError on a
+    load_model(weights="file") bundle, which has none)."""
+    if head_input == "fp32":
+        return bundle.head_q
+    if bundle.lm_head_weight_t is None:
+        raise ValueError(f"head_input={head_input!r} needs the bf16 head of load_model(weights='all'); this "
+                         f"bundle was loaded with weights={bundle.weights!r} (use head_input='fp32')")
+    return bundle.lm_head_weight_t
+
+
+def head_shard(head, rank: int, n: int):
+    """Rank `rank` of n's vocab shard of a full head: QuantWeight rows (a view) or bf16 columns."""
+    vs = (head.shape[0] if not isinstance(head, torch.Tensor) else head.shape[1]) // n
+    if isinstance(head, torch.Tensor):
+        return head[:, rank * vs:(rank + 1) * vs].contiguous()  # [H, V_s] bf16
+    return head.rows(rank * vs, (rank + 1) * vs)  # [V_s, H] Q8_0
 
 
 # ---------------------------------------------------------------------------------------
@@ -87,7 +122,7 @@ class TailTrace:
     truncated: torch.Tensor  # [S, B] bool
     active: torch.Tensor  # [S, B] bool, row b had not stopped before step s
     exchange: str = TailConfig.exchange  # the tail's exchange (what its decisions were made on)
-    head_input: str = TailConfig.head_input  # the tail's GEMM activation ("bf16" | "bf16x2")
+    head_input: str = TailConfig.head_input  # the tail's GEMM activation ("bf16" | "bf16x2" | "fp32": the Q8_0 head)
 
 
 @dataclass(frozen=True)
@@ -175,28 +210,28 @@ class StepOut:
     truncated: torch.Tensor | None  # [B] bool
 
 
-def local_step(tail_fn, bundle: ModelBundle, k: int):
-    """tail_step(h [B, H], sp [B, 5]) -> StepOut on one rank (the full head)."""
+def local_step(tail_fn, bundle: ModelBundle, k: int, head):
+    """tail_step(h [B, H], sp [B, 5]) -> StepOut on one rank (the full head `head`)."""
     cfg = bundle.config
 
     def step(h, sp):
-        res = tail_fn(h, bundle.final_norm, bundle.lm_head_weight_t, eps=cfg.eps, k=k, sampling_params=sp)
+        res = tail_fn(h, bundle.final_norm, head, eps=cfg.eps, k=k, sampling_params=sp)
         return StepOut(res.tokens, res.logprobs, getattr(res, "topk_indices", None),
                        getattr(res, "truncated", None))
 
     return step
 
 
-def group_step(tail_fn, bundle: ModelBundle, k: int, rank: int, n: int):
+def group_step(tail_fn, bundle: ModelBundle, k: int, rank: int, n: int, head_input: str):
     """tail_step for rank `rank` of an n-rank world (module docstring, "Ranks"): zero-row
-    padding to gbs, this rank's vocab shard, owned rows' params, one all-gather after."""
+    padding to gbs, this rank's vocab shard of the head for `head_input`, owned rows'
+    params, one all-gather after."""
     import torch.distributed as dist
 
     from ..layout import owned_rows
 
     cfg = bundle.config
-    vs = cfg.vocab // n
-    w = bundle.lm_head_weight_t[:, rank * vs:(rank + 1) * vs].contiguous()  # [H, V_s] bf16
+    w = head_shard(head_weight(bundle, head_input), rank, n)
 
     def step(h, sp):
         b, hid = h.shape
@@ -269,7 +304,7 @@ def decode_loop(bundle: ModelBundle, ids: list[list[int]], params: list[Sampling
 def rank_decode(bundle: ModelBundle, rank: int, n: int, ids, params, opts: dict, *, on_step=None) -> Generation:
     """One rank of generate(ranks=n): the decode loop on this rank's tail step (group_step);
     run by lmtail.model.ranks.run_ranks in each spawned rank."""
-    step = group_step(opts["tail_fn"], bundle, opts["k"], rank, n)
+    step = group_step(opts["tail_fn"], bundle, opts["k"], rank, n, opts["head_input"])
     return decode_loop(bundle, ids, params, max_new_tokens=opts["max_new_tokens"], ops=opts["ops"],
                        tail_step=step, on_step=on_step, record=opts["record"])
 
@@ -290,13 +325,14 @@ def generate(bundle: ModelBundle, prompts: list[str], *, max_new_tokens: int = 6
     or one per prompt) apply to every request, unless `params` gives one SamplingParams per
     prompt. ranks: vocab-parallel ranks (N must divide V = 49152); the same tokens for
     every N. k: candidates asked of the tail (raised to the largest top_k). tail_fn None:
-    decode_tail(emit_logits=False); ops None: llama.lmtail_ops() (the body on
-    lmtail.norms.add_rms). on_step(step, tokens [B] list[int], done [B] list[bool]) after
+    decode_tail(emit_logits=False); ops None: default_ops(), the q32 body (the file's own
+    blocks on an fp32 stream; llama.lmtail_ops() is the declared bf16 body). on_step(step, tokens [B] list[int], done [B] list[bool]) after
     every step (streaming); on_prefill(done, P) after each prefill chunk (ranks = 1 only).
     record: keep a TailTrace for certification. timeout_s bounds a ranks > 1 run (the
     ranks are terminated after it). exchange, head_input: the default tail's exchange and
-    GEMM activation (config.EXCHANGES, config.HEAD_INPUTS; None: TailConfig's defaults);
-    only without tail_fn.
+    GEMM activation (config.EXCHANGES, config.TAIL_HEAD_INPUTS; None: TailConfig's exchange
+    and default_head_input(ops): "fp32", the file's Q8_0 head, for the q32 body, else "bf16");
+    only without tail_fn (a tail_fn gets the head of default_head_input(ops)).
     """
     t0 = time.perf_counter()
     if not prompts or not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
@@ -320,21 +356,23 @@ def generate(bundle: ModelBundle, prompts: list[str], *, max_new_tokens: int = 6
     if min(lens) < 1 or max(lens) + max_new_tokens > cfg.context_length:
         raise ValueError(f"prompt lengths must be >= 1 and + max_new_tokens <= {cfg.context_length}; "
                          f"got {lens} + {max_new_tokens}")
-    for name, val, allowed in (("exchange", exchange, EXCHANGES), ("head_input", head_input, HEAD_INPUTS)):
+    for name, val, allowed in (("exchange", exchange, EXCHANGES), ("head_input", head_input, TAIL_HEAD_INPUTS)):
         if val is not None and (tail_fn is not None or val not in allowed):
             raise ValueError(f"{name} must be one of {allowed} and applies to the default tail only; got "
                              f"{name}={val!r} with tail_fn={'given' if tail_fn is not None else None}")
+    ops = default_ops() if ops is None else ops
     exchange = TailConfig.exchange if exchange is None else exchange
-    head_input = TailConfig.head_input if head_input is None else head_input
+    head_input = default_head_input(ops) if head_input is None else head_input
+    head = head_weight(bundle, head_input)
     if tail_fn is None:
         tail_fn = functools.partial(DEFAULT_TAIL, exchange=exchange, head_input=head_input)
-    ops = lmtail_ops() if ops is None else ops
     if ranks == 1:
         gen = decode_loop(bundle, ids, params, max_new_tokens=max_new_tokens, ops=ops,
-                          tail_step=local_step(tail_fn, bundle, k), on_step=on_step, record=record,
+                          tail_step=local_step(tail_fn, bundle, k, head), on_step=on_step, record=record,
                           on_prefill=on_prefill)
     else:
-        opts = dict(tail_fn=tail_fn, ops=ops, k=k, max_new_tokens=max_new_tokens, record=record)
+        opts = dict(tail_fn=tail_fn, ops=ops, k=k, max_new_tokens=max_new_tokens, record=record,
+                    head_input=head_input)
         gens = run_ranks(rank_decode, bundle, (ids, params, opts), ranks=ranks, on_step=on_step,
                          timeout_s=timeout_s)
         assert all(g.token_ids == gens[0].token_ids for g in gens), "ranks decoded different tokens"

@@ -17,7 +17,8 @@ import math
 import sys
 
 EXCHANGE_CHOICES = ("candidates", "mirror")  # config.EXCHANGES (no torch import here; run checks)
-HEAD_INPUT_CHOICES = ("bf16x2", "bf16")  # config.HEAD_INPUTS
+HEAD_INPUT_CHOICES = ("fp32", "bf16x2", "bf16")  # config.TAIL_HEAD_INPUTS
+BODY_CHOICES = ("q32", "declared", "quant")  # model.llama.BODIES less the fp32 reference
 
 SMOLLM2_VOCAB = 49152  # V of the default model (load_model()): --ranks must divide it
 SMOLLM2_CONTEXT = 8192  # its context length: prompt tokens + --max-new-tokens must fit
@@ -40,15 +41,17 @@ def configure(ap: argparse.ArgumentParser) -> None:
                     help=f"vocab-parallel ranks of the tail (gloo processes), dividing {SMOLLM2_VOCAB}")
     ap.add_argument("--raw", action="store_true", help="no chat template: continue the text")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: torch default)")
-    ap.add_argument("--body", choices=("declared", "quant"), default="declared",
-                    help="the model body: 'declared' (bf16 weights, the default) or 'quant' (every "
-                         "linear on gemm_q over the GGUF's own Q4_1 blocks; 1 rank)")
+    ap.add_argument("--body", choices=BODY_CHOICES, default="q32",
+                    help="the model body: 'q32' (the default: the GGUF's own blocks on an fp32 stream, "
+                         "the Q8_0 head; loads only the file's bytes), 'declared' (bf16 weights and "
+                         "stream) or 'quant' (the declared body's linears on the Q4_1 blocks)")
     ap.add_argument("--exchange", choices=EXCHANGE_CHOICES, default=None,
                     help="the tail's exchange: 'candidates' (fp32 decisions, each shard's top-k + mass "
                          "partials cross the all-to-all) or 'mirror' (the bf16 mirror); default: generate's")
     ap.add_argument("--head-input", choices=HEAD_INPUT_CHOICES, default=None,
-                    help="the head GEMM's activation: 'bf16x2' (hi + lo bf16 rows, 16 bits) or 'bf16'; "
-                         "default: generate's")
+                    help="the head GEMM's activation: 'fp32' (the file's Q8_0 head, fp32 input), "
+                         "'bf16x2' (hi + lo bf16 rows on the bf16 head, 16 bits) or 'bf16'; "
+                         "default: generate's ('fp32' with --body q32, else 'bf16')")
 
 
 def check(args: argparse.Namespace) -> None:
@@ -102,19 +105,21 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
 
-    from ..config import EXCHANGES, HEAD_INPUTS
+    from ..config import EXCHANGES, TAIL_HEAD_INPUTS
     from .generate import generate
     from .gguf_loader import ModelFileMissing, load_model
-    from .llama import lmtail_ops
+    from .llama import BODIES, lmtail_ops
 
-    assert set(EXCHANGE_CHOICES) == set(EXCHANGES) and set(HEAD_INPUT_CHOICES) == set(HEAD_INPUTS), "CLI choices"
+    assert set(EXCHANGE_CHOICES) == set(EXCHANGES) and set(HEAD_INPUT_CHOICES) == set(TAIL_HEAD_INPUTS), "CLI choices"
+    assert set(BODY_CHOICES) == set(BODIES) - {"fp32"}, "CLI choices"
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     out, err = Console(), Console(stderr=True)
     try:
         with err.status("loading SmolLM2-135M-Instruct ..."):
-            bundle = load_model()
+            light = args.body == "q32" and args.head_input in (None, "fp32")
+            bundle = load_model(weights="file" if light else "all")  # "file": only the file's bytes
     except ModelFileMissing as e:
         print(f"lmtail generate: error: model missing: {e}", file=sys.stderr)
         return 2

@@ -40,9 +40,13 @@ def configure(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--exchange", choices=("candidates", "mirror"), default="candidates",
                     help="the tail's exchange: 'candidates' (decisions on the fp32 logits, the default) or "
                          "'mirror' (on their bf16 mirror)")
-    ap.add_argument("--head-input", choices=("bf16", "bf16x2"), default="bf16",
-                    help="the head GEMM's activation: 'bf16' (the default) or 'bf16x2' (hi + lo bf16 rows: "
-                         "16 bits, two GEMM rows per request)")
+    ap.add_argument("--body", choices=("q32", "declared"), default="q32",
+                    help="the model body: 'q32' (the default: the GGUF's own blocks on an fp32 stream, the "
+                         "Q8_0 head; loads only the file's bytes) or 'declared' (bf16 weights and stream)")
+    ap.add_argument("--head-input", choices=("fp32", "bf16", "bf16x2"), default=None,
+                    help="the head GEMM's activation: 'fp32' (the file's Q8_0 head; the default with --body "
+                         "q32), 'bf16' (the bf16 head; the default with --body declared) or 'bf16x2' (hi + lo "
+                         "bf16 rows on the bf16 head: 16 bits, two GEMM rows per request)")
     ap.add_argument("--shutdown-timeout", type=float, default=10.0,
                     help="seconds in-flight requests may take after SIGTERM")
 
@@ -69,14 +73,16 @@ def build(args: argparse.Namespace, bundle=None):
     import torch
 
     from ..model.gguf_loader import load_model
+    from ..model.llama import lmtail_ops
     from .app import create_app
     from .engine import Engine
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    bundle = load_model() if bundle is None else bundle
+    light = args.body == "q32" and args.head_input in (None, "fp32")
+    bundle = load_model(weights="file" if light else "all") if bundle is None else bundle
     engine = Engine(bundle, max_batch=args.max_batch, max_queue=args.max_queue, k=args.k, exchange=args.exchange,
-                    head_input=args.head_input, ranks=args.ranks)
+                    head_input=args.head_input, ranks=args.ranks, ops=lmtail_ops(body=args.body))
     return engine, create_app(engine, model_name=args.model_name, shutdown_timeout=args.shutdown_timeout)
 
 

@@ -36,10 +36,12 @@ import torch
 
 from ..kernels.rowmass import row_mass
 from ..model.gguf_loader import ModelBundle
-from ..model.llama import KVCache, Ops, forward, lmtail_ops
+from ..kernels.step import StepBuffers, StepShape
+from ..model.generate import default_head_input, default_ops, head_weight
+from ..model.llama import Q32_BODY, KVCache, Ops, forward
 from ..numerics import log64
 from ..sampler import SamplingParams, sampling_tensor
-from ..config import EXCHANGES, HEAD_INPUTS, TailConfig
+from ..config import EXCHANGES, TAIL_HEAD_INPUTS, TailConfig
 from ..tail import decode_tail
 from . import batch
 
@@ -213,8 +215,10 @@ class Engine:
     k: the tail's candidate count (top_k must be <= k; the same k for every request, so a
     request's bytes never depend on its neighbours' top_k); body: "batched"
     (batch.step_rows, the default) or "rows" (llama.forward per row: the reference);
-    ops: the declared body (llama.lmtail_ops()); exchange, head_input: the tail's
-    (TailConfig's defaults; config.EXCHANGES, config.HEAD_INPUTS); ranks: N > 1 runs the
+    ops: the body, q32 or declared (None: generate.default_ops(), the q32 body: the file's
+    own blocks on an fp32 stream); exchange, head_input: the tail's (config.EXCHANGES,
+    config.TAIL_HEAD_INPUTS; exchange None: TailConfig's, head_input None:
+    generate.default_head_input(ops), "fp32" = the file's Q8_0 head for q32); ranks: N > 1 runs the
     sampling step's tail vocab-parallel over N gloo ranks (serve.ranks.RankTail, spawned
     here, stopped by close(); N must divide V, and 256 with exchange "candidates"), with
     every token and logprob bit of ranks = 1; top logprobs, echo scoring and the prompt's
@@ -223,21 +227,24 @@ class Engine:
 
     def __init__(self, bundle: ModelBundle, *, max_batch: int = 16, max_queue: int = 64, k: int = 256,
                  body: str = "batched", ops: Ops | None = None, exchange: str = TailConfig.exchange,
-                 head_input: str = TailConfig.head_input, ranks: int = 1, rank_timeout_s: float = 120.0):
+                 head_input: str | None = None, ranks: int = 1, rank_timeout_s: float = 120.0):
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0; got {max_batch}, {max_queue}")
         if body not in ("batched", "rows"):
             raise ValueError(f"body must be 'batched' or 'rows'; got {body!r}")
         if not 1 <= k <= bundle.config.vocab:
             raise ValueError(f"k must be in [1, {bundle.config.vocab}]; got {k}")
-        if exchange not in EXCHANGES or head_input not in HEAD_INPUTS:
-            raise ValueError(f"exchange must be one of {EXCHANGES} and head_input one of {HEAD_INPUTS}; got "
+        self.ops = default_ops() if ops is None else ops
+        if self.ops.body not in ("declared", Q32_BODY):
+            raise ValueError(f"ops.body must be 'declared' or 'q32'; got {self.ops.body!r}")
+        head_input = default_head_input(self.ops) if head_input is None else head_input
+        if exchange not in EXCHANGES or head_input not in TAIL_HEAD_INPUTS:
+            raise ValueError(f"exchange must be one of {EXCHANGES} and head_input one of {TAIL_HEAD_INPUTS}; got "
                              f"{exchange!r}, {head_input!r}")
         self.bundle, self.max_batch, self.max_queue, self.k, self.body = bundle, max_batch, max_queue, k, body
         self.tail_kw = dict(exchange=exchange, head_input=head_input)
-        self.ops = lmtail_ops() if ops is None else ops
-        if self.ops.body != "declared":
-            raise ValueError(f"ops.body must be 'declared'; got {self.ops.body!r}")
+        self.head = head_weight(bundle, head_input)  # the full head the tail reads
+        self._scratch = None  # the q32 native rows step's buffers (kernels.step.StepBuffers), kept across steps
         if not isinstance(ranks, int) or ranks < 1 or bundle.config.vocab % ranks:
             raise ValueError(f"ranks must be an int >= 1 dividing the vocab {bundle.config.vocab}; got {ranks!r}")
         self.ranks = ranks
@@ -425,7 +432,7 @@ class Engine:
         cand = self.tail_kw["exchange"] == "candidates"
         mask = torch.tensor(want, dtype=torch.bool)  # [R]
         if self._ranks is None:
-            out = decode_tail(x, self.bundle.final_norm, self.bundle.lm_head_weight_t, eps=self.bundle.config.eps,
+            out = decode_tail(x, self.bundle.final_norm, self.head, eps=self.bundle.config.eps,
                               k=self.k, sampling_params=sp, emit_logits=any(want), debug_taps=any(want) and cand,
                               **self.tail_kw)
             if not any(want):
@@ -435,7 +442,7 @@ class Engine:
         out = self._ranks.tail(x, sp)
         if not any(want):
             return out, None, None
-        loc = decode_tail(x[mask].contiguous(), self.bundle.final_norm, self.bundle.lm_head_weight_t,
+        loc = decode_tail(x[mask].contiguous(), self.bundle.final_norm, self.head,
                           eps=self.bundle.config.eps, k=self.k, sampling_params=sp[mask].contiguous(),
                           emit_logits=True, debug_taps=cand, **self.tail_kw)
         if not torch.equal(loc.tokens, out.tokens[mask]):
@@ -453,7 +460,11 @@ class Engine:
         for r in rows:
             r.cache = batch.grow(cfg, r.cache, r.cache.length + 1)
         if self.body == "batched":
-            h = batch.step_rows(self.bundle, tokens, [r.cache for r in rows], self.ops)  # [R, H]
+            if self._scratch is None and self.ops.body == Q32_BODY:
+                c = self.bundle.config
+                self._scratch = StepBuffers(StepShape(L=c.n_layers, H=c.hidden, nh=c.n_heads, nkv=c.n_kv_heads, F=c.ffn))
+            h = batch.step_rows(self.bundle, tokens, [r.cache for r in rows], self.ops,
+                                scratch=self._scratch)  # [R, H]
         else:
             h = torch.cat([forward(self.bundle, tokens[i, None, None], r.cache, ops=self.ops)[0][0]
                            for i, r in enumerate(rows)])  # [R, H]
@@ -485,6 +496,7 @@ def score_positions(bundle: ModelBundle, h: torch.Tensor, targets: torch.Tensor,
     reports when it emits that token from that hidden state (with the same exchange and
     head_input). n: top alternatives per position (None: none). Returns ([P'] floats,
     [P'] x n (id, logprob) or None)."""
+    head = head_weight(bundle, head_input)
     lps: list[float] = []
     tops: list[list[tuple[int, float]]] | None = [] if n else None
     cfg = bundle.config
@@ -492,7 +504,7 @@ def score_positions(bundle: ModelBundle, h: torch.Tensor, targets: torch.Tensor,
         hb = h[p0:p0 + SCORE_ROWS].contiguous()  # [c, H]
         # greedy rows: the candidates exchange computes its row masses (lse1) only for a sampled call
         greedy = torch.tensor([[0.0, 1.0, 0.0, 0.5, 0.0]], dtype=torch.float32).expand(hb.shape[0], 5).contiguous()
-        out = decode_tail(hb, bundle.final_norm, bundle.lm_head_weight_t, eps=cfg.eps, k=max(k, n or 1),
+        out = decode_tail(hb, bundle.final_norm, head, eps=cfg.eps, k=max(k, n or 1),
                           emit_logits=True, debug_taps=exchange == "candidates", exchange=exchange,
                           head_input=head_input, sampling_params=greedy if exchange == "candidates" else None)
         lse = tail_lse(out, torch.ones(hb.shape[0], dtype=torch.bool), exchange)  # [c]

@@ -46,6 +46,8 @@ from ..candidates import check_vtp
 from ..exchange import ExchangeError
 from ..launch import stop_processes
 from ..layout import owned_rows
+from ..kernels.quant import QuantWeight
+from ..model.generate import head_shard, head_weight
 
 _CMD_TAIL, _CMD_STOP = 1, 0
 _HEADER = struct.Struct("<qq")  # (command, gbs)
@@ -155,6 +157,14 @@ def _worker(rank, n, port, gamma, w, opts, conn, parent_pid, threads):
     os._exit(code)  # skip interpreter teardown (a failed collective may linger)
 
 
+def _shared(shard):
+    """A head shard in shared memory for a spawned rank: a bf16 tensor, or a QuantWeight
+    whose bytes are copied into shared memory (a view of the file's map cannot travel)."""
+    if isinstance(shard, torch.Tensor):
+        return shard.share_memory_()
+    return QuantWeight(shard.fmt, shard.shape, shard.data.clone().share_memory_())
+
+
 class RankTail:
     """The decode tail over `ranks` gloo ranks, this process being rank 0 (module docstring).
 
@@ -178,9 +188,9 @@ class RankTail:
         self.hidden = bundle.final_norm.shape[-1]
         self.opts = dict(k=k, eps=bundle.config.eps, exchange=exchange, head_input=head_input,
                          timeout=float(timeout_s))
-        vs = v // ranks
         self.gamma = bundle.final_norm.reshape(-1).to(torch.float32).contiguous()  # [H]
-        self.w = bundle.lm_head_weight_t[:, :vs].contiguous()  # [H, V_s] bf16: rank 0's shard
+        head = head_weight(bundle, head_input)  # [H, V] bf16, or the [V, H] Q8_0 QuantWeight ("fp32")
+        self.w = head_shard(head, 0, ranks)  # rank 0's shard
         self.broken: str | None = None
         self.procs, self.conns = [], []
         td = timedelta(seconds=timeout_s)
@@ -189,7 +199,7 @@ class RankTail:
         threads = torch.get_num_threads() if threads is None else threads
         try:
             for r in range(1, ranks):
-                shard = bundle.lm_head_weight_t[:, r * vs:(r + 1) * vs].contiguous().share_memory_()
+                shard = _shared(head_shard(head, r, ranks))
                 recv_end, send_end = ctx.Pipe(duplex=False)
                 p = ctx.Process(target=_worker, daemon=True, name=f"lmtail-serve-rank{r}",
                                 args=(r, ranks, self._store.port, self.gamma.clone().share_memory_(), shard,
