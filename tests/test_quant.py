@@ -171,8 +171,13 @@ def test_backend_available_or_skipped_with_reason(backend):
     assert backend in C_BACKENDS
 
 
+# Every AVX2 blocking path (gemm_q.c's rows_cols_avx2 / lanes path), odd N, K = 32 x odd:
+# M = 1 direct; 2 pair; 3, 4 half blocks (K <= 768 or not); 5..16 with K <= 768 quarter blocks
+# of 5..8 rows (+ half or pair remainders); 5..7 with K > 768 half + pair; M >= 17, or 8..16
+# with K > 768, the lanes path.
 SHAPES = [(1, 401, 608), (3, 401, 608), (7, 129, 96), (4, 33, 1536), (17, 65, 224), (2, 1, 32),
-          (67, 53, 96)]  # M >= 64: avx2's lanes path
+          (67, 53, 96), (10, 301, 736), (6, 211, 1184), (9, 37, 160), (11, 45, 800), (5, 31, 352),
+          (12, 9, 64), (8, 7, 32), (6, 13, 224), (13, 21, 96), (16, 11, 736)]
 
 
 @pytest.mark.parametrize("fmt", Q.FORMATS)
@@ -201,13 +206,13 @@ def test_planted_variants_are_told_apart(fmt):
 
 
 def test_rows_do_not_depend_on_the_batch():
-    """Row m's bytes alone == in a batch of 1, 4, 16, 100, 512 (each size its own blocking
-    path) == with the rows reversed, on 1, 2 and 3 threads."""
+    """Row m's bytes alone == in a batch of 1 .. 8, 11, 12, 15, 16, 17, 100, 512 (the
+    blocking paths) == with the rows reversed, on 1, 2 and 3 threads."""
     for fmt in Q.FORMATS:
         w = rand_weight(401, 576, fmt, 8)
         a = rand_a(512, 576, 8)
         full = gemm_q(a, w, threads=1)
-        for M in (1, 4, 16, 100):
+        for M in (1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 15, 16, 17, 100):  # each blocking path
             assert same_bits(gemm_q(a[:M], w), full[:M]), M
         for th in (2, 3):
             assert same_bits(gemm_q(a, w, threads=th), full), th
@@ -247,7 +252,8 @@ def tiny_a(M, K, seed) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", Q.FORMATS)
 def test_specials_and_subnormals_bit_equal(fmt):
     w = rand_weight(37, 192, fmt, 10)
-    for a in (special_a(9, 192, 10), tiny_a(5, 192, 10)):
+    strided = tiny_a(3, 992, 12)[:, :192]  # lda = 992: the half-block path's row stride
+    for a in (special_a(9, 192, 10), special_a(4, 192, 11), tiny_a(5, 192, 10), strided):
         want = lanes_emulation(a, dequantize(w))
         for be in C_BACKENDS:
             got = gemm_q(a, w, backend=be)

@@ -28,13 +28,16 @@ enum { FMT_Q8_0 = 0, FMT_Q4_1 = 1 };
 enum { ISA_C = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 /* Blocking: a unit is a chunk of columns taken by one thread. M == 1 reads the blocks
  * directly (two columns at a time; AVX-512: 2 zmm per block). M >= 2 runs AVX2 code on both
- * vector paths: 2 <= M < LANES_MIN_M reads the blocks directly, rows in pairs; M >=
- * LANES_MIN_M takes the lanes path (lanes_unit). Threads: each gets at least MIN_WEIGHT
- * weights (or MIN_WORK multiply-adds). */
-/* PREFETCH: the direct paths prefetch each weight row this many bytes ahead (the head at
+ * vector paths: below the lanes path each column's blocks are read directly, ROWS_COLS
+ * columns at a time, in passes of rows that share each dequantized part of a block
+ * (rows_cols_avx2): QUARTER_MIN_R..8 rows a quarter block at a time when K <= QUARTER_MAX_K
+ * (8 rows of a stay in L1), 3-4 rows half a block at a time, 1-2 rows a whole block.
+ * M >= LANES_MIN_M, or M >= 8 with K > QUARTER_MAX_K, takes the lanes path (lanes_unit).
+ * Threads: each gets at least MIN_WEIGHT weights (or MIN_WORK multiply-adds).
+ * PREFETCH: the direct paths prefetch each weight row this many bytes ahead (the head at
  * M = 1, read from DRAM, ran about 2x faster with it on Zen 3; cached sizes: no change). */
-enum { PREFETCH = 256 };
-enum { QK = 32, LANES_MIN_M = 8, LANES_PANEL = 1 << 16, MIN_WEIGHT = 1 << 16, MIN_WORK = 1 << 20 };
+enum { PREFETCH = 256, LANES_MIN_M = 17, QUARTER_MIN_R = 5, QUARTER_MAX_K = 768, ROWS_COLS = 8 };
+enum { QK = 32, LANES_PANEL = 1 << 16, MIN_WEIGHT = 1 << 16, MIN_WORK = 1 << 20 };
 
 typedef struct {
     const float *a;
@@ -42,7 +45,7 @@ typedef struct {
     const uint8_t *w;
     float *out;
     int64_t lda, ldc, M, N, K, nb, bs, chunk, units;
-    int fmt, isa, lanes; /* lanes: M >= LANES_MIN_M on a vector path (lanes_unit) */
+    int fmt, isa, lanes; /* lanes: the lanes path on a vector path (lanes_unit) */
     int64_t next, done; /* next unit to take, units finished (atomic) */
 } job_t;
 
@@ -153,7 +156,7 @@ static AI AVX2 void direct_avx2(const job_t *j, int64_t n, int C, int fmt) {
     for (int c = 0; c < C; ++c) j->out[n + c] = canon_nan(tree_avx2(acc[c]));
 }
 
-/* 2 <= M < LANES_MIN_M: rows m0, m0+1 (R = 1 or 2) of column n straight from the blocks. */
+/* Rows m0, m0+1 (R = 1 or 2) of column n straight from the blocks (whole blocks). */
 static AI AVX2 void pair_avx2(const job_t *j, int64_t m0, int R, int64_t n, int fmt) {
     __m256 acc[2][4], v[4];
     for (int r = 0; r < 2; ++r)
@@ -171,8 +174,84 @@ static AI AVX2 void pair_avx2(const job_t *j, int64_t m0, int R, int64_t n, int 
     for (int r = 0; r < R; ++r) j->out[(m0 + r) * j->ldc + n] = canon_nan(tree_avx2(acc[r]));
 }
 
-/* The lanes path (AVX2, M >= LANES_MIN_M): the same lane chains, computed lane by lane,
- * 8 columns to a register, so a fma takes a broadcast activation and a vector of 8 columns:
+/* ymm i0 .. i0+S-1 of the block (lanes 8i .. 8i+7 each): deq_avx2's v[i0 ..], the same values. */
+static AI AVX2 void deq_part_avx2(const uint8_t *blk, int fmt, int i0, int S, __m256 *v) {
+    if (fmt == FMT_Q8_0) {
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss(ld16(blk)));
+        for (int s = 0; s < S; ++s) {
+            const __m128i q = _mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * (i0 + s)));
+            v[s] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+        }
+        return;
+    }
+    int32_t dm;
+    memcpy(&dm, blk, 4);
+    const __m128 hm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm)); /* [d, m, 0, 0] */
+    const __m256 d = _mm256_broadcastss_ps(hm), m = _mm256_broadcastss_ps(_mm_movehdup_ps(hm));
+    for (int s = 0; s < S; ++s) { /* ymm i: low nibbles of qs[8i ..] (i < 2), high of qs[8(i-2) ..] */
+        const int i = i0 + s;
+        const __m128i qs = _mm_loadl_epi64((const __m128i *)(blk + 4 + 8 * (i & 1)));
+        const __m256i x = _mm256_cvtepu8_epi32(qs);
+        const __m256i q = i >= 2 ? _mm256_srli_epi32(x, 4) : _mm256_and_si256(x, _mm256_set1_epi32(15));
+        v[s] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q), m);
+    }
+}
+
+/* Rows m0 .. m0+R-1 (R <= 8/S) of column n, S ymm of lanes at a time: lanes 0 .. 8S-1 over all
+ * blocks, then the next 8S lanes, ... (each part dequantized once for the R rows; R*S
+ * accumulators); then each row's tree. */
+static AI AVX2 void rows_part_avx2(const job_t *j, int64_t m0, int R, int S, int64_t n, int fmt) {
+    const int64_t nb = j->nb, lda = j->lda, bs = j->bs;
+    const float *a = j->a + m0 * lda;
+    const uint8_t *row = j->w + n * nb * bs;
+    __m256 l[8][4];
+    for (int i0 = 0; i0 < 4; i0 += S) {
+        __m256 acc[8][2];
+        for (int r = 0; r < R; ++r)
+            for (int s = 0; s < S; ++s) acc[r][s] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+            __m256 v[2];
+            _mm_prefetch((const char *)row + b * bs + PREFETCH, _MM_HINT_T0);
+            deq_part_avx2(row + b * bs, fmt, i0, S, v);
+            for (int r = 0; r < R; ++r) {
+                const float *ab = a + r * lda + QK * b + 8 * i0;
+                for (int s = 0; s < S; ++s)
+                    acc[r][s] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + 8 * s), v[s], acc[r][s]);
+            }
+        }
+        for (int r = 0; r < R; ++r)
+            for (int s = 0; s < S; ++s) l[r][i0 + s] = acc[r][s];
+    }
+    for (int r = 0; r < R; ++r) j->out[(m0 + r) * j->ldc + n] = canon_nan(tree_avx2(l[r]));
+}
+
+/* Rows 0 .. M-1 of columns n0 .. n1-1 (2 <= M, below the lanes path): passes of R rows that
+ * share each dequantized part of a block: QUARTER_MIN_R..8 rows a quarter block at a time (K
+ * <= QUARTER_MAX_K: the rows of a stay in L1), 3-4 rows half a block at a time, 2 rows or 1 a
+ * whole block at a time; each pass runs over the columns (at most ROWS_COLS: their blocks stay
+ * in L1 or L2 for the next pass, the pass's rows of a in L1). Only which rows share a
+ * dequantized value changes with M: each element's chains and tree are the declared ones. */
+static AI AVX2 void rows_cols_avx2(const job_t *j, int64_t n0, int64_t n1, int fmt) {
+    for (int64_t m = 0; m < j->M;) {
+        const int64_t R = j->M - m;
+#define PASS(RR, FN) { for (int64_t n = n0; n < n1; ++n) FN; m += RR; continue; }
+        if (R >= QUARTER_MIN_R && j->K <= QUARTER_MAX_K) {
+            if (R >= 8) PASS(8, rows_part_avx2(j, m, 8, 1, n, fmt))
+            if (R == 7) PASS(7, rows_part_avx2(j, m, 7, 1, n, fmt))
+            if (R == 6) PASS(6, rows_part_avx2(j, m, 6, 1, n, fmt))
+            PASS(5, rows_part_avx2(j, m, 5, 1, n, fmt))
+        }
+        if (R >= 4) PASS(4, rows_part_avx2(j, m, 4, 2, n, fmt))
+        if (R == 3) PASS(3, rows_part_avx2(j, m, 3, 2, n, fmt))
+        if (R == 2) PASS(2, pair_avx2(j, m, 2, n, fmt))
+        PASS(1, pair_avx2(j, m, 1, n, fmt))
+#undef PASS
+    }
+}
+
+/* The lanes path (AVX2, M >= LANES_MIN_M, or M >= 8 with K > QUARTER_MAX_K): the same lane
+ * chains, computed lane by lane, 8 columns to a register, so a fma takes a broadcast
+ * activation and a vector of 8 columns:
  * R (<= 4) rows x C (<= 3) groups of 8 columns per register tile, 7 loads per 12 fmas.
  * The activations are copied once per call lane-major (each lane's NB values contiguous);
  * the unit's weights are dequantized once into a panel, 8 columns to a vector:
@@ -265,8 +344,8 @@ static AVX2 void lanes_unit(const job_t *j, int64_t c0, int64_t c1, float *pt, i
     }
 }
 
-/* M < LANES_MIN_M: M == 1 two columns at a time, else each column's rows in pairs (the
- * column's blocks stay in L1 between the pairs). */
+/* Below the lanes path: M == 1 two columns at a time, else ROWS_COLS columns at a time, their
+ * rows in passes (rows_cols_avx2). */
 static AI AVX2 void unit_avx2_fmt(const job_t *j, int64_t c0, int64_t c1, int fmt) {
     if (j->M == 1) {
         for (int64_t n = c0; n < c1; n += 2) { /* C constant: the accumulators stay in registers */
@@ -275,15 +354,12 @@ static AI AVX2 void unit_avx2_fmt(const job_t *j, int64_t c0, int64_t c1, int fm
         }
         return;
     }
-    for (int64_t n = c0; n < c1; ++n)
-        for (int64_t m = 0; m < j->M; m += 2) {
-            if (j->M - m >= 2) pair_avx2(j, m, 2, n, fmt);
-            else pair_avx2(j, m, 1, n, fmt);
-        }
+    for (int64_t n = c0; n < c1; n += ROWS_COLS) /* the pass's rows of a stay in L1 */
+        rows_cols_avx2(j, n, c1 - n < ROWS_COLS ? c1 : n + ROWS_COLS, fmt);
 }
 
 static AVX2 void unit_avx2(const job_t *j, int64_t c0, int64_t c1, float *panel) {
-    if (j->lanes) lanes_unit(j, c0, c1, panel, j->fmt); /* M >= LANES_MIN_M */
+    if (j->lanes) lanes_unit(j, c0, c1, panel, j->fmt); /* M >= 8: lmtail_gemm_q picks */
     else if (j->fmt == FMT_Q8_0) unit_avx2_fmt(j, c0, c1, FMT_Q8_0);
     else unit_avx2_fmt(j, c0, c1, FMT_Q4_1);
 }
@@ -406,7 +482,8 @@ int lmtail_gemm_q(const float *a, int64_t lda, const uint8_t *w, int fmt, int64_
     /* about 4 units per thread (even widths); the lanes path: multiples of 24 columns, a
      * panel of at most LANES_PANEL floats, about 2 units per thread or more */
     j.chunk = ((N + 4 * nthreads - 1) / (4 * nthreads) + 1) / 2 * 2;
-    j.lanes = isa != ISA_C && M >= LANES_MIN_M;
+    /* the lanes path, or rows_cols_avx2 (M >= 2) */
+    j.lanes = isa != ISA_C && (M >= LANES_MIN_M || (M >= 8 && K > QUARTER_MAX_K));
     float *at = NULL;
     if (j.lanes) {
         const int64_t most = LANES_PANEL / K / 24 * 24, even = (N + 2 * nthreads - 1) / (2 * nthreads);
