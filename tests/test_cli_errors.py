@@ -90,7 +90,7 @@ def cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["generate", "--prompt", "", "--raw"], "--prompt: with --raw every prompt must be non-empty"),
         (["generate", "--prompt", "hi", "--ranks", "5"], "--ranks: ranks must be an int >= 1 dividing the vocab"),
         (["generate", "--prompt", "hi", "--exchange", "bf16"], "argument --exchange: invalid choice: 'bf16'"),
-        (["generate", "--prompt", "hi", "--head-input", "fp32"], "argument --head-input: invalid choice: 'fp32'"),
+        (["generate", "--prompt", "hi", "--head-input", "fp16"], "argument --head-input: invalid choice: 'fp16'"),
         (["serve", "--exchange", "all"], "argument --exchange: invalid choice: 'all'"),
         (["serve", "--ranks", "3"], "--ranks must be a power of two in [1, 256]"),
     ]

@@ -25,6 +25,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from lmtail.model.generate import default_head_input, default_ops, head_weight  # noqa: E402
 from lmtail.model.gguf_loader import ModelFileMissing, load_model  # noqa: E402
 from lmtail.model.llama import forward, lmtail_ops, new_cache, prefill  # noqa: E402
 from lmtail.sampler import SamplingParams, sampling_tensor  # noqa: E402
@@ -54,15 +55,17 @@ def bits(x: float) -> int:
 
 
 def solo(bundle, ids, params: SamplingParams, max_tokens: int):
-    """The request served alone, from the library only: (token ids, logprob bits)."""
-    ops, cfg = lmtail_ops(), bundle.config
+    """The request served alone, from the library only (generate's default body and head:
+    the q32 body, the Q8_0 head with head_input "fp32"): (token ids, logprob bits)."""
+    ops, cfg = default_ops(), bundle.config
+    hi = default_head_input(ops)
     cache = new_cache(cfg, pad=torch.zeros(1, dtype=torch.int64), capacity=len(ids) + max_tokens)
     h = prefill(bundle, torch.tensor([ids]), cache, ops=ops)  # [1, H]
     toks, lps = [], []
     for step in range(max_tokens):
         sp = sampling_tensor([params], positions=[len(ids) + step])
-        out = decode_tail(h, bundle.final_norm, bundle.lm_head_weight_t, eps=cfg.eps, k=K, sampling_params=sp,
-                          emit_logits=False)
+        out = decode_tail(h, bundle.final_norm, head_weight(bundle, hi), eps=cfg.eps, k=K, sampling_params=sp,
+                          emit_logits=False, head_input=hi)
         toks.append(int(out.tokens[0]))
         lps.append(bits(float(out.logprobs[0])))
         if toks[-1] in bundle.tokenizer.stop_ids:
@@ -177,8 +180,8 @@ def test_score_positions_equal_generation_logprobs(bundle):
     toks, lps = solo(bundle, ids, sp, 8)
     full = ids + toks
     cache = row_cache(bundle.config, len(full))
-    h, _ = forward(bundle, torch.tensor([full]), cache, ops=lmtail_ops())  # [1, P, H]
-    got, top = score_positions(bundle, h[0, len(ids) - 1:-1], torch.tensor(toks), n=3)
+    h, _ = forward(bundle, torch.tensor([full]), cache, ops=default_ops())  # [1, P, H]
+    got, top = score_positions(bundle, h[0, len(ids) - 1:-1], torch.tensor(toks), n=3, head_input="fp32")
     assert [bits(x) for x in got] == lps
     assert all(len(t) == 3 and t[0][1] >= t[1][1] >= t[2][1] for t in top)
 

@@ -25,7 +25,6 @@ tokens, N new tokens, T scored tokens, H hidden, V vocab.
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import sys
 import time
@@ -38,7 +37,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from lmtail.bench import abba, format_table  # noqa: E402
 from lmtail.model import llama  # noqa: E402
-from lmtail.model.generate import DEFAULT_TAIL, decode_loop, default_head_input, head_weight, local_step  # noqa: E402
+from lmtail.model.generate import DEFAULT_TAIL, decode_loop, default_head_input, local_step  # noqa: E402
 from lmtail.model.gguf_loader import load_model  # noqa: E402
 from lmtail.sampler import SamplingParams  # noqa: E402
 
@@ -82,8 +81,7 @@ def lm_decode(bundle, ops, prompts: torch.Tensor, new: int):
     stamps = []
     params = [SamplingParams(temperature=0.0)] * prompts.shape[0]
     gen = decode_loop(bundle, prompts.tolist(), params, max_new_tokens=new, ops=ops,
-                      tail_step=local_step(functools.partial(DEFAULT_TAIL, head_input=default_head_input(ops)),
-                                           bundle, 256, head_weight(bundle, default_head_input(ops))),
+                      tail_step=local_step(DEFAULT_TAIL, bundle, 256, default_head_input(ops)),
                       on_step=lambda s, t, d: stamps.append(time.perf_counter()))
     end = time.perf_counter()
     return torch.tensor([list(t) for t in gen.token_ids]), end - stamps[0]

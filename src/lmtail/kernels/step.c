@@ -27,6 +27,7 @@
  * own one-row cache at its own position: the server's continuous batch).
  */
 #include <stddef.h>
+#include "lmtail_kernels.h"
 #include <stdint.h>
 
 typedef int (*gemm_q_fn)(const float *a, int64_t lda, const uint8_t *w, int fmt, int64_t N, int64_t K,

@@ -38,7 +38,8 @@ hidden states, bitwise; and the bodies are the same computation, so the text is 
 for every N. Rank 0's on_step calls are forwarded to the caller through a queue.
 
 The tail seam: `tail_fn(hidden_states [gbs, H] fp32, gamma [H] fp32, lm_head_weight_t
-[H, V_s] bf16, *, eps, k, sampling_params [R, 5] fp32[, group])` returning an object with
+(the head of head_input: [H, V_s] bf16, or the [V_s, H] Q8_0 QuantWeight for "fp32"), *,
+eps, k, sampling_params [R, 5] fp32, head_input[, group])` returning an object with
 `.tokens [R] int64`, `.logprobs [R] fp32`, `.topk_indices [R, k] int64`, `.truncated [R]
 bool` (the calling convention of lmtail.tail.decode_tail, the default; with ranks > 1 it is
 also given group= and must be picklable).
@@ -210,12 +211,13 @@ class StepOut:
     truncated: torch.Tensor | None  # [B] bool
 
 
-def local_step(tail_fn, bundle: ModelBundle, k: int, head):
-    """tail_step(h [B, H], sp [B, 5]) -> StepOut on one rank (the full head `head`)."""
+def local_step(tail_fn, bundle: ModelBundle, k: int, head_input: str):
+    """tail_step(h [B, H], sp [B, 5]) -> StepOut on one rank (the full head of `head_input`)."""
     cfg = bundle.config
+    head = head_weight(bundle, head_input)
 
     def step(h, sp):
-        res = tail_fn(h, bundle.final_norm, head, eps=cfg.eps, k=k, sampling_params=sp)
+        res = tail_fn(h, bundle.final_norm, head, eps=cfg.eps, k=k, sampling_params=sp, head_input=head_input)
         return StepOut(res.tokens, res.logprobs, getattr(res, "topk_indices", None),
                        getattr(res, "truncated", None))
 
@@ -240,7 +242,7 @@ def group_step(tail_fn, bundle: ModelBundle, k: int, rank: int, n: int, head_inp
         hp[:b] = h
         spp = torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0]], dtype=torch.float32).repeat(gbs, 1)  # greedy dummies
         spp[:b] = sp
-        res = tail_fn(hp, bundle.final_norm, w, eps=cfg.eps, k=k,
+        res = tail_fn(hp, bundle.final_norm, w, eps=cfg.eps, k=k, head_input=head_input,
                       sampling_params=spp[owned_rows(rank, n, gbs)], group=dist.group.WORLD)
         lp_bits = res.logprobs.view(torch.int32).to(torch.int64)  # [R] exact round trip
         mine = torch.cat([res.tokens[:, None], lp_bits[:, None], res.truncated.to(torch.int64)[:, None],
@@ -363,12 +365,11 @@ def generate(bundle: ModelBundle, prompts: list[str], *, max_new_tokens: int = 6
     ops = default_ops() if ops is None else ops
     exchange = TailConfig.exchange if exchange is None else exchange
     head_input = default_head_input(ops) if head_input is None else head_input
-    head = head_weight(bundle, head_input)
     if tail_fn is None:
-        tail_fn = functools.partial(DEFAULT_TAIL, exchange=exchange, head_input=head_input)
+        tail_fn = functools.partial(DEFAULT_TAIL, exchange=exchange)
     if ranks == 1:
         gen = decode_loop(bundle, ids, params, max_new_tokens=max_new_tokens, ops=ops,
-                          tail_step=local_step(tail_fn, bundle, k, head), on_step=on_step, record=record,
+                          tail_step=local_step(tail_fn, bundle, k, head_input), on_step=on_step, record=record,
                           on_prefill=on_prefill)
     else:
         opts = dict(tail_fn=tail_fn, ops=ops, k=k, max_new_tokens=max_new_tokens, record=record,
