@@ -46,7 +46,7 @@ import torch
 
 from .checks import nan_policy, need
 from .kernels import shard_partials as kernel
-from .kernels.rowmass import shifted_exp, sum64
+from .kernels.rowmass import TERMS, shifted_exp, sum64
 from .numerics import Decl, SumDecl, log64
 from .sampler import GREEDY_TEMPERATURE, decide, plan_on
 
@@ -189,9 +189,17 @@ def unpack(recv: torch.Tensor, *, vtp: int, k: int, sp: torch.Tensor | None) -> 
 # ---------------------------------------------------------------------------------------
 def combine(m: torch.Tensor, s: torch.Tensor):
     """(m, S) [R] of a row from its chunks' (m_j, S_j) [R, C] in chunk order (module
-    docstring)."""
+    docstring). The terms exp64(m_j - m) come from rowmass.TERMS (its C kernel, one call a
+    row, bit-equal to rowmass.shifted_exp: a few ctypes calls instead of exp64's ~30 torch
+    ops on a small tensor)."""
     top = m.max(dim=1).values + 0.0  # [R]
-    return top, sum64(s * shifted_exp(m, top))
+    terms = TERMS.pick(None)
+    if terms.name == "torch" or bool(torch.isnan(m).any()):  # NaN pairs: undefined, the tail raises on them
+        e = shifted_exp(m, top)  # [R, C]
+    else:
+        mc = m.contiguous()
+        e = torch.stack([terms.run(mc[r], float(top[r])) for r in range(m.shape[0])]) if m.shape[0] else mc
+    return top, sum64(s * e)
 
 
 @dataclass(frozen=True)
