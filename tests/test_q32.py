@@ -6,57 +6,26 @@ values; planted: another lane count), and the distance to the fp32 reference bod
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
-
 import pytest
 import torch
-from conftest import bits
+from conftest import bits, last_hidden
 
 from lmtail.kernels import body as kbody
 from lmtail.kernels import step as kstep
 from lmtail.model import body as decl
 from lmtail.model import llama
-from lmtail.model.gguf_loader import ModelFileMissing, load_model
+from lmtail.model.gguf_loader import load_model
 from lmtail.norms import inv_rms
 from lmtail.orders import strided
 
 Q32 = llama.lmtail_ops(body="q32")
 Q32_PY = dataclasses.replace(Q32, native_step=False)
-TEXT = Path("/usr/share/common-licenses/GPL-3")
-FALLBACK = ("The quick brown fox jumps over the lazy dog. " * 4 + "Numbers like 3.14159 and 2.71828 appear "
-            "in mathematics, while words such as entropy, gradient and tokenizer appear in machine learning.")
 needs_step = pytest.mark.skipif(not kstep.available("avx2" if "avx2" in llama.quant_mod.available_backends()
                                                     else "c", "c"), reason="the native step's C libraries are not built")
 
 
-@pytest.fixture(scope="module")
-def bundle():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield load_model()
-    except ModelFileMissing as e:
-        pytest.skip(str(e))
-    finally:
-        torch.set_num_threads(old)
-
-
-@pytest.fixture(scope="module")
-def ids(bundle):
-    return bundle.tokenizer.encode(TEXT.read_text() if TEXT.exists() else FALLBACK)
-
-
 def hidden(bundle, prompts, feed, steps=2, ops=Q32):
-    """Left-padded batch: prefill, then `steps` decode steps feeding feed[b] to row b;
-    h at each row's last position after every call, [B, steps+1, H]."""
-    lens = torch.tensor([len(p) for p in prompts])
-    P = int(lens.max())
-    batch = torch.tensor([[2] * (P - len(p)) + p for p in prompts])  # [B, P]
-    cache = llama.new_cache(bundle.config, pad=P - lens, capacity=P + steps)
-    hs = [llama.forward(bundle, batch, cache, ops=ops)[0][:, -1]]
-    nxt = torch.tensor([[t] for t in feed])  # [B, 1]
-    hs += [llama.forward(bundle, nxt, cache, ops=ops)[0][:, -1] for _ in range(steps)]
-    return torch.stack(hs, 1)
+    return last_hidden(bundle, prompts, feed, ops=ops, steps=steps)
 
 
 def canon(t):

@@ -5,56 +5,25 @@ range, and its distance to the fp32 reference body (of the declared body's order
 last test for why it is not below it)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 from conftest import bits
+from conftest import last_hidden as shared_last_hidden
 
 from lmtail.kernels.quant import GEMM_Q, dequantize, gemm_q_decl
 from lmtail.model import llama
 from lmtail.model.generate import generate
-from lmtail.model.gguf_loader import ModelFileMissing, QuantLinears, load_model, quant_linears
+from lmtail.model.gguf_loader import QuantLinears, quant_linears
 from lmtail.reference.gemm import in_range
 from lmtail.reference.quant import gemm_q_f64, gemm_q_range
 
 QUANT = llama.lmtail_ops(body="quant")
 DECLARED = llama.lmtail_ops()
-TEXT = Path("/usr/share/common-licenses/GPL-3")
-FALLBACK = ("The quick brown fox jumps over the lazy dog. " * 4 + "Numbers like 3.14159 and 2.71828 appear "
-            "in mathematics, while words such as entropy, gradient and tokenizer appear in machine learning.")
-
-
-@pytest.fixture(scope="module")
-def bundle():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield load_model()
-    except ModelFileMissing as e:
-        pytest.skip(str(e))
-    finally:
-        torch.set_num_threads(old)
-
-
-@pytest.fixture(scope="module")
-def ids(bundle):
-    text = TEXT.read_text() if TEXT.exists() else FALLBACK
-    return bundle.tokenizer.encode(text)
 
 
 def last_hidden(bundle, prompts, feed, steps=2, ops=QUANT):
-    """Left-padded batch: prefill, then `steps` decode steps feeding feed[b] to row b;
-    h at each row's last position after every call, [B, steps+1, H]."""
-    lens = torch.tensor([len(p) for p in prompts])
-    P = int(lens.max())
-    batch = torch.tensor([[2] * (P - len(p)) + p for p in prompts])  # [B, P]
-    cache = llama.new_cache(bundle.config, pad=P - lens, capacity=P + steps)
-    hs = [llama.forward(bundle, batch, cache, ops=ops)[0][:, -1]]
-    nxt = torch.tensor([[t] for t in feed])  # [B, 1]
-    hs += [llama.forward(bundle, nxt, cache, ops=ops)[0][:, -1] for _ in range(steps)]
-    return torch.stack(hs, 1)
+    return shared_last_hidden(bundle, prompts, feed, ops=ops, steps=steps)
 
 
 def blas_linear_q(y, ws, **kw):

@@ -502,6 +502,29 @@ static inline uint16_t to_bf16(float f) {
 #define from_bf16 bf16_to_f32
 
 /* ------------------------------------------------------------------ add + RMSNorm */
+/* inv = fl32(1 / sqrt(fl32(fl32(ssq / H) + eps))) of one row h [H] fp32, ssq in the order
+ * strided(lanes): lane chains acc_t = fma(h_i, h_i, acc_t) over i = t, t + lanes, ... from
+ * +0.0, an xor butterfly (halves folded 16, 8, 4, 2, 1) per 32 lanes, groups added in order
+ * (lmtail.norms.inv_rms). acc: lanes floats of scratch. */
+static inline __attribute__((always_inline)) float strided_inv(const float *h, int64_t H, float eps,
+                                                               int64_t lanes, float *acc) {
+    for (int64_t t = 0; t < lanes; ++t) acc[t] = 0.0f;
+    for (int64_t i0 = 0; i0 < H; i0 += lanes) {
+        const int64_t n = H - i0 < lanes ? H - i0 : lanes;
+        for (int64_t t = 0; t < n; ++t) acc[t] = fmaf(h[i0 + t], h[i0 + t], acc[t]);
+    }
+    float ssq = 0.0f;
+    for (int64_t g = 0; g < lanes / 32; ++g) {
+        float *l = acc + 32 * g;
+        for (int half = 16; half >= 1; half /= 2)
+            for (int i = 0; i < half; ++i) l[i] = l[i] + l[i + half];
+        ssq = g == 0 ? l[0] : ssq + l[0];
+    }
+    const float m = ssq / (float)H;
+    const float d = m + eps;
+    return 1.0f / __builtin_sqrtf(d);
+}
+
 /* lmtail.norms.add_rms in the order strided(lanes), for one row of H (see body.py add_rms_rows):
  *   h_i = bf16(fl32(bf16(x_i) + r_i))  (x fp32; x_bf16 != 0: x is bf16, widened exactly)
  *   ssq = lane chains acc_t = fma(h_i, h_i, acc_t) over i = t, t + lanes, ... from +0.0,
@@ -520,21 +543,7 @@ CLONES static void add_rms_row(const void *x, int x_bf16, const uint16_t *r, con
         h[i] = hb;
         h32[i] = from_bf16(hb);
     }
-    for (int64_t t = 0; t < lanes; ++t) acc[t] = 0.0f;
-    for (int64_t i0 = 0; i0 < H; i0 += lanes) {
-        const int64_t n = H - i0 < lanes ? H - i0 : lanes;
-        for (int64_t t = 0; t < n; ++t) acc[t] = fmaf(h32[i0 + t], h32[i0 + t], acc[t]);
-    }
-    float ssq = 0.0f;
-    for (int64_t g = 0; g < lanes / 32; ++g) {
-        float *l = acc + 32 * g;
-        for (int half = 16; half >= 1; half /= 2)
-            for (int i = 0; i < half; ++i) l[i] = l[i] + l[i + half];
-        ssq = g == 0 ? l[0] : ssq + l[0];
-    }
-    const float m = ssq / (float)H;
-    const float d = m + eps;
-    const float inv = 1.0f / __builtin_sqrtf(d);
+    const float inv = strided_inv(h32, H, eps, lanes, acc);
     for (int64_t i = 0; i < H; ++i) y[i] = to_bf16((h32[i] * inv) * gamma[i]);
 }
 
@@ -568,21 +577,7 @@ CLONES static void add_rms_row32(const float *x, const float *r, const float *ga
                                  float eps, int64_t lanes, float *h, float *y) {
     float acc[NORM32_MAX_LANES];
     for (int64_t i = 0; i < H; ++i) h[i] = x[i] + (r ? r[i] : 0.0f);
-    for (int64_t t = 0; t < lanes; ++t) acc[t] = 0.0f;
-    for (int64_t i0 = 0; i0 < H; i0 += lanes) {
-        const int64_t n = H - i0 < lanes ? H - i0 : lanes;
-        for (int64_t t = 0; t < n; ++t) acc[t] = fmaf(h[i0 + t], h[i0 + t], acc[t]);
-    }
-    float ssq = 0.0f;
-    for (int64_t g = 0; g < lanes / 32; ++g) {
-        float *l = acc + 32 * g;
-        for (int half = 16; half >= 1; half /= 2)
-            for (int i = 0; i < half; ++i) l[i] = l[i] + l[i + half];
-        ssq = g == 0 ? l[0] : ssq + l[0];
-    }
-    const float m = ssq / (float)H;
-    const float d = m + eps;
-    const float inv = 1.0f / __builtin_sqrtf(d);
+    const float inv = strided_inv(h, H, eps, lanes, acc);
     for (int64_t i = 0; i < H; ++i) y[i] = (h[i] * inv) * gamma[i];
 }
 
