@@ -41,9 +41,11 @@ bench: setup
 bench-quick: setup
 	$(VENV)/bin/lmtail bench --quick
 
-# Peers (vLLM, HF transformers) in their own benchmark-only venvs, built on first use.
+# Peers (llama.cpp, vLLM, HF transformers) in their own benchmark-only venvs
+# (benchmarks/.venv-<name>, built on first use, never dependencies), each peer's own bench,
+# then the peer table (docs/peers.md). TABLE_ARGS=--quick: the smoke table.
 bench-peers: setup
-	benchmarks/peers/run.sh
+	TABLE_ARGS="$(TABLE_ARGS)" benchmarks/peers/run.sh
 
 # The long hypothesis profile; the 1,000-call two-rank soak (and the kill-the-parent checks).
 fuzz: setup
