@@ -191,6 +191,24 @@ def test_single_rank_is_the_emulation(seed, gbs, v, k, distinct, sp_cols):
     assert bool((out.taps["ST"] != 0).any()) and bool((out.taps["ST"] == 0).any())  # T pass on some rows
 
 
+@pytest.mark.parametrize("special", [False, True])
+def test_all_greedy_batches_are_the_emulation(special, monkeypatch):
+    """A batch whose rows are ALL greedy takes sample_merged's slot-0 read (no filtered
+    distribution): bitwise the emulation's sampler on random and special (inf / NaN folded /
+    ties) rows. Planted: the slot-0 read taking slot 1's value for the logprob is red."""
+    v, k = 296, 9
+    x, gamma, w, sp = (special_inputs(40, 24, v, k=k) if special else random_inputs(41, 24, v, k=k))
+    sp = sp.clone()
+    sp[:, 2] = 0.0  # every row greedy
+    kw = dict(nan_fold=True, gemm_order="chain") if special else {}
+    out, want = check_single(x, gamma, w, sp, k=k, **kw)
+    real = candidates.MergedStats.lse1
+    monkeypatch.setattr(candidates.MergedStats, "lse1", lambda st: real(st) + (st.mg.values[:, 0].double()
+                                                                               - st.mg.values[:, 1].double()))
+    bad = decode_tail(x, gamma, w, k=k, sampling_params=sp, exchange="candidates", debug_taps=True, **kw)
+    assert not same_bits(bad.logprobs, out.logprobs)
+
+
 @pytest.mark.parametrize("v, k", [(104, 5), (104, 104), (40, 3), (296, 9)])
 def test_single_rank_special_values(v, k):
     x, gamma, w, sp = special_inputs(7 + v, 24, v, k=k)

@@ -254,8 +254,15 @@ class MergedStats:
 
 
 def sample_merged(merged: Merged, sp: torch.Tensor, *, nan_fold: bool):
-    """(tokens [R] int64, logprobs [R] fp32, truncated [R] bool) on fp32 candidates."""
-    plan = plan_on(merged.values, sp, MergedStats(merged, sp, nan_fold), nan_fold=nan_fold)
+    """(tokens [R] int64, logprobs [R] fp32, truncated [R] bool) on fp32 candidates.
+    When every row is greedy the sampler's answer is its slot 0 (sampler.draw: a greedy row
+    draws slot 0, logprob fp32(v_0 - lse1), never truncated): read directly, the same
+    bytes, without the filtered distribution nobody draws from."""
+    stats = MergedStats(merged, sp, nan_fold)
+    if bool((sp[:, 2] < GREEDY_TEMPERATURE).all()):
+        logprobs = (merged.values[:, 0].double() - stats.lse1()).to(torch.float32)  # [R]
+        return merged.ids[:, 0].clone(), logprobs, torch.zeros(sp.shape[0], dtype=torch.bool)
+    plan = plan_on(merged.values, sp, stats, nan_fold=nan_fold)
     return decide(plan, merged.values, merged.ids)
 
 
