@@ -88,3 +88,43 @@ def last_hidden(bundle, prompts, feed, *, ops, steps=2):
     nxt = torch.tensor([[t] for t in feed])  # [B, 1]
     hs += [llama.forward(bundle, nxt, cache, ops=ops)[0][:, -1] for _ in range(steps)]
     return torch.stack(hs, 1)
+
+
+def at_threads(n: int, fn):
+    """fn() with torch's thread count (which every lmtail kernel reads) set to n, restored after."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(old)
+
+
+def mean_kl(p_logp: torch.Tensor, q_logp: torch.Tensor) -> float:
+    """Mean over positions of KL(p || q), float64 log-probs [T, V]."""
+    return float((p_logp.exp() * (p_logp - q_logp)).sum(-1).mean())
+
+
+def cached_vs_recomputed(bundle, ids, ops):
+    """(one 20-token forward's h [1, 20, H], a prefill of 14 + 6 single-token decode steps'
+    h, llama.prefill in chunks of 7's last h [1, H]): the three must be the same bytes."""
+    from lmtail.model import llama
+
+    cfg, x, zero = bundle.config, torch.tensor([ids[:20]]), torch.zeros(1, dtype=torch.int64)
+    want, _ = llama.forward(bundle, x, llama.new_cache(cfg, pad=zero, capacity=20), ops=ops)
+    cache = llama.new_cache(cfg, pad=zero, capacity=20)
+    got = [llama.forward(bundle, x[:, :14], cache, ops=ops)[0]]
+    got += [llama.forward(bundle, x[:, t:t + 1], cache, ops=ops)[0] for t in range(14, 20)]
+    last = llama.prefill(bundle, x, llama.new_cache(cfg, pad=zero, capacity=20), ops=ops, chunk=7)
+    return want, torch.cat(got, 1), last
+
+
+def teacher_forced_logp(bundle, ids, ops) -> torch.Tensor:
+    """log-softmax [T, V] float64 of the fp32 head (llama.logits_fp32) on `ops`'s final-normed
+    states of one prefill of ids (a list of T token ids)."""
+    from lmtail.model import llama
+
+    x = torch.tensor(ids)
+    cache = llama.new_cache(bundle.config, pad=torch.zeros(1, dtype=torch.int64), capacity=len(ids))
+    _, y = llama.forward(bundle, x[None], cache, ops=ops)  # [1, T, H]
+    return llama.logits_fp32(bundle, y[0]).double().log_softmax(-1)  # [T, V]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import pytest
 import torch
-from conftest import bits, last_hidden
+from conftest import at_threads, bits, cached_vs_recomputed, last_hidden, mean_kl, teacher_forced_logp
 
 from lmtail.kernels import body as kbody
 from lmtail.kernels import step as kstep
@@ -83,44 +83,25 @@ def test_solo_equals_batch_bitwise(bundle, ids, ops):
 
 def test_cached_equals_recomputed_bitwise(bundle, ids):
     """One 20-token forward == prefill of 14 + 6 decode steps == prefill in chunks of 7."""
-    cfg, x, zero = bundle.config, torch.tensor([ids[:20]]), torch.zeros(1, dtype=torch.int64)
-    want, _ = llama.forward(bundle, x, llama.new_cache(cfg, pad=zero, capacity=20), ops=Q32)
-    cache = llama.new_cache(cfg, pad=zero, capacity=20)
-    got = [llama.forward(bundle, x[:, :14], cache, ops=Q32)[0]]
-    got += [llama.forward(bundle, x[:, t:t + 1], cache, ops=Q32)[0] for t in range(14, 20)]
-    assert torch.equal(bits(torch.cat(got, 1)), bits(want))
-    last = llama.prefill(bundle, x, llama.new_cache(cfg, pad=zero, capacity=20), ops=Q32, chunk=7)
-    assert torch.equal(bits(last), bits(want[:, -1]))
+    want, stepped, last = cached_vs_recomputed(bundle, ids, Q32)
+    assert torch.equal(bits(stepped), bits(want)) and torch.equal(bits(last), bits(want[:, -1]))
 
 
 def test_threads_1_equals_2(bundle, ids):
     prompts, feed = [ids[:9], ids[50:70]], [7, 8]
 
     def at(n):
-        old = torch.get_num_threads()
-        torch.set_num_threads(n)
-        try:
-            return hidden(bundle, prompts, feed, steps=1)
-        finally:
-            torch.set_num_threads(old)
+        return at_threads(n, lambda: hidden(bundle, prompts, feed, steps=1))
 
     assert torch.equal(bits(at(1)), bits(at(2)))
-
-
-def mean_kl(p_logp, q_logp):
-    return float((p_logp.exp() * (p_logp - q_logp)).sum(-1).mean())
 
 
 def test_distance_to_fp32_reference(bundle, ids):
     """Teacher-forced on 64 tokens, the same fp32 head: the q32 body's distribution is within
     1e-8 mean KL of the fp32 reference body's (measured 1.5e-11 on 8 tokens), 100x below the
     declared body's (bf16 rounding points: ~1e-3)."""
-    x = torch.tensor(ids[:64])
-
     def logp(ops):
-        cache = llama.new_cache(bundle.config, pad=torch.zeros(1, dtype=torch.int64), capacity=64)
-        _, y = llama.forward(bundle, x[None], cache, ops=ops)  # [1, 64, H]
-        return llama.logits_fp32(bundle, y[0]).double().log_softmax(-1)  # [64, V]
+        return teacher_forced_logp(bundle, ids[:64], ops)  # [64, V]
 
     ref = logp(llama.FP32_OPS)
     kl_q, kl_d = mean_kl(ref, logp(Q32)), mean_kl(ref, logp(llama.lmtail_ops()))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import bits
+from conftest import at_threads, bits, cached_vs_recomputed, mean_kl, teacher_forced_logp
 from conftest import last_hidden as shared_last_hidden
 
 from lmtail.kernels.quant import GEMM_Q, dequantize, gemm_q_decl
@@ -83,14 +83,8 @@ def test_generation_solo_equals_batch(bundle):
 def test_cached_equals_recomputed_bitwise(bundle, ids):
     """One 20-token forward == prefill of 14 + 6 single-token decode steps == prefill in
     chunks of 7 (llama.prefill), bitwise."""
-    cfg, x, zero = bundle.config, torch.tensor([ids[:20]]), torch.zeros(1, dtype=torch.int64)
-    want, _ = llama.forward(bundle, x, llama.new_cache(cfg, pad=zero, capacity=20), ops=QUANT)
-    cache = llama.new_cache(cfg, pad=zero, capacity=20)
-    got = [llama.forward(bundle, x[:, :14], cache, ops=QUANT)[0]]
-    got += [llama.forward(bundle, x[:, t:t + 1], cache, ops=QUANT)[0] for t in range(14, 20)]
-    assert torch.equal(bits(torch.cat(got, 1)), bits(want))
-    last = llama.prefill(bundle, x, llama.new_cache(cfg, pad=zero, capacity=20), ops=QUANT, chunk=7)
-    assert torch.equal(bits(last), bits(want[:, -1]))
+    want, stepped, last = cached_vs_recomputed(bundle, ids, QUANT)
+    assert torch.equal(bits(stepped), bits(want)) and torch.equal(bits(last), bits(want[:, -1]))
 
 
 def test_threads_1_equals_2(bundle, ids, monkeypatch):
@@ -99,12 +93,7 @@ def test_threads_1_equals_2(bundle, ids, monkeypatch):
     prompts, feed = [ids[:9], ids[50:70]], [7, 8]
 
     def at(n):
-        old = torch.get_num_threads()
-        torch.set_num_threads(n)
-        try:
-            return last_hidden(bundle, prompts, feed, steps=1)
-        finally:
-            torch.set_num_threads(old)
+        return at_threads(n, lambda: last_hidden(bundle, prompts, feed, steps=1))
 
     assert torch.equal(bits(at(1)), bits(at(2)))
     monkeypatch.setattr(llama, "linear_q", threads_split_linear_q)
@@ -131,11 +120,6 @@ def test_linears_inside_float64_range(bundle):
             c0 += w.shape[0]
 
 
-def mean_kl(p_logp, q_logp):
-    """mean over positions of KL(p || q), float64 log-probs [T, V]."""
-    return float((p_logp.exp() * (p_logp - q_logp)).sum(-1).mean())
-
-
 def test_distance_to_fp32_like_declared(bundle, ids):
     """Teacher-forced on 64 tokens: mean KL from the fp32 reference body's distribution.
     The quant body's weights are the file's exact values, but it keeps the declared body's
@@ -143,12 +127,8 @@ def test_distance_to_fp32_like_declared(bundle, ids):
     distance: measured on GPL-3 windows it is NOT reliably below the declared body's
     (tokens 0..63: 1.37e-3 vs 1.11e-3; 500..563: 1.53e-3 vs 1.77e-3; 0..255: 8.8e-4 vs
     8.9e-4). Asserted: both small, and quant within 1.5x of declared."""
-    x = torch.tensor(ids[:64])
-
     def logp(ops):
-        cache = llama.new_cache(bundle.config, pad=torch.zeros(1, dtype=torch.int64), capacity=64)
-        _, y = llama.forward(bundle, x[None], cache, ops=ops)  # [1, 64, H]
-        return llama.logits_fp32(bundle, y[0]).double().log_softmax(-1)  # [64, V]
+        return teacher_forced_logp(bundle, ids[:64], ops)  # [64, V]
 
     ref = logp(llama.FP32_OPS)
     kl_q, kl_d = mean_kl(ref, logp(QUANT)), mean_kl(ref, logp(DECLARED))
