@@ -1,5 +1,6 @@
-"""Shared test helpers: the bit views every byte comparison uses, and the real model's
-fixtures (`bundle`, `ids`) and batch helper (`last_hidden`) the body tests share.
+"""Shared test helpers: the bit views every byte comparison uses, and what the body tests
+share: the real model's fixtures (`bundle`, `ids`), `last_hidden` (a left-padded batch's
+states), `cached_vs_recomputed`, `teacher_forced_logp`, `mean_kl`, `at_threads`.
 
 Import them as `from conftest import bits, same_bits, last_hidden` (pytest puts tests/ on
 sys.path).
