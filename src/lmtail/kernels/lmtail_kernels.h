@@ -282,27 +282,36 @@ static inline LMTAIL_UNUSED void swap64(uint64_t *a, uint64_t *b) {
     *b = t;
 }
 
+/* One Hoare partition of a[lo..hi] into descending order around the median of a[lo],
+ * a[mid], a[hi] (those three swapped into order first): afterwards a[lo..j] >= x >=
+ * a[i..hi] and i > j. select_top and sort_desc share it. */
+static inline void partition_desc(uint64_t *a, int64_t lo, int64_t hi, int64_t mid, int64_t *pi, int64_t *pj) {
+    if (a[mid] > a[lo]) swap64(&a[mid], &a[lo]);
+    if (a[hi] > a[lo]) swap64(&a[hi], &a[lo]);
+    if (a[hi] > a[mid]) swap64(&a[hi], &a[mid]);
+    const uint64_t x = a[mid]; /* a[lo] >= x >= a[hi] */
+    int64_t i = lo, j = hi;
+    while (i <= j) {
+        while (a[i] > x) ++i;
+        while (a[j] < x) --j;
+        if (i <= j) {
+            swap64(&a[i], &a[j]);
+            ++i;
+            --j;
+        }
+    }
+    *pi = i;
+    *pj = j;
+}
+
 /* Afterwards a[0..k) hold the k largest of a[0..n) and a[k-1] is the k-th largest (keys
  * distinct). Hoare quickselect, median-of-three pivot. */
 static LMTAIL_UNUSED void select_top(uint64_t *a, int64_t n, int64_t k) {
     int64_t lo = 0, hi = n - 1;
     const int64_t t = k - 1;
     while (hi > lo) {
-        const int64_t mid = lo + (hi - lo) / 2;
-        if (a[mid] > a[lo]) swap64(&a[mid], &a[lo]);
-        if (a[hi] > a[lo]) swap64(&a[hi], &a[lo]);
-        if (a[hi] > a[mid]) swap64(&a[hi], &a[mid]);
-        const uint64_t x = a[mid]; /* a[lo] >= x >= a[hi] */
-        int64_t i = lo, j = hi;
-        while (i <= j) {
-            while (a[i] > x) ++i;
-            while (a[j] < x) --j;
-            if (i <= j) {
-                swap64(&a[i], &a[j]);
-                ++i;
-                --j;
-            }
-        }
+        int64_t i, j;
+        partition_desc(a, lo, hi, lo + (hi - lo) / 2, &i, &j);
         if (t <= j) hi = j;
         else if (t >= i) lo = i;
         else break;
@@ -312,21 +321,8 @@ static LMTAIL_UNUSED void select_top(uint64_t *a, int64_t n, int64_t k) {
 /* Sort a[0..n) descending: quicksort to small parts, then insertion sort. */
 static LMTAIL_UNUSED void sort_desc(uint64_t *a, int64_t n) {
     while (n > 24) {
-        const int64_t mid = n / 2;
-        if (a[mid] > a[0]) swap64(&a[mid], &a[0]);
-        if (a[n - 1] > a[0]) swap64(&a[n - 1], &a[0]);
-        if (a[n - 1] > a[mid]) swap64(&a[n - 1], &a[mid]);
-        const uint64_t x = a[mid];
-        int64_t i = 0, j = n - 1;
-        while (i <= j) {
-            while (a[i] > x) ++i;
-            while (a[j] < x) --j;
-            if (i <= j) {
-                swap64(&a[i], &a[j]);
-                ++i;
-                --j;
-            }
-        }
+        int64_t i, j;
+        partition_desc(a, 0, n - 1, n / 2, &i, &j);
         if (j + 1 < n - i) { /* recurse on the smaller part */
             sort_desc(a, j + 1);
             a += i;
