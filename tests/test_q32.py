@@ -112,7 +112,9 @@ def test_distance_to_fp32_reference(bundle, ids):
 def test_q32_needs_a_plain_strided_norm():
     with pytest.raises(ValueError, match=r"the q32 body needs fused_norm_lanes .* got None"):
         llama.Ops(add_rms=llama.add_rms_fp32, body="q32")
-    assert decl.NORM32_MAX_LANES == 1024
+    with pytest.raises(ValueError, match=r"the q32 body needs fused_norm_lanes .* in \[32, 1024\]; got 2048"):
+        llama.Ops(add_rms=llama.add_rms_fp32, body="q32", fused_norm_lanes=2048)
+    assert llama.Ops(add_rms=llama.add_rms_fp32, body="q32", fused_norm_lanes=decl.NORM32_MAX_LANES).body == "q32"
 
 
 def test_file_weights_bundle(bundle, ids):
@@ -169,3 +171,20 @@ def test_rows_step_joins_and_leaves(bundle, ids, ops):
     wrong = batch.step_rows(bundle, torch.tensor([5, 5]), shared[:2], ops, scratch=scratch)
     right = batch.step_rows(bundle, torch.tensor([5, 5]), caches()[:2], ops, scratch=scratch)
     assert not torch.equal(bits(wrong[1]), bits(right[1]))
+
+
+@pytest.mark.slow
+def test_file_bundle_on_two_ranks_equals_one():
+    """generate on a load_model(weights="file") bundle: its ranks map the same file (the
+    parcel is the path); tokens and logprob bits on 2 ranks == 1 rank (the Q8_0 head's
+    shards with a planted shifted ownership are tests/test_tail_q8.py's; this is the parcel
+    path)."""
+    import numpy as np
+
+    from lmtail.model import generate
+
+    light = load_model(weights="file")
+    kw = dict(max_new_tokens=4, temperature=0.7, seed=3)
+    one, two = generate(light, ["Name a fruit."], **kw), generate(light, ["Name a fruit."], ranks=2, **kw)
+    assert one.token_ids == two.token_ids
+    assert np.array_equal(np.array(one.logprobs[0]).view(np.int64), np.array(two.logprobs[0]).view(np.int64))

@@ -198,7 +198,7 @@ def combine(m: torch.Tensor, s: torch.Tensor):
         e = shifted_exp(m, top)  # [R, C]
     else:
         mc = m.contiguous()
-        e = torch.stack([terms.run(mc[r], float(top[r])) for r in range(m.shape[0])]) if m.shape[0] else mc
+        e = torch.stack([terms.run(mc[r], float(top[r])) for r in range(m.shape[0])]) if m.shape[0] else mc.clone()
     return top, sum64(s * e)
 
 

@@ -120,14 +120,14 @@ class StepBuffers:
 
 def run_q32(model: Q32Model, bufs: StepBuffers, x: torch.Tensor, kc, vc, pos: torch.Tensor, pad: torch.Tensor,
             *, s0: int, gemm_threads: int, attend_threads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One call of the whole body: x [N, H] fp32 embedding rows (N = B*T, C-contiguous; it
-    becomes h), kc / vc the cache's L per-layer tensors, pos [B, T] int64 (>= 0, < P),
+    """One call of the whole body: x [N, H] fp32 embedding rows (N = B*T, C-contiguous;
+    overwritten in place: it is returned as h), kc / vc the cache's L per-layer tensors, pos [B, T] int64 (>= 0, < P),
     pad [B] int64, s0 the first slot. Returns (h, y) [N, H] fp32: the pre-final-norm
     hidden states and the final-normed ones. Validated by the caller (model/llama.py)."""
     B, T = pos.shape
     N, H = B * T, model.shape.H
     bufs.ensure(N)
-    h = x.clone()  # [N, H], overwritten layer by layer
+    h = x  # [N, H], overwritten layer by layer
     y = torch.empty(N, H, dtype=torch.float32)  # [N, H]
     kp = (ctypes.c_void_p * len(kc))(*(t.data_ptr() for t in kc))
     vp = (ctypes.c_void_p * len(vc))(*(t.data_ptr() for t in vc))
@@ -141,7 +141,8 @@ def run_q32(model: Q32Model, bufs: StepBuffers, x: torch.Tensor, kc, vc, pos: to
 
 def run_q32_rows(model: Q32Model, bufs: StepBuffers, x: torch.Tensor, caches) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step of R rows, each in its OWN one-row cache at its own position (the
-    continuous batch): x [R, H] fp32 embedding rows of the rows' new tokens, caches R
+    continuous batch): x [R, H] fp32 embedding rows of the rows' new tokens (C-contiguous;
+    overwritten in place: it is returned as h), caches R
     one-row model.llama.KVCache values (pad 0) with room for one more slot. Row r's bytes are
     those of a one-row batch-mode step on its cache (the same rope / attend calls; the
     stacked linears and norms are row-invariant). Does not advance cache.length (the caller
@@ -149,7 +150,7 @@ def run_q32_rows(model: Q32Model, bufs: StepBuffers, x: torch.Tensor, caches) ->
     R, H = x.shape
     L = model.shape.L
     bufs.ensure(R)
-    h, y = x.clone(), torch.empty(R, H, dtype=torch.float32)  # [R, H]
+    h, y = x, torch.empty(R, H, dtype=torch.float32)  # [R, H]
     kp = (ctypes.c_void_p * (L * R))(*(c.k[i].data_ptr() for i in range(L) for c in caches))
     vp = (ctypes.c_void_p * (L * R))(*(c.v[i].data_ptr() for i in range(L) for c in caches))
     s0s = torch.tensor([c.length for c in caches], dtype=torch.int64)  # [R]

@@ -61,15 +61,14 @@ import torch
 from ..numerics import draw_u
 from ..sampler import DEFAULT_U, SamplingParams, sampling_tensor, seed_int64
 from ..config import EXCHANGES, TAIL_HEAD_INPUTS, TailConfig
-from ..tail import decode_tail
+from ..tail import decode_tail, head_shard
 from .gguf_loader import ModelBundle
 from .llama import Q32_BODY, Ops, forward, lmtail_ops, new_cache, prefill
 from .ranks import pack_bundle, run_ranks, unpack_bundle
 
 __all__ = ["Generation", "TailTrace", "StepOut", "DEFAULT_TAIL", "generate", "check_request", "request_params",
            "step_params", "encode_prompts", "local_step", "group_step", "decode_loop", "rank_decode",
-           "pack_bundle", "unpack_bundle", "DEFAULT_BODY", "default_ops", "default_head_input", "head_weight",
-           "head_shard"]
+           "pack_bundle", "unpack_bundle", "DEFAULT_BODY", "default_ops", "default_head_input", "head_weight"]
 
 DEFAULT_TAIL = functools.partial(decode_tail, emit_logits=False)
 DEFAULT_BODY = Q32_BODY  # generate()'s body: the file's own blocks on an fp32 stream, the Q8_0 head
@@ -98,14 +97,6 @@ def head_weight(bundle: ModelBundle, head_input: str):
         raise ValueError(f"head_input={head_input!r} needs the bf16 head of load_model(weights='all'); this "
                          f"bundle was loaded with weights={bundle.weights!r} (use head_input='fp32')")
     return bundle.lm_head_weight_t
-
-
-def head_shard(head, rank: int, n: int):
-    """Rank `rank` of n's vocab shard of a full head: QuantWeight rows (a view) or bf16 columns."""
-    vs = (head.shape[0] if not isinstance(head, torch.Tensor) else head.shape[1]) // n
-    if isinstance(head, torch.Tensor):
-        return head[:, rank * vs:(rank + 1) * vs].contiguous()  # [H, V_s] bf16
-    return head.rows(rank * vs, (rank + 1) * vs)  # [V_s, H] Q8_0
 
 
 # ---------------------------------------------------------------------------------------

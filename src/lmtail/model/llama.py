@@ -529,7 +529,7 @@ def _body_q32(bundle: ModelBundle, ids, cache: KVCache, ops: Ops, qpos, s0):
     pos = qpos.clamp(min=0).contiguous()  # [B, T]
     assert pos.numel() == 0 or int(pos.max()) < cfg.context_length  # rope_qkv indexes the tables by it
     B, T = ids.shape
-    x = embed_rows(bundle, ids.reshape(-1))  # [N, H] fp32
+    x = embed_rows(bundle, ids.reshape(-1))  # [N, H] fp32, a fresh tensor (the native step writes h into it)
     threads = torch.get_num_threads()
     gemm_row, attend_row = quant_mod.GEMM_Q.pick(None), decl.ATTEND.pick(None)
     attend_threads = decl.attend_threads(None, B, T, cfg.n_heads, s0)

@@ -47,7 +47,8 @@ from ..exchange import ExchangeError
 from ..launch import stop_processes
 from ..layout import owned_rows
 from ..kernels.quant import QuantWeight
-from ..model.generate import head_shard, head_weight
+from ..model.generate import head_weight
+from ..tail import head_shard
 
 _CMD_TAIL, _CMD_STOP = 1, 0
 _HEADER = struct.Struct("<qq")  # (command, gbs)
