@@ -188,3 +188,12 @@ def test_file_bundle_on_two_ranks_equals_one():
     one, two = generate(light, ["Name a fruit."], **kw), generate(light, ["Name a fruit."], ranks=2, **kw)
     assert one.token_ids == two.token_ids
     assert np.array_equal(np.array(one.logprobs[0]).view(np.int64), np.array(two.logprobs[0]).view(np.int64))
+
+
+def test_weights_needed_follows_body_and_head():
+    """The CLIs load only the file's blocks exactly when the q32 body runs with the Q8_0 head."""
+    from lmtail.model.generate import weights_needed
+
+    assert weights_needed("q32", None) == weights_needed("q32", "fp32") == "file"
+    assert weights_needed("q32", "bf16") == weights_needed("q32", "bf16x2") == "all"
+    assert weights_needed("declared", None) == weights_needed("quant", "fp32") == "all"

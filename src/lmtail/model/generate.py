@@ -68,7 +68,8 @@ from .ranks import pack_bundle, run_ranks, unpack_bundle
 
 __all__ = ["Generation", "TailTrace", "StepOut", "DEFAULT_TAIL", "generate", "check_request", "request_params",
            "step_params", "encode_prompts", "local_step", "group_step", "decode_loop", "rank_decode",
-           "pack_bundle", "unpack_bundle", "DEFAULT_BODY", "default_ops", "default_head_input", "head_weight"]
+           "pack_bundle", "unpack_bundle", "DEFAULT_BODY", "default_ops", "default_head_input", "head_weight",
+           "weights_needed"]
 
 DEFAULT_TAIL = functools.partial(decode_tail, emit_logits=False)
 DEFAULT_BODY = Q32_BODY  # generate()'s body: the file's own blocks on an fp32 stream, the Q8_0 head
@@ -85,6 +86,13 @@ def default_head_input(ops: Ops) -> str:
     """The tail's head input that goes with a body: "fp32" (the file's Q8_0 head) for the q32
     body, TailConfig's "bf16" (the bf16 head) for the others."""
     return "fp32" if ops.body == Q32_BODY else TailConfig.head_input
+
+
+def weights_needed(body: str, head_input: str | None) -> str:
+    """What load_model(weights=...) must build for this body and head input: "file" (the
+    file's own blocks only) when the q32 body runs with the Q8_0 head (head_input None or
+    "fp32"), else "all"."""
+    return "file" if body == Q32_BODY and head_input in (None, "fp32") else "all"
 
 
 def head_weight(bundle: ModelBundle, head_input: str):

@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from ..config import EXCHANGES, TAIL_HEAD_INPUTS
-    from .generate import generate
+    from .generate import generate, weights_needed
     from .gguf_loader import ModelFileMissing, load_model
     from .llama import BODIES, lmtail_ops
 
@@ -118,8 +118,7 @@ def run(args: argparse.Namespace) -> int:
     out, err = Console(), Console(stderr=True)
     try:
         with err.status("loading SmolLM2-135M-Instruct ..."):
-            light = args.body == "q32" and args.head_input in (None, "fp32")
-            bundle = load_model(weights="file" if light else "all")  # "file": only the file's bytes
+            bundle = load_model(weights=weights_needed(args.body, args.head_input))
     except ModelFileMissing as e:
         print(f"lmtail generate: error: model missing: {e}", file=sys.stderr)
         return 2

@@ -468,25 +468,21 @@ def _body_declared(bundle: ModelBundle, ids, cache: KVCache, ops: Ops, qpos, s0)
 # ---------------------------------------------------------------------------------------
 # the q32 body: the file's own blocks on an fp32 stream, one native call per forward
 # ---------------------------------------------------------------------------------------
-_Q32_MODELS: dict = {}  # (path, gamma pointers, lanes, eps, backends) -> kernels.step.Q32Model
-
-
+@functools.lru_cache(maxsize=4)
 def q32_model(bundle: ModelBundle, lanes: int, gemm_backend: str, attend_avx512: bool):
-    """kernels.step.Q32Model of this bundle, built once per (file, norm weights, lanes,
-    backends): the weights are quant_linears(bundle) (the file's memory map)."""
+    """kernels.step.Q32Model of this bundle, built once per (bundle, lanes, backends) and
+    cached: the weights are quant_linears(bundle) (the file's memory map), the gammas the
+    bundle's norms widened to contiguous fp32."""
     cfg = bundle.config
     an = [lw.attn_norm.float().contiguous() for lw in bundle.layers]
     fn_ = [lw.ffn_norm.float().contiguous() for lw in bundle.layers]
     fin = bundle.final_norm.float().contiguous()
-    key = (bundle.path, tuple(t.data_ptr() for t in (*an, *fn_, fin)), lanes, cfg.eps, gemm_backend, attend_avx512)
-    if key not in _Q32_MODELS:
-        cos_t, sin_t = decl.rope_table(cfg.context_length, cfg.head_dim, cfg.rope_base)  # [ctx, hd/2]
-        lins = [(*q.w_qkv, *q.w_o, *q.w_gu, *q.w_down) for q in quant_linears(bundle)]
-        shape = kstep.StepShape(L=cfg.n_layers, H=cfg.hidden, nh=cfg.n_heads, nkv=cfg.n_kv_heads, F=cfg.ffn)
-        _Q32_MODELS[key] = kstep.Q32Model(shape, lins, an, fn_, fin, cos_t, sin_t, lanes=lanes, eps=cfg.eps,
-                                          scale=1.0 / math.sqrt(cfg.head_dim), gemm_backend=gemm_backend,
-                                          attend_avx512=attend_avx512)
-    return _Q32_MODELS[key]
+    cos_t, sin_t = decl.rope_table(cfg.context_length, cfg.head_dim, cfg.rope_base)  # [ctx, hd/2]
+    lins = [(*q.w_qkv, *q.w_o, *q.w_gu, *q.w_down) for q in quant_linears(bundle)]
+    shape = kstep.StepShape(L=cfg.n_layers, H=cfg.hidden, nh=cfg.n_heads, nkv=cfg.n_kv_heads, F=cfg.ffn)
+    return kstep.Q32Model(shape, lins, an, fn_, fin, cos_t, sin_t, lanes=lanes, eps=cfg.eps,
+                          scale=1.0 / math.sqrt(cfg.head_dim), gemm_backend=gemm_backend,
+                          attend_avx512=attend_avx512)
 
 
 def embed_rows(bundle: ModelBundle, ids: torch.Tensor) -> torch.Tensor:

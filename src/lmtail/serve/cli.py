@@ -72,6 +72,7 @@ def build(args: argparse.Namespace, bundle=None):
     """(engine, app) for the parsed flags; bundle None loads the model."""
     import torch
 
+    from ..model.generate import weights_needed
     from ..model.gguf_loader import load_model
     from ..model.llama import lmtail_ops
     from .app import create_app
@@ -79,8 +80,7 @@ def build(args: argparse.Namespace, bundle=None):
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    light = args.body == "q32" and args.head_input in (None, "fp32")
-    bundle = load_model(weights="file" if light else "all") if bundle is None else bundle
+    bundle = load_model(weights=weights_needed(args.body, args.head_input)) if bundle is None else bundle
     engine = Engine(bundle, max_batch=args.max_batch, max_queue=args.max_queue, k=args.k, exchange=args.exchange,
                     head_input=args.head_input, ranks=args.ranks, ops=lmtail_ops(body=args.body))
     return engine, create_app(engine, model_name=args.model_name, shutdown_timeout=args.shutdown_timeout)
