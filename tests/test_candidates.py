@@ -205,6 +205,16 @@ def test_all_greedy_batches_are_the_emulation(special, monkeypatch):
     real = candidates.MergedStats.lse1
     monkeypatch.setattr(candidates.MergedStats, "lse1", lambda st: real(st) + (st.mg.values[:, 0].double()
                                                                                - st.mg.values[:, 1].double()))
+    real_stats = candidates.kernel.owner_stats
+
+    def slot1_stats(keys, mass):  # the C kernel's slot-0 logprob read off slot 1
+        got = real_stats(keys, mass)
+        if got is None or got[3] is None:
+            return got
+        vals, ids, stats, lp0, ok = got
+        return vals, ids, stats, (vals[:, 1].double() - stats[4]).to(torch.float32), ok
+
+    monkeypatch.setattr(candidates.kernel, "owner_stats", slot1_stats)
     bad = decode_tail(x, gamma, w, k=k, sampling_params=sp, exchange="candidates", debug_taps=True, **kw)
     assert not same_bits(bad.logprobs, out.logprobs)
 
@@ -649,3 +659,118 @@ def test_truncated_flags_match_the_mirror_on_bf16_exact_values():
 
     plan = plan_on(merged.values, sp, Strict(merged, sp, False))
     assert not torch.equal(decide(plan, merged.values, merged.ids)[2], tr_m)
+
+
+# ---------------------------------------------------------------------------------------
+# the one-rank shortcuts: the wire skipped, the owner's stats in one C call
+# ---------------------------------------------------------------------------------------
+def _partials_bits(p) -> list:
+    return [bits(p.keys)] + ([] if p.mass is None else [bits(p.mass), p.nans])
+
+
+@pytest.mark.parametrize("v, k", [(104, 5), (104, 104), (40, 3), (1000, 9), (49152 // 64, 20)])
+def test_one_rank_wire_is_the_identity(v, k):
+    """decode_tail skips pack -> unpack at one rank: on the partials one rank sends (random
+    and special rows, every sampler mode, with and without nan_fold and sampling), unpack(
+    pack(p), vtp=1) is p byte for byte (keys, mass incl. the recomputed mT, nans), except
+    m1 / mT of a row with NaN lanes and no nan_fold, which the tail refuses before any output
+    reads them. Planted: a wire that sends m1 for mT (no recomputation at T) is red."""
+    g = torch.Generator().manual_seed(v + k)
+    for lg in (torch.randn(24, v, generator=g) * 3, special_logits(v, 24, v)):
+        sp = sampling(g, 24, k)
+        sp[5, 2] = 2.0  # a power-of-two T (the kernel's exact inverse)
+        for nan_fold in (False, True):
+            for s in (sp, None):
+                p = candidates.shard_partials(lg, col0=0, v=v, k=k, nan_fold=nan_fold, sp=s)
+                q = candidates.unpack(candidates.pack(p), vtp=1, k=k, sp=s)
+                ok = torch.ones(24, dtype=torch.bool) if nan_fold else ~torch.isnan(lg).any(dim=1)
+                if s is not None:
+                    p = replace(p, mass=p.mass[ok])
+                    q = replace(q, mass=q.mass[ok])
+                same = all(torch.equal(a, b) for a, b in zip(_partials_bits(p), _partials_bits(q)))
+                assert same, (nan_fold, s is None)
+                if s is not None:
+                    planted = q.mass.clone()
+                    planted[:, :, 2] = torch.where(planted[:, :, 3] != 0, planted[:, :, 0], planted[:, :, 2])
+                    assert not torch.equal(bits(planted), bits(p.mass))
+
+
+def _merge_torch(p, k):
+    """candidates.merge's torch ops (the C call disabled)."""
+    top = candidates.kernel.top_keys(p.keys, k + 1)
+    vals, ids = candidates.split_fp32_keys(top)
+    mass = None
+    if p.mass is not None:
+        mass = (candidates.combine(p.mass[:, :, 0], p.mass[:, :, 1])
+                + candidates.combine(p.mass[:, :, 2], p.mass[:, :, 3]))
+    return vals, ids, top, mass
+
+
+@pytest.mark.parametrize("vtp", [1, 2, 8])
+def test_owner_stats_is_the_torch_ops(vtp):
+    """kernels.shard_partials.owner_stats (values, ids, m1, S1, mT, ST, lse1, slot 0's
+    logprob) equals split_fp32_keys, combine and m1 + log64(S1) bit for bit on random and
+    special rows (NaN folded, +-inf, all -inf rows, empty chunks); a NaN chunk max declines
+    (ok False) and merge then takes combine's torch path, the same bytes. Planted: the T
+    pair's log-sum-exp for lse1 is red."""
+    v, k = 104 * 4, 6
+    g = torch.Generator().manual_seed(vtp)
+    for lg, nan_fold in ((special_logits(3, 16, v), True), (torch.randn(16, v, generator=g) * 4, False),
+                         (special_logits(4, 16, v), False)):
+        sp = sampling(g, 16, k)
+        vs = v // vtp
+        parts = [candidates.shard_partials(lg[:, r * vs:(r + 1) * vs].contiguous(), col0=r * vs, v=v, k=k,
+                                           nan_fold=nan_fold, sp=sp) for r in range(vtp)]
+        recv = torch.cat([candidates.pack(p) for p in parts], dim=1)
+        p = candidates.unpack(recv, vtp=vtp, k=k, sp=sp) if vtp > 1 else parts[0]
+        vals, ids, top, mass = _merge_torch(p, k)
+        got = candidates.kernel.owner_stats(top, p.mass)
+        assert torch.equal(bits(got[0]), bits(vals)) and torch.equal(got[1], ids)
+        nan_rows = torch.isnan(p.mass[:, :, 0]).any(dim=1) | torch.isnan(p.mass[:, :, 2]).any(dim=1)
+        assert got[4] == (not bool(nan_rows.any()))
+        mg = candidates.merge(p, k=k)
+        for a, b in zip(mg.mass, mass):
+            assert torch.equal(bits(a), bits(b))
+        if not got[4]:
+            assert mg.lse1 is None and mg.lp0 is None
+            continue
+        lse1 = mass[0] + log64(mass[1])
+        assert torch.equal(bits(got[2][4]), bits(lse1)) and torch.equal(bits(mg.lse1), bits(lse1))
+        lp0 = (vals[:, 0].double() - lse1).to(torch.float32)
+        assert torch.equal(bits(got[3]), bits(lp0))
+        keys_only = candidates.kernel.owner_stats(top, None)
+        assert keys_only[2] is None and torch.equal(bits(keys_only[0]), bits(vals))
+        # planted: the T pair's stats in place of the T = 1 pair's are red
+        t_rows = mass[3] != 0
+        assert bool(t_rows.any()) and not torch.equal(bits((mass[2] + log64(mass[3]))[t_rows]), bits(lse1[t_rows]))
+
+
+@pytest.mark.parametrize("v, k", [(104, 5), (104, 104), (40, 1), (1000, 9), (2000, 300)])
+def test_c_sampler_is_plan_on(v, k, monkeypatch):
+    """sample_merged's one C call (kernels.shard_partials.sample_candidates) gives the bytes
+    of sampler.plan_on + decide over MergedStats (the C call disabled): tokens, logprobs,
+    truncated, on random and special rows (ties, +-inf, folded NaN, all -inf rows), every
+    sampler mode, [R, 3|4|5] params, k above 256, and on batches with greedy rows among
+    sampled ones. Planted: a draw at (u + 0.37) mod 1 is red."""
+    g = torch.Generator().manual_seed(v * 7 + k)
+    real = candidates.kernel.sample_candidates
+    for lg, nan_fold in ((torch.randn(30, v, generator=g) * 3, False), (special_logits(v, 30, v), True)):
+        lg[:, : v // 3] = torch.round(lg[:, : v // 3])  # ties
+        for cols in (5, 4, 3):
+            sp = sampling(g, 30, k, cols)
+            if cols >= 4:
+                sp[7, 3] = 0.0  # u = 0: the first kept slot
+            mg = candidates.merge(candidates.shard_partials(lg, col0=0, v=v, k=k, nan_fold=nan_fold, sp=sp), k=k)
+            assert mg.stats is not None
+            got = real(mg.values, mg.ids, sp, mg.stats, mg.outside, mg.has_outside, nan_fold=nan_fold)
+            assert got is not None
+            monkeypatch.setattr(candidates.kernel, "sample_candidates", lambda *a, **kw: None)
+            want = candidates.sample_merged(mg, sp, nan_fold=nan_fold)
+            monkeypatch.setattr(candidates.kernel, "sample_candidates", real)
+            assert all(same_bits(a, b) for a, b in zip(got, want)), (cols, nan_fold)
+            assert all(same_bits(a, b) for a, b in zip(candidates.sample_merged(mg, sp, nan_fold=nan_fold), want))
+            if cols >= 4 and k > 1:
+                sp2 = sp.clone()
+                sp2[:, 3] = torch.remainder(sp2[:, 3] + 0.37, 1.0).clamp(max=0.999)
+                planted = real(mg.values, mg.ids, sp2, mg.stats, mg.outside, mg.has_outside, nan_fold=nan_fold)
+                assert not all(same_bits(a, b) for a, b in zip(planted, want))

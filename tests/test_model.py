@@ -387,6 +387,7 @@ def test_body_backends_present():
     assert BACKENDS[-1] == "torch"
     if "c" not in BACKENDS:
         pytest.skip("no C compiler: only the torch emulation of the body kernels runs here")
+    assert ("avx2" in BACKENDS) == cpu.has("avx2", "fma")
     if "avx512" not in BACKENDS:
         pytest.skip(f"{cpu.missing('avx512f')}: the avx512 attention micro-kernels are not compared here")
 
@@ -488,7 +489,7 @@ def attend_case(seed, B=3, T=7, nh=9, nkv=3, cap=20, s0=5, pad=(0, 4, 2)):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_attend_backends_threads_and_reference(seed):
-    """attend: avx512 and portable C (1, 2, 3 threads) == torch emulation bitwise; within 2e-6 of float64
+    """attend: avx512, avx2 and portable C (1, 2, 3 threads) == torch emulation bitwise; within 2e-6 of float64
     softmax attention (relative to max |v|: fp32 chains of depth <= 64 and <= 32 keys);
     pad queries give +0."""
     q, kt, v, pad = attend_case(seed)
@@ -502,25 +503,67 @@ def test_attend_backends_threads_and_reference(seed):
     assert (bits(o2[1, :4]) == 0).all() and not (bits(o2[1, 4:]) == 0).all()
 
 
+VECTOR_NEEDS = {"avx512": ("avx512f",), "avx2": ("avx2", "fma")}  # attention micro-kernels
+
+
+def need_vector(backend):
+    if backend not in decl.available_backends():
+        pytest.skip(f"backend {backend!r}: " + (cpu.missing(*VECTOR_NEEDS[backend]) or "no C compiler"))
+
+
+@pytest.mark.parametrize("backend", ["avx512", "avx2"])
+@pytest.mark.parametrize("T", [7, 29])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_attend_vector_softmax_extremes(seed):
-    """The AVX-512 softmax (vector max and exp32) == the portable C bitwise over up to 100
-    keys (full and partial 16-lane blocks) with wide score ranges (exp underflow to +0,
-    e = 1 ties at the max), an inf key and a NaN key (NaN where the C gives NaN)."""
-    if "avx512" not in decl.available_backends():
-        pytest.skip(cpu.missing("avx512f") or "no C compiler")
+def test_attend_vector_softmax_extremes(seed, T, backend):
+    """The vector softmax (vector max and exp32) == the portable C bitwise over up to 100 + T
+    keys (full and partial 16- / 8-lane blocks; T = 29: the multi-position kernels too) with
+    wide score ranges (exp underflow to +0, e = 1 ties at the max), an inf key and a NaN key
+    (NaN where the C gives NaN)."""
+    need_vector(backend)
     g = torch.Generator().manual_seed(seed)
-    B, T, S = 2, 7, 100 + 7 + 64
-    q = torch.randn(B, T, 9, 64, generator=g) * torch.tensor([0.1, 30.0])[None, :, None, None].repeat(1, 4, 1, 1)[:, :T]
+    B, S = 2, 100 + T + 64
+    q = torch.randn(B, T, 9, 64, generator=g) * torch.tensor([0.1, 30.0]).repeat(T)[None, :T, None, None]
     kt = torch.randn(B, 3, 64, S, generator=g) * 3
     v = torch.randn(B, 3, S, 64, generator=g)
     kt[0, 1, 5, 40] = math.inf
     kt[1, 2, 7, 17] = math.nan
     pad = torch.tensor([0, 3])
-    a = decl.attend(q.contiguous(), kt, v, pad, s0=100, scale=0.125, backend="avx512")
+    a = decl.attend(q.contiguous(), kt, v, pad, s0=100, scale=0.125, backend=backend)
     c = decl.attend(q.contiguous(), kt, v, pad, s0=100, scale=0.125, backend="c")
     nan = c.isnan()
     assert nan.any() and torch.equal(a.isnan(), nan) and torch.equal(bits(a)[~nan], bits(c)[~nan])
+
+
+@pytest.mark.parametrize("backend", ["avx512", "avx2"])
+@pytest.mark.parametrize("nh, nkv", [(9, 3), (8, 2), (6, 3), (4, 4), (10, 2)])
+def test_attend_vector_multi_position(nh, nkv, backend):
+    """The multi-position kernels (a unit's adjacent positions sharing each key and value
+    block; g = nh / nkv heads per KV head in groups of up to 3) == the portable C bitwise, 1
+    and 2 threads: T = 45 (whole units and a short last one), pads 0..6 (a unit's key count
+    of every residue mod 8) and 17 (a unit across the first real query), q scaled by 40 for
+    some positions (exp32 clamps at -86), an inf and a NaN key in the slots some queries
+    read, NaN in the slots no query reads. And == the torch emulation on one row."""
+    need_vector(backend)
+    g = torch.Generator().manual_seed(nh * 10 + nkv)
+    B, T, s0 = 8, 45, 11
+    S = s0 + T + 64
+    q = torch.randn(B, T, nh, 64, generator=g) * torch.tensor([1.0, 40.0, 0.01])[torch.arange(T) % 3][None, :, None, None]
+    kt = torch.randn(B, nkv, 64, S, generator=g)
+    v = torch.randn(B, nkv, S, 64, generator=g)
+    kt[7, 0, 3, 30] = math.inf
+    v[7, nkv - 1, 50] = math.nan  # row 7's key 33: read by its positions >= 33 only
+    kt[:, :, :, s0 + T:] = math.nan  # never-written slots: never enter a sum
+    v[:, :, s0 + T:] = math.nan
+    pad = torch.tensor([0, 1, 2, 3, 4, 5, 6, 17])  # row 7: positions -6 .. 38
+    q = q.contiguous()
+    c = decl.attend(q, kt, v, pad, s0=s0, scale=0.125, backend="c", threads=1)
+    for threads in (1, 2):
+        a = decl.attend(q, kt, v, pad, s0=s0, scale=0.125, backend=backend, threads=threads)
+        assert torch.equal(bits(a), bits(c))
+    assert c.isnan().any() and not c[:7].isnan().any() and (bits(c[7, :6]) == 0).all()
+    t = decl.attend(q[1:2].contiguous(), kt[1:2].contiguous(), v[1:2].contiguous(), pad[1:2], s0=s0, scale=0.125,
+                    backend="torch")
+    assert torch.equal(bits(t), bits(c[1:2]))
 
 
 def reversed_den_attend(q, kt, v, pad, *, s0, scale, backend=None, threads=None):

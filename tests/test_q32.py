@@ -59,6 +59,16 @@ def test_add_rms_rows32_equals_torch_spelling(seed):
 
 
 @needs_step
+def test_native_step_takes_the_default_backends():
+    """forward() runs the native step on the backends it picks by default (the fastest this
+    CPU has), never silently the python loop; and every attend backend name is one it takes."""
+    gemm, att = llama.quant_mod.GEMM_Q.pick(None).name, decl.ATTEND.pick(None).name
+    assert kstep.available(gemm, att)
+    assert all(kstep.available(gemm, b) for b in decl.ATTEND.names() if b != "torch")
+    assert not kstep.available(gemm, "torch")
+
+
+@needs_step
 def test_native_step_equals_python_loop(bundle, ids, monkeypatch):
     """The one-call step == the python layer loop, bitwise, for a padded 3-row prefill and 2
     decode steps. Planted: the loop's attention output rounded to bf16 (the quant body's

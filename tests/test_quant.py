@@ -205,14 +205,50 @@ def test_planted_variants_are_told_apart(fmt):
         assert not same_bits(got, emulation_m_split(a, w))
 
 
+# The lanes path (gemm_q.c's lanes_unit): quads of rows (M not a multiple of 4: zero rows
+# that are never stored), tiles of 24 columns (N not a multiple of 8 or 24: zero columns past
+# the unit), units of 24..96 columns over 1..3 threads (the copy of a shared by the threads),
+# K = 576 and 1536 (the SmolLM2 linears), 32 x odd and 32 (one block); M = 8..16 with K > 768
+# and 17 at the edges of the path.
+LANES_SHAPES = [(12, 23, 1536), (17, 49, 576), (33, 200, 1536), (255, 37, 576), (257, 73, 1536),
+                (8, 25, 1536), (11, 30, 800), (19, 48, 96), (64, 97, 576), (21, 193, 1536),
+                (18, 5, 32)]
+
+
+@pytest.mark.parametrize("fmt", Q.FORMATS)
+def test_lanes_path_bit_equal_to_plain_c(fmt):
+    """Every vector backend == the plain C backend (each element's fma chains and tree in
+    scalar code) bit for bit on the lanes path's shapes, on 1, 2 and 3 threads, with NaN,
+    inf, zeros of both signs and subnormals among the activations; out's columns past N are
+    not written."""
+    if "c" not in C_BACKENDS:
+        pytest.skip("no C compiler: only the torch emulation runs")
+    vector = [be for be in C_BACKENDS if be != "c"]
+    if not vector:
+        pytest.skip("no vector backend on this CPU: the lanes path does not run")
+    for i, (M, N, K) in enumerate(LANES_SHAPES):
+        w = rand_weight(N, K, fmt, 20 + i)
+        a = special_a(M, K + 7, 20 + i)[:, :K]  # lda = K + 7
+        want = gemm_q(a, w, backend="c", threads=1)
+        for be in vector:
+            for th in (1, 2, 3):
+                buf = torch.full((M, N + 5), 7.0)
+                gemm_q(a, w, out=buf[:, :N], backend=be, threads=th)
+                assert same_bits(buf[:, :N], want), (M, N, K, be, th)
+                assert bool((buf[:, N:] == 7).all()), (M, N, K, be, th)
+    M, N, K = LANES_SHAPES[0]  # the C backend itself: the declared order
+    w, a = rand_weight(N, K, fmt, 20), special_a(M, K + 7, 20)[:, :K]
+    assert same_bits(gemm_q(a, w, backend="c"), lanes_emulation(a, dequantize(w)))
+
+
 def test_rows_do_not_depend_on_the_batch():
-    """Row m's bytes alone == in a batch of 1 .. 8, 11, 12, 15, 16, 17, 100, 512 (the
+    """Row m's bytes alone == in a batch of 1 .. 8, 11, 12, 13, 15, 16, 17, 100, 255, 512 (the
     blocking paths) == with the rows reversed, on 1, 2 and 3 threads."""
     for fmt in Q.FORMATS:
         w = rand_weight(401, 576, fmt, 8)
         a = rand_a(512, 576, 8)
         full = gemm_q(a, w, threads=1)
-        for M in (1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 15, 16, 17, 100):  # each blocking path
+        for M in (1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 15, 16, 17, 100, 255):  # each path
             assert same_bits(gemm_q(a[:M], w), full[:M]), M
         for th in (2, 3):
             assert same_bits(gemm_q(a, w, threads=th), full), th

@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import bits
+
 from lmtail.numerics import draw_u
 from lmtail.reference.tail import sampler_ref
 from lmtail.kernels.rowmass import sum64
@@ -322,3 +324,69 @@ def test_folded_nan_candidates_do_not_turn_a_row_greedy():
     x = torch.tensor([[1.0, nan, 1.0, nan]])  # k = 4: two NaN candidates after the fold
     tok, _, _, plan, _ = run(x, [(4, 1.0, 1.0, 0.75)], k=4, nan_fold=True)
     assert plan["keep"][0].tolist()[:2] == [True, True] and tok.item() == 2
+
+
+def test_params_fast_check_is_the_rules():
+    """validate_params' host check (_params_ok) accepts exactly the tensors param_problems
+    finds nothing in: random [R, 3|4|5] rows built from every rule's edge values (the
+    boundaries themselves, one fp32 ulp either side, +-inf, NaN, -0), by both spellings
+    (rows, columns). Planted: a tensor only the whole-number rule rejects is rejected."""
+    from lmtail.sampler import _columns_ok, _params_ok, _rows_ok, param_problems
+
+    ulp = lambda x, d: float(np.nextafter(np.float32(x), np.float32(d)))
+    edges = [0.0, -0.0, 1.0, -1.0, 0.5, 2.0, 3.5, 1e-5, ulp(0, 1), ulp(1, 0), ulp(1, 2), ulp(0, -1),
+             float("inf"), -float("inf"), float("nan"), 1e30, 2.0**62, 7.0]
+    g = np.random.default_rng(0)
+    seen = {True: 0, False: 0}
+    for cols in (3, 4, 5):
+        for _ in range(3000):
+            r = int(g.integers(1, 4))
+            good = np.array([[3.0, 0.9, 0.7, 0.5, 0.1][:cols]] * r, dtype=np.float32)
+            for _ in range(int(g.integers(0, 3))):  # change a few entries to edge values
+                good[g.integers(0, r), g.integers(0, cols)] = edges[g.integers(0, len(edges))]
+            sp = torch.from_numpy(good)
+            want = not any(bool(bad.any()) for bad, _ in param_problems(sp))
+            assert _params_ok(sp.numpy()) == _rows_ok(sp.tolist()) == _columns_ok(sp.numpy()) == want, sp
+            seen[want] += 1
+    assert min(seen.values()) > 500
+    half = np.array([[1.5, 0.9, 0.7]], dtype=np.float32)  # planted: no whole-number rule
+    assert not _rows_ok(half.tolist()) and not _columns_ok(half) and np.isfinite(half).all()
+    big = np.tile(np.array([[3.0, 0.9, 0.7, 0.5, 0.1]], dtype=np.float32), (40, 1))  # R > 16: the columns
+    assert _params_ok(big)
+    big[33, 2] = np.nan
+    assert not _params_ok(big)
+
+
+def test_shifted_exp_rows_and_sum64_rows_are_the_torch_ops():
+    """kernels.rowmass.shifted_exp_rows / sum64_rows (the candidates sampler's terms and
+    sums, from C) equal shifted_exp / sum64 bit for bit: random rows, +-inf, -inf rows,
+    z == m, terms that underflow to subnormals and 0, widths around 256; and fall back to
+    the torch ops (the same bits) where z > m or a NaN appears. Planted: a sum in plain
+    order (one chain) is red."""
+    from lmtail.kernels.rowmass import shifted_exp, shifted_exp_rows, sum64_rows
+
+    g = torch.Generator().manual_seed(3)
+    inf = float("inf")
+    for r, n in ((1, 1), (3, 7), (5, 255), (4, 256), (2, 257), (3, 600)):
+        z = torch.randn(r, n, generator=g, dtype=torch.float64) * torch.logspace(-3, 3, r, dtype=torch.float64)[:, None]
+        z[0, 0] = -inf
+        z[-1, n // 2:] = z[-1, n // 2:] - 740.0  # subnormal and zero terms
+        m = z.max(dim=1).values
+        if r > 2:
+            z[1] = -inf
+            m[1] = -inf  # an all -inf row: every term 1
+            m[2] = inf  # m = +inf: finite z -> 0
+            z[2, 0] = inf
+        for zz, mm in ((z, m), (z, m + 0.5)):
+            got, want = shifted_exp_rows(zz, mm), shifted_exp(zz, mm)
+            assert torch.equal(bits(got), bits(want))
+            assert torch.equal(bits(sum64_rows(got)), bits(sum64(want)))
+    z = torch.randn(2, 9, generator=g, dtype=torch.float64)
+    m = z.max(dim=1).values
+    for zz, mm in ((z, m - 0.1), (torch.where(z > 0, torch.nan, z), m)):  # z > m; NaN: the torch ops
+        assert torch.equal(bits(shifted_exp_rows(zz, mm)), bits(shifted_exp(zz, mm)))
+    x = torch.rand(3, 700, generator=g, dtype=torch.float64) * torch.logspace(-20, 20, 700, dtype=torch.float64)
+    assert torch.equal(bits(sum64_rows(x)), bits(sum64(x)))
+    y = torch.rand(8, 700, generator=g, dtype=torch.float64)
+    plain = torch.from_numpy(np.add.accumulate(y.numpy(), axis=1)[:, -1].copy())  # one chain
+    assert torch.equal(bits(sum64_rows(y)), bits(sum64(y))) and not torch.equal(bits(plain), bits(sum64(y)))

@@ -7,6 +7,7 @@ mutations of shard_partials.c, compiled on the fly; each must make the same comp
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -158,6 +159,19 @@ def test_wide_and_uneven_chunks(backend):
 
 
 @pytest.mark.parametrize("backend", C_BACKENDS)
+def test_vector_block_edge_widths(backend):
+    """Chunk widths around the vector paths' blocks (AVX2: 16 lanes, AVX-512: 32) and the
+    256 chains: 1, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 255, 256, 257, 288, 300."""
+    backend_or_skip(backend)
+    gen = torch.Generator().manual_seed(8)
+    widths = [1, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 255, 256, 257, 288, 300]
+    bounds = torch.tensor([0] + np.cumsum(widths).tolist(), dtype=torch.int64)
+    x = edge_rows(6, int(bounds[-1]), gen, nan=True)
+    for nan_fold in (True, False):
+        assert_equal_all_threads(backend, x, bounds, 0, k1=40, nan_fold=nan_fold, scale_t=scales(6, gen))
+
+
+@pytest.mark.parametrize("backend", C_BACKENDS)
 def test_signed_zero_max_rows(backend):
     """A chunk max of 0 reached by both +0 and -0: row_mass leaves such rows to torch; the
     kernel decides them itself (m + 0.0, and S does not see the sign) and must agree."""
@@ -284,3 +298,36 @@ def test_planted_variants_go_red(plant, planted_libs, monkeypatch):
     monkeypatch.setattr(SP, "_c_library", lambda: planted_libs[plant])
     red = bit_diff(run(x, bounds, 64, backend="c", threads=1, **kw), ref)
     assert red, f"planted variant {plant} passed the bitwise comparison"
+
+
+# ---------------------------------------------------------------------------------------
+# scale_rows: decode_tail's deferred fp32(acc * rms) in one C thread
+# ---------------------------------------------------------------------------------------
+def scale_case(seed: int, n: int = 5, v: int = 1003):
+    """acc [n, v] with subnormals, +-0, +-inf, NaNs (payloads too) and overflowing
+    products; rms [n] with a zero, an inf and subnormal-producing scales."""
+    gen = torch.Generator().manual_seed(seed)
+    acc = torch.randn(n, v, generator=gen) * torch.exp2(torch.randint(-140, 120, (n, v), generator=gen).float())
+    acc[0, :7] = torch.tensor([0.0, -0.0, INF, -INF, NAN, 1e-45, -3e-39])
+    acc.view(torch.int32)[1, 5] = 0x7F800001  # a signalling NaN payload: quieted, kept
+    acc.view(torch.int32)[1, 6] = -0x0040_0001  # a negative NaN with payload
+    rms = torch.tensor([0.37, 0.0, INF, 3e-30, 2.0 ** 100])[:n]
+    return acc, rms
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_scale_rows_equals_torch_bitwise(seed):
+    """C == `acc * rms[:, None]` bit for bit (NaN payloads, overflow, subnormals included);
+    a NaN rms falls back to the torch op. Planted: the NaNs stored canonical (payloads lost)
+    must go red."""
+    acc, rms = scale_case(seed)
+    want = acc * rms[:, None]
+    got = SP.scale_rows(acc.clone(), rms)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    rms_nan = rms.clone()
+    rms_nan[2] = NAN
+    assert torch.equal(SP.scale_rows(acc.clone(), rms_nan).view(torch.int32),
+                       (acc * rms_nan[:, None]).view(torch.int32))
+    planted = got.clone()
+    planted[torch.isnan(planted)] = NAN  # canonical NaN: the payloads are lost
+    assert not torch.equal(planted.view(torch.int32), want.view(torch.int32))

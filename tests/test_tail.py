@@ -1,5 +1,7 @@
 """decode_tail on one rank: batch invariance, exact widening, declared float64 bounds,
 pad lanes, outputs, errors."""
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -240,10 +242,12 @@ def test_validation_runs_once_per_call(monkeypatch, tail_path, eps):
     x, gamma, w = problem(3, 4)
     sp = params(3)
     tail_calls = _count_calls(monkeypatch, "lmtail.tail", ["validate_tail_inputs", "validate_params", "sum_squares"])
+    norm_calls = _count_calls(monkeypatch, "lmtail.kernels.shard_partials", ["tail_norm"])  # the C norm pass
     sampler_calls = _count_calls(monkeypatch, "lmtail.sampler", ["validate_params"])
     out = decode_tail(x, gamma, w, k=8, hidden_actual=H_U, sampling_params=sp, eps=eps, tail_path=tail_path)
     assert out.tokens.shape == (3,)
-    assert tail_calls == {"validate_tail_inputs": 1, "validate_params": 1, "sum_squares": 1}
+    ssq = tail_calls.pop("sum_squares") + norm_calls["tail_norm"]
+    assert tail_calls == {"validate_tail_inputs": 1, "validate_params": 1} and ssq == 1
     assert sampler_calls == {"validate_params": 0}
     from lmtail.tail import rows_tail
 
@@ -473,3 +477,87 @@ def test_bf16x2_split_is_exact():
     assert bool((err <= bound).all())
     planted = (g32.to(torch.bfloat16) - hi).double()  # the difference in bf16: always 0 here
     assert not bool(((g32.double() - (hi.double() + planted)).abs() <= bound).all())
+
+
+# ---------------------------------------------------------------------------------------
+# the norm's C pass (kernels.shard_partials.tail_norm) against the torch ops, bit for bit
+# ---------------------------------------------------------------------------------------
+def _norm_inputs(seed, gbs, h):
+    """hidden [gbs, h] fp32 and gamma [h] fp32 across the fp32 range: subnormals, +-0,
+    +-inf, huge lanes (ssq overflows), tiny rows (ssq underflows), ties."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(gbs, h, generator=g) * torch.logspace(-25, 25, gbs)[:, None]
+    x[0, : h // 3] = 1e-42  # subnormal lanes
+    x[1] = torch.randint(-4, 5, (h,), generator=g).float()  # small integers: exact ssq, +-0
+    x[1, 0] = -0.0
+    x[2, 3] = float("inf")
+    x[3, 5] = -3e38
+    x[4] = 1e-30  # squares underflow to 0: ssq 0
+    gamma = 1 + 0.3 * torch.randn(h, generator=g)
+    gamma[7] = 1e-40
+    gamma[8] = -0.0
+    return x.contiguous(), gamma
+
+
+@pytest.mark.parametrize("h, h_u, interleaved", [(96, 88, False), (96, 88, True), (96, 96, True), (600, 577, False),
+                                                 (256, 256, False), (40, 37, False)])
+@pytest.mark.parametrize("head_input", ["fp32", "bf16", "bf16x2"])
+def test_norm_c_pass_is_the_torch_ops(monkeypatch, h, h_u, interleaved, head_input):
+    """normed_rows (deferred rms) through the C pass equals its torch ops (the pass
+    disabled) bit for bit: a, rms on every head input, pad layout and special lanes; the
+    eps = 0 refusal names the same rows; fp16 / bf16 hidden and bf16 gamma widen the same.
+    Planted: the C pass's ssq summed in plain lane order is red."""
+    from lmtail import tail as tail_mod
+    from lmtail.kernels import shard_partials as spk
+
+    x, gamma = _norm_inputs(h + h_u, 12, h)
+    cfgs = [TailConfig(hidden_actual=h_u, zero_interleaved_pad=interleaved, head_input=head_input, eps=e)
+            for e in (1e-5, 1e-6, 3.0)]
+    real = spk.tail_norm
+    for cfg in cfgs:
+        for xx, gg in ((x, gamma), (x.to(torch.bfloat16), gamma.to(torch.bfloat16)), (x.to(torch.float16), gamma)):
+            monkeypatch.setattr(spk, "tail_norm", real)
+            assert spk.tail_norm(xx.float(), gg.float(), None, h_u, cfg.eps) is not None  # the C pass runs
+            got = tail_mod.normed_rows(xx, gg, cfg)
+            monkeypatch.setattr(spk, "tail_norm", lambda *a, **k: None)
+            want = tail_mod.normed_rows(xx, gg, cfg)
+            for a, b in zip(got, want):
+                assert torch.equal(bits(a), bits(b)), (cfg, xx.dtype)
+    # eps = 0: the same rows refused with the same words (rows 0 and 4 square to 0)
+    cfg0 = replace(cfgs[0], eps=0.0)
+    msgs = []
+    for fn in (real, lambda *a, **k: None):
+        monkeypatch.setattr(spk, "tail_norm", fn)
+        with pytest.raises(ValueError, match=r"leaves hidden_states row\(s\) \[0, 4\] undefined") as e:
+            tail_mod.normed_rows(x, gamma, cfg0)
+        msgs.append(str(e.value))
+    assert msgs[0] == msgs[1]
+    # planted: ssq in plain lane order (not strided(256)) differs somewhere
+    monkeypatch.setattr(spk, "tail_norm", real)
+    xs = torch.randn(64, h, generator=torch.Generator().manual_seed(1)).contiguous()
+    rms = tail_mod.normed_rows(xs, gamma, cfgs[0])[1]
+    xr = torch.where(pad_mask(h, h_u, interleaved), xs, torch.zeros(()))
+    plain = torch.tensor([float(np.float32(np.sum(np.float32(r) ** 2, dtype=np.float32))) for r in xr.numpy()])
+    planted = 1 / torch.sqrt(plain.float() / h_u + torch.tensor(1e-5, dtype=torch.float32))
+    assert h < 256 or not torch.equal(bits(rms), bits(planted.float()))
+
+
+def test_norm_c_pass_leaves_nan_rows_to_torch(monkeypatch):
+    """A NaN on a real lane of x or gamma: the C pass declines (None) and the torch ops give
+    the bytes (NaN payloads are theirs); a NaN on a pad lane is ignored by both."""
+    from lmtail import tail as tail_mod
+    from lmtail.kernels import shard_partials as spk
+
+    x, gamma, _ = problem(3, 2)
+    cfg = TailConfig(hidden_actual=H_U, zero_interleaved_pad=False, head_input="fp32")
+    x[:, H_U + 1] = float("nan")  # pad lane
+    assert spk.tail_norm(x, gamma, pad_mask(H, H_U, False), H_U, 1e-5) is not None
+    x[1, 2] = float("nan")
+    assert spk.tail_norm(x, gamma, pad_mask(H, H_U, False), H_U, 1e-5) is None
+    g2 = gamma.clone()
+    g2[5] = float("nan")
+    assert spk.tail_norm(x[[0]], g2, pad_mask(H, H_U, False), H_U, 1e-5) is None
+    got = tail_mod.normed_rows(x, gamma, cfg)
+    monkeypatch.setattr(spk, "tail_norm", lambda *a, **k: None)
+    want = tail_mod.normed_rows(x, gamma, cfg)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want))

@@ -231,3 +231,30 @@ def test_two_ranks_are_bitwise_one_rank():
     check_ranks(res, 2)
     with pytest.raises(AssertionError):  # planted: a wrong ownership map, the same comparison goes red
         check_ranks(res, 2, shift=1)
+
+
+def big_torch_ops(fn) -> list[str]:
+    """The aten ops fn() runs on >= 32,768 elements (torch's parallel grain: such an op wakes
+    torch's OpenMP team, whose spinning then takes a core from the body's next GEMM)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    return [f"{e.name} {e.input_shapes}" for e in prof.events()
+            if any(np.prod(s) >= 32768 for s in e.input_shapes if s)]
+
+
+def test_decode_step_tail_wakes_no_torch_team(monkeypatch):
+    """The model's tail at batch 1 and 4 (V = 49,152, the Q8_0 head, greedy and sampled rows)
+    runs no torch op at torch's parallel grain: the deferred scale and the candidates'
+    passes are C. Planted: the same tail with the scale as the torch op is caught."""
+    x, gamma, _, sp = inputs(gbs=4)
+    w = QuantWeight.quantize(torch.randn(49152, H) / H**0.5, "Q8_0")
+    for b in (1, 4):
+        run = lambda: decode_tail(x[:b], gamma, w, **KW, sampling_params=sp[:b])  # noqa: E731
+        run()
+        assert big_torch_ops(run) == [], b
+    from lmtail.kernels import shard_partials as SP
+
+    monkeypatch.setattr(SP, "scale_rows", lambda acc, rms: acc * rms[:, None])
+    assert big_torch_ops(lambda: decode_tail(x[:1], gamma, w, **KW, sampling_params=sp[:1]))

@@ -8,6 +8,13 @@
     pack -> [gbs, B] bytes ==exchange.exchange_rows (one all-to-all per hop)==> [R, VTP*B]
     owner: unpack VTP slabs (rank order) -> merge keys (top-(k+1) of VTP*(k+1)) and combine
       the chunk partials in global chunk order -> sampler.plan_on with MergedStats
+    one rank: no wire (unpack(pack(p), vtp=1) is p on every byte an output reads); its keys
+      are already the top-(k+1)
+
+Host work per call is a few C calls (kernels.shard_partials: owner_stats = the key split,
+both combines and lse1; sample_candidates = plan_on + decide over MergedStats), the same
+ops as the torch spellings here and in lmtail.sampler, which decide whatever the C calls
+decline (a NaN met, no compiler).
 
 Chunks. The vocabulary [0, V) is cut into MASS_CHUNKS = 256 chunks at the global positions
 floor(j * V / 256), j = 0..256: fixed by V alone. When VTP divides 256 (and V), every rank
@@ -40,13 +47,15 @@ rank, B bytes per row per rank.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .checks import nan_policy, need
 from .kernels import shard_partials as kernel
-from .kernels.rowmass import TERMS, shifted_exp, sum64
+from .kernels.rowmass import TERMS, shifted_exp, shifted_exp_rows, sum64, sum64_rows
 from .numerics import Decl, SumDecl, log64
 from .sampler import GREEDY_TEMPERATURE, decide, plan_on
 
@@ -80,6 +89,14 @@ def check_vtp(vtp: int) -> None:
 def chunk_bounds(v: int) -> torch.Tensor:
     """[C + 1] int64: chunk j is vocab ids [b[j], b[j+1]), b[j] = floor(j * v / C)."""
     return torch.arange(MASS_CHUNKS + 1, dtype=torch.int64) * v // MASS_CHUNKS
+
+
+@functools.lru_cache(maxsize=64)
+def _local_bounds(v: int, j0: int, c: int) -> torch.Tensor:
+    """[c + 1] int64 (read only, shared): chunks j0 .. j0 + c of chunk_bounds(v), offset to
+    the shard's first column b[j0]."""
+    b = chunk_bounds(v)
+    return b[j0:j0 + c + 1] - b[j0]
 
 
 def payload_bytes(k: int, vtp: int, sampled: bool) -> int:
@@ -132,15 +149,15 @@ def shard_partials(logits: torch.Tensor, *, col0: int, v: int, k: int, nan_fold:
     params are sp [n, 3|4|5] (None: top-k only, no mass): kernels.shard_partials over this
     shard's slice of the global chunks."""
     vs = logits.shape[1]
-    b = chunk_bounds(v)
     j0 = MASS_CHUNKS * col0 // v
     c = MASS_CHUNKS * vs // v
-    assert int(b[j0]) == col0 and int(b[j0 + c]) == col0 + vs, "a rank holds whole chunks"
+    assert j0 * v // MASS_CHUNKS == col0 and (j0 + c) * v // MASS_CHUNKS == col0 + vs, "a rank holds whole chunks"
     scale_t = None
-    if sp is not None:
-        scale_t = torch.where(needs_t(sp), sp[:, 2].double(), torch.zeros((), dtype=torch.float64))
+    if sp is not None:  # needs_t's rule on the rows as Python floats (the fp32 values, exact)
+        scale_t = torch.tensor([r[2] if r[0] <= 0 and r[2] >= GREEDY_TEMPERATURE and r[2] != 1.0 else 0.0
+                                for r in sp.tolist()], dtype=torch.float64)  # [n]
     keys, mass, nans = kernel.shard_partials(logits, col0=col0, k1=k + 1, nan_fold=nan_fold,
-                                             bounds=b[j0:j0 + c + 1] - col0, scale_t=scale_t,
+                                             bounds=_local_bounds(v, j0, c), scale_t=scale_t,
                                              with_mass=sp is not None)
     return ShardPartials(keys=keys, mass=mass, nans=nans)
 
@@ -214,30 +231,54 @@ class Merged:
     has_outside: torch.Tensor
     mass: tuple | None
     nans: torch.Tensor | None
+    stats: torch.Tensor | None = None  # [5, R] float64 m1, S1, mT, ST, lse1 = m1 + log64(S1) (the C call's)
+    lp0: torch.Tensor | None = None  # [R] fp32 fp32(v_0 - lse1), slot 0's logprob (ditto)
+
+    @property
+    def lse1(self) -> torch.Tensor | None:
+        return None if self.stats is None else self.stats[4]
 
 
 def merge(p: ShardPartials, *, k: int) -> Merged:
-    """The ranks' partials side by side (unpack's result, or one rank's own) -> Merged."""
-    top = kernel.top_keys(p.keys, k + 1)  # [R, k1]
-    vals, ids = split_fp32_keys(top)
+    """The ranks' partials side by side (unpack's result, or one rank's own) -> Merged.
+    One rank's keys are already its top-(k+1), descending (torch.topk of them is the
+    identity); the split, both combines and lse1 are one C call
+    (kernels.shard_partials.owner_stats, the same ops as split_fp32_keys / combine /
+    log64), the torch ops where it is not built or a chunk max is NaN."""
+    top = p.keys if p.keys.shape[1] == k + 1 else kernel.top_keys(p.keys, k + 1)  # [R, k1]
+    got = kernel.owner_stats(top, p.mass)
+    if got is None:
+        vals, ids = split_fp32_keys(top)
+        stats, lp0, ok = None, None, False
+    else:
+        vals, ids, stats, lp0, ok = got
     mass = None
-    if p.mass is not None:
+    if p.mass is not None and ok:
+        mass = (stats[0], stats[1], stats[2], stats[3])
+    elif p.mass is not None:  # combine's torch path decides (a NaN chunk max, or no kernel)
         mass = combine(p.mass[:, :, 0], p.mass[:, :, 1]) + combine(p.mass[:, :, 2], p.mass[:, :, 3])
+        stats, lp0 = None, None
     return Merged(values=vals[:, :k], ids=ids[:, :k], outside=vals[:, k], has_outside=top[:, k] != PAD_KEY,
-                  mass=mass, nans=p.nans)
+                  mass=mass, nans=p.nans, stats=stats, lp0=lp0)
 
 
 class MergedStats:
     """sampler.plan_on's row statistics from merged candidates and partials."""
 
     def __init__(self, merged: Merged, sp: torch.Tensor, nan_fold: bool):
-        self.mg, self.sp = merged, sp
-        out = merged.outside.double()
-        if nan_fold:
+        self.mg, self.sp, self.nan_fold = merged, sp, nan_fold
+
+    @functools.cached_property
+    def out(self) -> torch.Tensor:
+        """[R] float64: the largest lane outside the candidates (a folded NaN -> -inf)."""
+        out = self.mg.outside.double()
+        if self.nan_fold:
             out = torch.where(torch.isnan(out), torch.full_like(out, -torch.inf), out)
-        self.out = out  # [R]
+        return out
 
     def lse1(self) -> torch.Tensor:
+        if self.mg.lse1 is not None:
+            return self.mg.lse1
         m1, s1 = self.mg.mass[0], self.mg.mass[1]
         return m1 + log64(s1)
 
@@ -249,7 +290,7 @@ class MergedStats:
         at_t = needs_t(self.sp[off])
         m = torch.where(at_t, mt[off], m1[off])
         s = torch.where(at_t, st[off], s1[off])
-        past = self.mg.has_outside[off] & (shifted_exp((self.out[off] / t)[:, None], m)[:, 0] > 0)
+        past = self.mg.has_outside[off] & (shifted_exp_rows((self.out[off] / t)[:, None], m)[:, 0] > 0)
         return m, s, past
 
 
@@ -257,16 +298,28 @@ def sample_merged(merged: Merged, sp: torch.Tensor, *, nan_fold: bool):
     """(tokens [R] int64, logprobs [R] fp32, truncated [R] bool) on fp32 candidates.
     When every row is greedy the sampler's answer is its slot 0 (sampler.draw: a greedy row
     draws slot 0, logprob fp32(v_0 - lse1), never truncated): read directly, the same
-    bytes, without the filtered distribution nobody draws from."""
+    bytes, without the filtered distribution nobody draws from. Otherwise one C call
+    (kernels.shard_partials.sample_candidates) when merge made the stats, else plan_on +
+    decide as torch ops: the same bytes."""
     stats = MergedStats(merged, sp, nan_fold)
-    if bool((sp[:, 2] < GREEDY_TEMPERATURE).all()):
-        logprobs = (merged.values[:, 0].double() - stats.lse1()).to(torch.float32)  # [R]
+    if bool((sp.detach().numpy()[:, 2] < np.float32(GREEDY_TEMPERATURE)).all()):  # fp32 compare, as torch's
+        if merged.lp0 is not None:
+            logprobs = merged.lp0
+        else:
+            logprobs = (merged.values[:, 0].double() - stats.lse1()).to(torch.float32)  # [R]
         return merged.ids[:, 0].clone(), logprobs, torch.zeros(sp.shape[0], dtype=torch.bool)
-    plan = plan_on(merged.values, sp, stats, nan_fold=nan_fold)
+    if merged.stats is not None:  # plan_on + decide over MergedStats in one C call (the same ops)
+        got = kernel.sample_candidates(merged.values, merged.ids, sp, merged.stats, merged.outside,
+                                       merged.has_outside, nan_fold=nan_fold)
+        if got is not None:
+            return got
+    plan = plan_on(merged.values, sp, stats, nan_fold=nan_fold, terms=shifted_exp_rows, total=sum64_rows)
     return decide(plan, merged.values, merged.ids)
 
 
 def check_nans(nans: torch.Tensor, *, v: int, nan_fold: bool, rows: torch.Tensor | None = None) -> None:
     """The sampler's NaN policy from per-row NaN counts [R] (tail.check_nan_rows's words)."""
+    if not nans.numpy().any():
+        return
     ids = torch.arange(nans.shape[0]) if rows is None else rows
     nan_policy(ids, nans > 0, nans == v, nan_fold=nan_fold)

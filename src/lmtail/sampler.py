@@ -37,6 +37,7 @@ Shape legend: R rows, V vocab (full row), k candidates, P = 3|4|5 parameter colu
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -164,17 +165,54 @@ def param_problems(sp: torch.Tensor) -> list[tuple[torch.Tensor, str]]:
     return checks
 
 
+def _params_ok(s: np.ndarray) -> bool:
+    """True iff no row of s [R, 3|4|5] fp32 (R >= 1) breaks a `param_problems` rule: the
+    same rules on the host copy, a few microseconds (`_rows_ok` for a few rows, else
+    `_columns_ok`)."""
+    return _rows_ok(s.tolist()) if s.shape[0] <= 16 else _columns_ok(s)
+
+
+def _rows_ok(rows: list) -> bool:
+    """`_params_ok` on rows of Python floats (the fp32 values, exact): every comparison with
+    a NaN is False, so a NaN anywhere fails its field's rule."""
+    inf = math.inf
+    for r in rows:
+        k, p, t = r[0], r[1], r[2]
+        if not (-inf < k < inf and k == math.floor(k) and 0 < p <= 1 and 0 <= t < inf):
+            return False
+        if len(r) >= 4 and not 0 <= r[3] < 1:
+            return False
+        if len(r) >= 5 and not 0 <= r[4] <= 1:
+            return False
+    return True
+
+
+def _columns_ok(s: np.ndarray) -> bool:
+    """`_params_ok` on the column minima and maxima (a NaN anywhere makes its column's min
+    and max NaN, and every comparison with NaN is False)."""
+    lo, hi = s.min(axis=0), s.max(axis=0)  # [P] each, NaN-propagating
+    top_k = s[:, 0]
+    ok = (-np.inf < lo[0] and hi[0] < np.inf and bool((top_k == np.round(top_k)).all())  # finite, whole
+          and lo[1] > 0 and hi[1] <= 1 and lo[2] >= 0 and hi[2] < np.inf)  # top_p in (0, 1], T in [0, inf)
+    if ok and s.shape[1] >= 4:
+        ok = lo[3] >= 0 and hi[3] < 1  # u in [0, 1)
+    if ok and s.shape[1] >= 5:
+        ok = lo[4] >= 0 and hi[4] <= 1  # min_p in [0, 1]
+    return bool(ok)
+
+
 def validate_params(sp: torch.Tensor, rows: int) -> None:
     """ValueError (naming the row) unless sp is a valid [rows, 3|4|5] fp32 CPU tensor;
     TypeError if it is not a tensor."""
-    need_tensor("sampling_params", sp, f"[R={rows}, 3|4|5] float32")
-    need(sp.dtype == torch.float32, f"sampling_params must be a float32 tensor; got {sp.dtype}")
+    if not (isinstance(sp, torch.Tensor) and sp.device.type == "cpu"):  # checks' words, built only on failure
+        need_tensor("sampling_params", sp, f"[R={rows}, 3|4|5] float32")
+    if sp.dtype != torch.float32:
+        raise ValueError(f"sampling_params must be a float32 tensor; got {sp.dtype}")
     if sp.dim() != 2 or sp.shape[0] != rows or sp.shape[1] not in (3, 4, 5):
         raise ValueError(f"sampling_params must be [R={rows}, 3|4|5]; got {tuple(sp.shape)}")
-    problems = param_problems(sp)
-    if not bool(torch.stack([bad for bad, _ in problems]).any()):  # one sync when all is well
+    if sp.shape[0] and _params_ok(sp.detach().numpy()):
         return
-    for bad, what in problems:
+    for bad, what in param_problems(sp):
         if bad.any():
             i = int(torch.nonzero(bad)[0])
             raise ValueError(f"sampling_params row {i}: {what}; got {sp[i].tolist()}")
@@ -237,10 +275,12 @@ def sampling_plan(cand_values, full_rows, sampling_params, *, nan_fold=False) ->
     return plan_on(cand_values, sampling_params, FullRowStats(row64, cand_values.shape[1]), nan_fold=nan_fold)
 
 
-def plan_on(cand_values, sampling_params, stats, *, nan_fold=False) -> dict:
+def plan_on(cand_values, sampling_params, stats, *, nan_fold=False, terms=shifted_exp, total=sum64) -> dict:
     """sampling_plan's steps 1-5 on candidates [R, k] (bf16 or fp32, descending; widened
     exactly to float64) with the full row seen only through `stats` (FullRowStats, or the
-    candidates exchange's merged partials: the same three questions)."""
+    candidates exchange's merged partials: the same three questions). terms / total: the
+    shifted_exp and sum64 it uses (default the declared torch ops; the candidates exchange
+    passes kernels.rowmass.shifted_exp_rows / sum64_rows, the same bits from C)."""
     r, k = cand_values.shape
     sp = sampling_params.double()
     top_k = sp[:, 0].clamp(min=-1.0, max=2.0**62).to(torch.int64)  # any top_k > k caps at k; 2**62 fits int64
@@ -264,12 +304,12 @@ def plan_on(cand_values, sampling_params, stats, *, nan_fold=False) -> dict:
     # 3. softmax(v / T) over the filtered set (the whole row when top-k is disabled)
     z = v / safe_t[:, None]
     m_k = z[:, 0]  # candidates descend: the filtered set's max
-    s_k = sum64(torch.where(in_k, shifted_exp(z, m_k), torch.zeros_like(z)))
+    s_k = total(torch.where(in_k, terms(z, m_k), torch.zeros_like(z)))
     m, s, past = m_k.clone(), s_k.clone(), torch.zeros(r, dtype=torch.bool)
     off = torch.nonzero(~enabled & ~greedy)[:, 0]  # rows normalized over the whole vocab
     if off.numel():
         m[off], s[off], past[off] = stats.off_mass(off, safe_t[off])
-    p = shifted_exp(z, m) / s[:, None]
+    p = terms(z, m) / s[:, None]
     p = torch.where(in_k, p, torch.zeros_like(p))  # [R, k]
     p = torch.nan_to_num(p, nan=0.0)  # only NaN rows without the fold get here
 

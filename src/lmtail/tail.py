@@ -17,7 +17,8 @@
                "dp32" per 32-lane block one odd-then-even fma chain, FTZ/DAZ
     exchange "candidates" (default; lmtail.candidates):
       per row and shard: exact fp32 top-(k+1) keys + 256 global-chunk mass partials
-      one rank : the same partials over the full row, through the same pack / unpack
+      one rank : the same partials over the full row; the wire (pack / unpack) is the
+                 identity on every byte an output reads there, so it is skipped
       VTP ranks: exchange.exchange_rows moves the packed partials ([gbs, B] bytes) into
                  [R, VTP*B]; the owner merges them --> candidates [R, k] fp32, the sampler
                  (sampler.plan_on) on fp32 values --> tokens [R]
@@ -59,6 +60,8 @@ V full vocab, R rows this rank owns (= gbs on one rank), k candidates.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import struct
 from dataclasses import dataclass, fields, replace
 
@@ -71,6 +74,7 @@ from .kernels.gemm import TAIL_ORDERS as GEMM_ORDERS
 from .kernels.gemm import gemm_bf16, gemm_decl
 from .kernels.quant import QuantWeight, gemm_q, gemm_q_decl
 from .kernels import rows_tail as rows_kernel
+from .kernels import shard_partials as sp_kernel
 from .layout import owned_rows, validate_layout
 from .numerics import Decl, SumDecl, sqrt_rn32
 from .orders import strided, sum_squares
@@ -145,47 +149,84 @@ def validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, sampling_params
     without the norm's own pass (eps = 0 with a row whose real lanes square to 0) is
     checked by that pass (`normed_rows`), before the GEMM and any collective."""
     x, w, cfg = hidden_states, lm_head_weight_t, config
-    need(isinstance(cfg, TailConfig), f"config must be a TailConfig; got {type(cfg).__name__}")
-    need_tensor("hidden_states", x, "[gbs, H]")
-    need(x.dim() == 2, f"hidden_states must be [gbs, H]; got {tuple(x.shape)}")
-    need(x.dtype in (torch.float32, torch.float16, torch.bfloat16),
-         f"hidden_states must be float32, float16 or bfloat16; got {x.dtype}")
+    if not isinstance(cfg, TailConfig):
+        raise ValueError(f"config must be a TailConfig; got {type(cfg).__name__}")
+    if not (isinstance(x, torch.Tensor) and x.device.type == "cpu"):  # checks' words, built only on failure
+        need_tensor("hidden_states", x, "[gbs, H]")
+    if not (x.dim() == 2):
+        raise ValueError(f"hidden_states must be [gbs, H]; got {tuple(x.shape)}")
+    if not (x.dtype in (torch.float32, torch.float16, torch.bfloat16)):
+        raise ValueError(f"hidden_states must be float32, float16 or bfloat16; got {x.dtype}")
     gbs, h = x.shape
-    need(gbs >= 1 and h >= 1, f"hidden_states must be non-empty [gbs, H]; got {tuple(x.shape)}")
-    gamma32(gamma, h)
+    if not (gbs >= 1 and h >= 1):
+        raise ValueError(f"hidden_states must be non-empty [gbs, H]; got {tuple(x.shape)}")
+    if not (isinstance(gamma, torch.Tensor) and gamma.device.type == "cpu"
+            and gamma.dtype in (torch.bfloat16, torch.float32) and tuple(gamma.shape) in ((h,), (1, h))):
+        gamma32(gamma, h)  # raises with its words
     if isinstance(w, QuantWeight):
-        need(w.fmt == "Q8_0", f"lm_head_weight_t: a QuantWeight head must be fmt 'Q8_0'; got {w.fmt!r}")
-        need(w.shape[1] == h, f"lm_head_weight_t: a Q8_0 head must be (V_s, K=H={h}); got {w.shape} (K={w.shape[1]})")
-        need(w.shape[0] >= 1, f"lm_head_weight_t: a Q8_0 head needs V_s >= 1 rows; got {w.shape}")
+        if not (w.fmt == "Q8_0"):
+            raise ValueError(f"lm_head_weight_t: a QuantWeight head must be fmt 'Q8_0'; got {w.fmt!r}")
+        if not (w.shape[1] == h):
+            raise ValueError(f"lm_head_weight_t: a Q8_0 head must be (V_s, K=H={h}); got {w.shape} (K={w.shape[1]})")
+        if not (w.shape[0] >= 1):
+            raise ValueError(f"lm_head_weight_t: a Q8_0 head needs V_s >= 1 rows; got {w.shape}")
     else:
-        need_tensor("lm_head_weight_t", w, f"[H={h}, V_s] bf16 or a kernels.quant.QuantWeight Q8_0 (V_s, H={h})")
-        need(w.dim() == 2 and w.shape[0] == h, f"lm_head_weight_t must be [H={h}, V_s]; got {tuple(w.shape)}")
-        need(w.dtype == torch.bfloat16, f"lm_head_weight_t must be bfloat16; got {w.dtype}")
-        need(w.is_contiguous(), "lm_head_weight_t must be C-contiguous (pass the transposed weight, "
-                                "e.g. w.t().contiguous()); got a strided view")
+        if not (isinstance(w, torch.Tensor) and w.device.type == "cpu"):
+            need_tensor("lm_head_weight_t", w, f"[H={h}, V_s] bf16 or a kernels.quant.QuantWeight Q8_0 (V_s, H={h})")
+        if not (w.dim() == 2 and w.shape[0] == h):
+            raise ValueError(f"lm_head_weight_t must be [H={h}, V_s]; got {tuple(w.shape)}")
+        if not (w.dtype == torch.bfloat16):
+            raise ValueError(f"lm_head_weight_t must be bfloat16; got {w.dtype}")
+        if not w.is_contiguous():
+            raise ValueError("lm_head_weight_t must be C-contiguous (pass the transposed weight, "
+                             "e.g. w.t().contiguous()); got a strided view")
     h_u = h if cfg.hidden_actual is None else cfg.hidden_actual
-    need(is_int(h_u) and 1 <= h_u <= h, f"hidden_actual must be an int in [1, H={h}]; got {cfg.hidden_actual!r}")
-    need(not (cfg.zero_interleaved_pad and h_u != h and (h % 4 or (h - h_u) % 4)),
-         f"hidden_actual: interleaved padding needs H and H - H_u divisible by 4; got H={h}, H_u={h_u}")
+    if not (is_int(h_u) and 1 <= h_u <= h):
+        raise ValueError(f"hidden_actual must be an int in [1, H={h}]; got {cfg.hidden_actual!r}")
+    if cfg.zero_interleaved_pad and h_u != h and (h % 4 or (h - h_u) % 4):
+        raise ValueError(f"hidden_actual: interleaved padding needs H and H - H_u divisible by 4; got H={h}, H_u={h_u}")
     for flag in ("zero_interleaved_pad", "deferred_rms", "nan_fold", "emit_logits", "debug_taps"):
-        need(isinstance(getattr(cfg, flag), bool), f"{flag} must be a bool; got {getattr(cfg, flag)!r}")
-    check_eps(cfg.eps)
-    need(vocab_size < 1 << 32, f"V must be < 2**32 (vocab ids are 32-bit in the top-k keys); got {vocab_size}")
-    need(is_int(cfg.k) and 1 <= cfg.k <= vocab_size,
-         f"k must be an int in [1, V={vocab_size}]; got {cfg.k!r}" + (
-             " (k candidates per row cannot exceed the vocabulary width V = V_s x ranks, and k is "
-             f"never clamped: pass k=min(256, V), here k<={vocab_size})"
-             if is_int(cfg.k) and cfg.k > vocab_size else ""))
-    need(cfg.gemm_order in GEMM_ORDERS, f"gemm_order must be one of {GEMM_ORDERS}; got {cfg.gemm_order!r}")
-    need(cfg.tail_path in TAIL_PATHS, f"tail_path must be one of {TAIL_PATHS}; got {cfg.tail_path!r}")
-    need(cfg.exchange in EXCHANGES, f"exchange must be one of {EXCHANGES}; got {cfg.exchange!r}")
-    need(cfg.head_input in TAIL_HEAD_INPUTS, f"head_input must be one of {TAIL_HEAD_INPUTS}; got {cfg.head_input!r}")
-    need(cfg.head_input == "bf16" or cfg.deferred_rms,
-         f"head_input={cfg.head_input!r} needs deferred_rms=True (its GEMM input is x*gamma, rms applied "
-         "after); got deferred_rms=False")
+        if not isinstance(getattr(cfg, flag), bool):
+            raise ValueError(f"{flag} must be a bool; got {getattr(cfg, flag)!r}")
+    _check_eps_once(cfg.eps)
+    if not (vocab_size < 1 << 32):
+        raise ValueError(f"V must be < 2**32 (vocab ids are 32-bit in the top-k keys); got {vocab_size}")
+    if not (is_int(cfg.k) and 1 <= cfg.k <= vocab_size):
+        raise ValueError(f"k must be an int in [1, V={vocab_size}]; got {cfg.k!r}" + (
+            " (k candidates per row cannot exceed the vocabulary width V = V_s x ranks, and k is "
+            f"never clamped: pass k=min(256, V), here k<={vocab_size})"
+            if is_int(cfg.k) and cfg.k > vocab_size else ""))
+    if not (cfg.gemm_order in GEMM_ORDERS):
+        raise ValueError(f"gemm_order must be one of {GEMM_ORDERS}; got {cfg.gemm_order!r}")
+    if not (cfg.tail_path in TAIL_PATHS):
+        raise ValueError(f"tail_path must be one of {TAIL_PATHS}; got {cfg.tail_path!r}")
+    if not (cfg.exchange in EXCHANGES):
+        raise ValueError(f"exchange must be one of {EXCHANGES}; got {cfg.exchange!r}")
+    if not (cfg.head_input in TAIL_HEAD_INPUTS):
+        raise ValueError(f"head_input must be one of {TAIL_HEAD_INPUTS}; got {cfg.head_input!r}")
+    if not (cfg.head_input == "bf16" or cfg.deferred_rms):
+        raise ValueError(f"head_input={cfg.head_input!r} needs deferred_rms=True (its GEMM input is x*gamma, "
+                         "rms applied after); got deferred_rms=False")
     _check_head_kind(w, h, cfg)
     if sampling_params is not None:
         validate_params(sampling_params, gbs if rows is None else rows)
+
+
+@functools.lru_cache(maxsize=64, typed=True)
+def _eps_ok(eps) -> bool:
+    check_eps(eps)  # raises (and caches nothing) for a bad eps
+    return True
+
+
+def _check_eps_once(eps) -> None:
+    """checks.check_eps, remembered per (type, value) it accepted: the rule is a pure
+    function of both (an unhashable eps is checked every time)."""
+    try:
+        hash(eps)
+    except TypeError:
+        check_eps(eps)
+        return
+    _eps_ok(eps)
 
 
 def _check_head_kind(w, h: int, cfg: TailConfig) -> None:
@@ -193,14 +234,16 @@ def _check_head_kind(w, h: int, cfg: TailConfig) -> None:
     a QuantWeight (Q8_0) head needs head_input "fp32" and the default gemm_order; "fp32"
     needs a QuantWeight."""
     if not isinstance(w, QuantWeight):
-        need(cfg.head_input != "fp32", "head_input='fp32' needs a kernels.quant.QuantWeight Q8_0 head "
-                                       f"(V_s, H={h}) as lm_head_weight_t; got a {w.dtype} tensor")
+        if cfg.head_input == "fp32":
+            raise ValueError("head_input='fp32' needs a kernels.quant.QuantWeight Q8_0 head "
+                             f"(V_s, H={h}) as lm_head_weight_t; got a {w.dtype} tensor")
         return
-    need(cfg.head_input == "fp32", "head_input must be 'fp32' with a Q8_0 head (the GEMM reads fp32(x*gamma), "
-                                   f"unrounded); got {cfg.head_input!r}")
-    need(cfg.gemm_order == TailConfig.gemm_order,
-         f"gemm_order must be the default {TailConfig.gemm_order!r} with a Q8_0 head (its sum is gemm_q's "
-         f"declared order lanes32, not a gemm_bf16 order); got {cfg.gemm_order!r}")
+    if cfg.head_input != "fp32":
+        raise ValueError("head_input must be 'fp32' with a Q8_0 head (the GEMM reads fp32(x*gamma), "
+                         f"unrounded); got {cfg.head_input!r}")
+    if cfg.gemm_order != TailConfig.gemm_order:
+        raise ValueError(f"gemm_order must be the default {TailConfig.gemm_order!r} with a Q8_0 head (its sum is "
+                         f"gemm_q's declared order lanes32, not a gemm_bf16 order); got {cfg.gemm_order!r}")
 
 
 def head_shard_width(w) -> int:
@@ -225,10 +268,16 @@ def normed_rows(hidden_states, gamma, config: TailConfig) -> tuple[torch.Tensor,
     a the GEMM's input (pad lanes 0; head_input "fp32": g = fp32(x*gamma) [gbs, H] fp32),
     rms the 1/sqrt scale (module docstring). Inputs validated. With fp32(eps) = 0, a row
     whose real lanes square to 0 (no rms) is a ValueError naming it, raised here, before
-    the GEMM: this pass is the tail's only sum of squares."""
+    the GEMM: this pass is the tail's only sum of squares. With deferred_rms the pass is
+    one C call (kernels.shard_partials.tail_norm, the same bytes; the torch ops below where
+    it declines: no compiled kernel, or a NaN on a real lane)."""
     cfg = config
     h = hidden_states.shape[1]
     h_u = h if cfg.hidden_actual is None else cfg.hidden_actual
+    if cfg.deferred_rms:
+        fast = _normed_rows_c(hidden_states, gamma, cfg, h, h_u)
+        if fast is not None:
+            return fast
     real = pad_mask(h, h_u, cfg.zero_interleaved_pad)  # [H]
     g = gamma.reshape(h).to(torch.float32)  # [H], exact widening
     x = hidden_states.to(torch.float32)  # [gbs, H], exact widen
@@ -259,6 +308,32 @@ def normed_rows(hidden_states, gamma, config: TailConfig) -> tuple[torch.Tensor,
     return a, rms  # [gbs, H] (bf16x2: [gbs, 2, H]), [gbs]
 
 
+def _normed_rows_c(hidden_states, gamma, cfg: TailConfig, h: int, h_u: int):
+    """normed_rows (deferred rms) with its norm in one C pass (kernels.shard_partials.tail_norm:
+    the same ssq order, roundings and pad lanes; the head input's bf16 roundings stay torch
+    ops), or None where the torch ops decide (no compiled kernel, a NaN on a real lane)."""
+    real = None if h_u == h else pad_mask(h, h_u, cfg.zero_interleaved_pad)  # [H] | None
+    got = sp_kernel.tail_norm(hidden_states.to(torch.float32), gamma.reshape(h).to(torch.float32), real,
+                              h_u, cfg.eps)
+    if got is None:
+        return None
+    xg, m, rms = got  # [gbs, H] fp32 x*gamma (pad lanes +0), [gbs] ssq/H_u, [gbs] 1/sqrt
+    if ctypes.c_float(cfg.eps).value == 0:  # fp32(eps) = 0: a zero row has no rms
+        undefined_rows(m, cfg.eps, "hidden_states")
+    if cfg.head_input == "fp32":
+        return xg, rms
+    if cfg.head_input == "bf16x2":
+        hi = xg.to(torch.bfloat16)
+        lo = torch.where(torch.isinf(hi), torch.zeros((), dtype=torch.float32),
+                         xg - hi.to(torch.float32)).to(torch.bfloat16)  # exact in fp32; 0 beside an inf
+        a = torch.stack([hi, lo], dim=1)  # [gbs, 2, H]
+    else:
+        a = xg.to(torch.bfloat16)  # [gbs, H]
+    if real is not None:
+        a = torch.where(real, a, torch.zeros((), dtype=torch.bfloat16))
+    return a, rms
+
+
 def logits_from(a, rms, lm_head_weight_t, config: TailConfig) -> torch.Tensor:
     """The GEMM half of `shard_logits`: a [n, H] bf16 ([n, 2, H] with head_input "bf16x2";
     [n, H] fp32 with "fp32" and a QuantWeight head), rms [n] fp32 (from normed_rows, any
@@ -272,7 +347,7 @@ def logits_from(a, rms, lm_head_weight_t, config: TailConfig) -> torch.Tensor:
         acc = acc2[:, 0] + acc2[:, 1]  # [n, V_s] fp32
     else:
         acc = gemm_bf16(a, lm_head_weight_t, order=config.gemm_order)  # [n, V_s] fp32
-    return acc * rms[:, None] if config.deferred_rms else acc
+    return sp_kernel.scale_rows(acc, rms) if config.deferred_rms else acc  # fp32(acc * rms)
 
 
 def shard_logits(hidden_states, gamma, lm_head_weight_t, *, config: TailConfig = TailConfig(),
@@ -471,7 +546,8 @@ def decode_tail(hidden_states, gamma, lm_head_weight_t, *, eps: float = 1e-5,
     if cfg.exchange == "candidates":
         v = logits.shape[1]
         part = candidates.shard_partials(logits, col0=0, v=v, k=cfg.k, nan_fold=cfg.nan_fold, sp=sampling_params)
-        part = candidates.unpack(candidates.pack(part), vtp=1, k=cfg.k, sp=sampling_params)  # the ranks' wire
+        # one rank: the ranks' wire (candidates.pack -> unpack, vtp=1) is the identity on every
+        # byte a returned output reads (tests/test_candidates.py proves it), so it is skipped
         return _owned_candidates(candidates.merge(part, k=cfg.k), sampling_params, cfg, logits, v)
     return _owned_tail(logits.to(torch.bfloat16), sampling_params, cfg, logits)
 

@@ -20,8 +20,10 @@
  *   out  = fl32(acc / den)
  * A pad query (p < 0) gets out = +0.0. Every element's chain is run in that order by one
  * thread; blocking only decides which independent chains share registers, so the bytes do
- * not depend on B, T, the slot a key sits in, the thread count or the ISA clone. Keys
- * beyond a query's position are never read into its sums (no masking terms).
+ * not depend on B, T, the slot a key sits in, the thread count, the ISA clone or the
+ * micro-kernel set (portable C, AVX2 + FMA 8 lanes, AVX-512 16 lanes: pick_isa under the
+ * caller's cap). Keys beyond a query's position are never read into its sums (no masking
+ * terms).
  *
  * exp32(x) (fp32, basic operations only):
  *   x NaN -> NaN; x > 88 -> +inf; x < -86 -> +0;
@@ -30,7 +32,8 @@
  *   p = Horner with fma over fp32(1/k!), k = 7..0, in r;  exp32 = fl32(p * 2^n)
  * silu_mul(g, u) = fl32(fl32(g / fl32(1 + exp32(-g))) * u); silu(-inf) = -0.
  * Each worker pins MXCSR to round-to-nearest with FTZ/DAZ off and restores it.
- * Compiled with -ffp-contract=off: the only fused ops are the explicit fmaf calls.
+ * Compiled with -ffp-contract=off: the only fused ops are the explicit fma calls (fmaf and
+ * the fmadd / fnmadd intrinsics).
  */
 #include <math.h>
 #include "lmtail_kernels.h"
@@ -40,7 +43,9 @@
 #define CLONES
 #endif
 
-enum { HD = 64, JB = 64, QB = 3, UP = 2 }; /* UP: positions per work unit */
+/* Positions per work unit: UP2 on the AVX2 kernels (one multi-position call), UP512 on the
+ * AVX-512 ones (one call) and the portable ones; UP, the most of them, sizes the scratch. */
+enum { HD = 64, JB = 64, QB = 3, UP512 = 2, UP2 = 8, UP = UP2 > UP512 ? UP2 : UP512 };
 
 /* Constants as exact hex floats (model/body.py spells the same bits; lmtail_body_constants
  * exports them so a test compares the two): */
@@ -86,6 +91,14 @@ static inline float silu_mul1(float g, float u) {
 static unsigned pin_mxcsr(void) { return lmtail_mxcsr_pin(LMTAIL_MXCSR_IEEE); } /* RN, no FTZ/DAZ, masked */
 static void restore_mxcsr(unsigned old) { lmtail_mxcsr_restore(old); }
 
+/* The micro-kernels under the ISA cap `cap` (0: the best this CPU has, 1: no AVX-512,
+ * 2: portable C only): 2 AVX-512, 1 AVX2 + FMA, 0 portable. */
+static int pick_isa(int cap) {
+    if (cap <= 0 && lmtail_cpu_has(LMTAIL_CPU_AVX512F)) return 2;
+    if (cap <= 1 && lmtail_cpu_has(LMTAIL_ISA_AVX2)) return 1;
+    return 0;
+}
+
 /* out[0..13] = LOG2E, RND, LN2_HI, LN2_LO, X_HI, X_LO, C[0..7]: exp32's constants as this
  * file holds them. Returns the count written (14). */
 int lmtail_body_constants(float *out) {
@@ -98,12 +111,6 @@ CLONES static void exp_rows(const float *x, float *y, int64_t n) {
     for (int64_t i = 0; i < n; ++i) y[i] = exp32(x[i]);
 }
 
-void lmtail_exp32(const float *x, float *y, int64_t n) {
-    unsigned old = pin_mxcsr();
-    exp_rows(x, y, n);
-    restore_mxcsr(old);
-}
-
 /* gu [M, ld] fp32: gate in columns [0, F), up in [F, 2F); out [M, F]. */
 CLONES static void silu_rows(const float *gu, float *out, int64_t M, int64_t F, int64_t ld) {
     for (int64_t m = 0; m < M; ++m) {
@@ -113,12 +120,6 @@ CLONES static void silu_rows(const float *gu, float *out, int64_t M, int64_t F, 
     }
 }
 
-void lmtail_silu_mul(const float *gu, float *out, int64_t M, int64_t F, int64_t ld) {
-    unsigned old = pin_mxcsr();
-    silu_rows(gu, out, M, F, ld);
-    restore_mxcsr(old);
-}
-
 /* ------------------------------------------------------------------ attention */
 typedef struct {
     const float *q, *kt, *v;
@@ -126,11 +127,12 @@ typedef struct {
     const int64_t *pad;
     int64_t B, T, nh, nkv, S_cap, s0;
     float scale;
-    float *scratch; /* per thread: UP QB * (S_cap + JB) floats */
+    float *scratch; /* per thread: up QB * (S_cap + JB) floats */
     size_t per;     /* floats of scratch per thread */
     int64_t nunits, next;
     int slots;      /* scratch slots handed out so far (atomic) */
-    int avx512; /* use the AVX-512 register-tile micro-kernels (same chains, same bits) */
+    int isa; /* micro-kernels: 2 AVX-512, 1 AVX2 + FMA, 0 portable (same chains, same bits) */
+    int64_t up; /* positions per unit */
 } attn_job;
 
 #if defined(__x86_64__)
@@ -143,7 +145,7 @@ scores512(const int NQ, const float *const *qs, const float *kt, int64_t S_cap, 
     enum { W = JB / 16 }; /* zmm per query per key block */
     const __m512 vs = _mm512_set1_ps(scale);
     for (int64_t j0 = 0; j0 < nmax; j0 += JB) {
-        __m512 acc[UP * QB][4];
+        __m512 acc[UP512 * QB][4];
 #pragma GCC unroll 12
         for (int i = 0; i < NQ; ++i)
 #pragma GCC unroll 4
@@ -270,7 +272,7 @@ static inline __attribute__((always_inline)) AVX512 void
 pv512_multi(const int NQ, const int P, float *const *e, const float *v, int64_t n,
             float *const *outs) {
     const int nq = NQ / P;
-    float den[UP * QB];
+    float den[UP512 * QB];
 #pragma GCC unroll 12
     for (int i = 0; i < NQ; ++i) den[i] = 0.0f;
     for (int64_t j = 0; j < n + P - 1; ++j) { /* the dens, in their own pass (registers) */
@@ -281,7 +283,7 @@ pv512_multi(const int NQ, const int P, float *const *e, const float *v, int64_t 
     }
 #pragma GCC unroll 2
     for (int half = 0; half < 2; ++half) {
-        __m512 acc[UP * QB][2];
+        __m512 acc[UP512 * QB][2];
 #pragma GCC unroll 12
         for (int i = 0; i < NQ; ++i) {
             acc[i][0] = _mm512_setzero_ps();
@@ -324,7 +326,293 @@ static AVX512 void attend512_multi(int nq, int P, const float *const *qs, const 
     else if (nq == 2) pv512_multi(2 * P, P, sc, v, n, outs);
     else pv512_multi(P, P, sc, v, n, outs);
 }
+
+/* AVX2 (+FMA) versions of the same kernels, 8 lanes: the same fma chains element by element
+ * (dot_j vectorized across keys, acc_d across dims, den sequential per query). NQ = P nq
+ * queries of P adjacent positions share each key and value block, loaded once into L1;
+ * register tiles of G = 3 queries x 4 vectors (12 of the 16 ymm) run over it. */
+#define AVX2 __attribute__((target("avx2,fma")))
+enum { G2 = 3, KB2 = 32, EB = 64, NQ2 = UP2 * QB }; /* tile rows; keys per score / value block */
+
+/* exp32_512_in on 8 lanes all in [X_LO, X_HI]. */
+static inline __attribute__((always_inline)) AVX2 __m256 exp32_256_in(__m256 xc) {
+    const __m256 rnd = _mm256_set1_ps(RND);
+    const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(xc, _mm256_set1_ps(LOG2E)), rnd), rnd);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), xc);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+    __m256 p = _mm256_set1_ps(C[7]);
+    for (int k = 6; k >= 0; --k) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(C[k]));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* exp32 on 8 lanes: the scalar exp32's operations one for one (compare + blendv for its
+ * selects), so the same bits lane by lane. */
+static inline __attribute__((always_inline)) AVX2 __m256 exp32_256(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(X_HI), lo = _mm256_set1_ps(X_LO);
+    const __m256 in = _mm256_and_ps(_mm256_cmp_ps(x, lo, _CMP_GE_OQ), _mm256_cmp_ps(x, hi, _CMP_LE_OQ));
+    if (_mm256_movemask_ps(in) == 0xFF) return exp32_256_in(x); /* every lane in range: no selects */
+    __m256 xc = _mm256_blendv_ps(x, hi, _mm256_cmp_ps(x, hi, _CMP_GT_OQ));
+    xc = _mm256_blendv_ps(xc, lo, _mm256_cmp_ps(xc, lo, _CMP_LT_OQ));
+    xc = _mm256_blendv_ps(xc, _mm256_setzero_ps(), _mm256_cmp_ps(xc, xc, _CMP_UNORD_Q));
+    __m256 y = exp32_256_in(xc); /* the clamped lanes are in range */
+    y = _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
+    y = _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x, hi, _CMP_GT_OQ));
+    return _mm256_blendv_ps(y, _mm256_set1_ps(NAN), _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+/* One score tile: queries qb[0..G) (rows of HD) x keys j0 .. j0 + KB2 - 1: acc = fma chain
+ * over d from +0, sc[i][j] = fl32(acc * scale). pf: prefetch the next block's keys. */
+static inline __attribute__((always_inline)) AVX2 void
+score_tile(const int G, const int pf, const float (*qb)[HD], const float *kt, int64_t S_cap,
+           int64_t j0, __m256 vs, float *const *sc) {
+    __m256 acc[G2][KB2 / 8];
+#pragma GCC unroll 3
+    for (int i = 0; i < G; ++i)
+#pragma GCC unroll 4
+        for (int c = 0; c < KB2 / 8; ++c) acc[i][c] = _mm256_setzero_ps();
+    for (int d = 0; d < HD; ++d) {
+        const float *kr = kt + (int64_t)d * S_cap + j0;
+        if (pf) {
+            _mm_prefetch((const char *)(kr + KB2), _MM_HINT_T0); /* the next block */
+            _mm_prefetch((const char *)(kr + KB2 + 16), _MM_HINT_T0);
+        }
+        __m256 kv[KB2 / 8];
+#pragma GCC unroll 4
+        for (int c = 0; c < KB2 / 8; ++c) kv[c] = _mm256_loadu_ps(kr + 8 * c);
+#pragma GCC unroll 3
+        for (int i = 0; i < G; ++i) {
+            const __m256 qd = _mm256_broadcast_ss(&qb[i][d]);
+#pragma GCC unroll 4
+            for (int c = 0; c < KB2 / 8; ++c) acc[i][c] = _mm256_fmadd_ps(qd, kv[c], acc[i][c]);
+        }
+    }
+#pragma GCC unroll 3
+    for (int i = 0; i < G; ++i)
+#pragma GCC unroll 4
+        for (int c = 0; c < KB2 / 8; ++c) _mm256_storeu_ps(sc[i] + j0 + 8 * c, _mm256_mul_ps(acc[i][c], vs));
+}
+
+/* scores() on 8 lanes for NQ <= NQ2 queries: sc[i][j] for j < nmax rounded up to KB2 (lanes
+ * past a query's own n: in-bounds slots, never used). Each key block is used by every tile
+ * of G2 queries before the next (L1); the queries are copied to one local block first. */
+static AVX2 void scores256(int NQ, const float *const *qs, const float *kt, int64_t S_cap,
+                           int64_t nmax, float scale, float *const *sc) {
+    float qb[NQ2][HD] __attribute__((aligned(32)));
+    for (int i = 0; i < NQ; ++i) memcpy(qb[i], qs[i], HD * sizeof(float));
+    const __m256 vs = _mm256_set1_ps(scale);
+    for (int64_t j0 = 0; j0 < nmax; j0 += KB2) {
+        int i = NQ < G2 ? NQ : G2; /* the first tile also prefetches */
+        if (i == G2) score_tile(G2, 1, qb, kt, S_cap, j0, vs, sc);
+        else if (i == 2) score_tile(2, 1, qb, kt, S_cap, j0, vs, sc);
+        else score_tile(1, 1, qb, kt, S_cap, j0, vs, sc);
+        for (; i + G2 <= NQ; i += G2) score_tile(G2, 0, qb + i, kt, S_cap, j0, vs, sc + i);
+        if (NQ - i == 2) score_tile(2, 0, qb + i, kt, S_cap, j0, vs, sc + i);
+        else if (NQ - i == 1) score_tile(1, 0, qb + i, kt, S_cap, j0, vs, sc + i);
+    }
+}
+
+/* softmax512 on 8 lanes (the same m, the same e_j); writes sc up to n rounded up to 8
+ * (lanes past n: scratch never read). */
+static AVX2 void softmax256(float *sc, int64_t n) {
+    __m256 m = _mm256_set1_ps(sc[0]);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) m = _mm256_max_ps(_mm256_loadu_ps(sc + j), m); /* x > m ? x : m */
+    float lanes[8], mx = sc[0];
+    _mm256_storeu_ps(lanes, m);
+    for (int i = 0; i < 8; ++i) mx = lanes[i] > mx ? lanes[i] : mx;
+    for (; j < n; ++j) mx = sc[j] > mx ? sc[j] : mx;
+    const __m256 vm = _mm256_set1_ps(mx);
+    for (j = 0; j < n; j += 8) _mm256_storeu_ps(sc + j, exp32_256(_mm256_sub_ps(_mm256_loadu_ps(sc + j), vm)));
+}
+
+/* One value tile: queries eb[0..G) (rows of EB e's) x dims c0 .. c0 + 31 over keys
+ * 0 .. jn - 1 of the block at v: acc[i] = fma(e_ij, v_j, acc[i]) in j order, the
+ * accumulators parked in park[i] between blocks. */
+static inline __attribute__((always_inline)) AVX2 void
+pv_tile(const int G, const float (*eb)[EB], const float *v, int jn, int c0, __m256 (*park)[HD / 8]) {
+    __m256 acc[G2][4];
+#pragma GCC unroll 3
+    for (int i = 0; i < G; ++i)
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) acc[i][c] = park[i][c0 / 8 + c];
+    for (int jj = 0; jj < jn; ++jj) {
+        const float *vr = v + (int64_t)jj * HD + c0;
+        __m256 vv[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) vv[c] = _mm256_loadu_ps(vr + 8 * c);
+#pragma GCC unroll 3
+        for (int i = 0; i < G; ++i) {
+            const __m256 b = _mm256_broadcast_ss(&eb[i][jj]);
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; ++c) acc[i][c] = _mm256_fmadd_ps(b, vv[c], acc[i][c]);
+        }
+    }
+#pragma GCC unroll 3
+    for (int i = 0; i < G; ++i)
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) park[i][c0 / 8 + c] = acc[i][c];
+}
+
+/* r[k] <- lane k of r[0..7] (an 8 x 8 transpose). */
+static inline __attribute__((always_inline)) AVX2 void transpose8(__m256 *r) {
+    __m256 t[8], u[8];
+    for (int k = 0; k < 8; k += 2) {
+        t[k] = _mm256_unpacklo_ps(r[k], r[k + 1]);
+        t[k + 1] = _mm256_unpackhi_ps(r[k], r[k + 1]);
+    }
+    for (int k = 0; k < 8; k += 4) {
+        u[k] = _mm256_shuffle_ps(t[k], t[k + 2], 0x44);
+        u[k + 1] = _mm256_shuffle_ps(t[k], t[k + 2], 0xEE);
+        u[k + 2] = _mm256_shuffle_ps(t[k + 1], t[k + 3], 0x44);
+        u[k + 3] = _mm256_shuffle_ps(t[k + 1], t[k + 3], 0xEE);
+    }
+    for (int k = 0; k < 4; ++k) {
+        r[k] = _mm256_permute2f128_ps(u[k], u[k + 4], 0x20);
+        r[k + 4] = _mm256_permute2f128_ps(u[k], u[k + 4], 0x31);
+    }
+}
+
+/* den[i] = den[i] + eb[i][jj] for jj = 0 .. jn - 1 in order, i < NQ: 8 queries to a vector
+ * (lane i - 8 g; each lane's chain is one den's; lanes past NQ add zeros), their e's turned
+ * to columns by transposes. den has room for NQ rounded up to 8. */
+static inline __attribute__((always_inline)) AVX2 void den_block(int NQ, const float (*eb)[EB], int jn,
+                                                                 float *den) {
+    const int ng = (NQ + 7) / 8;
+    __m256 D[(NQ2 + 7) / 8];
+    for (int g = 0; g < ng; ++g) D[g] = _mm256_loadu_ps(den + 8 * g);
+    for (int jj = 0; jj < jn; jj += 8) {
+        const int m = jn - jj < 8 ? jn - jj : 8; /* keys in this column block */
+        for (int g = 0; g < ng; ++g) {
+            __m256 r[8];
+            for (int k = 0; k < 8; ++k)
+                r[k] = 8 * g + k < NQ ? _mm256_load_ps(eb[8 * g + k] + jj) : _mm256_setzero_ps();
+            transpose8(r);
+            if (m == 8)
+                for (int k = 0; k < 8; ++k) D[g] = _mm256_add_ps(D[g], r[k]);
+            else
+                for (int k = 0; k < m; ++k) D[g] = _mm256_add_ps(D[g], r[k]);
+        }
+    }
+    for (int g = 0; g < ng; ++g) _mm256_storeu_ps(den + 8 * g, D[g]);
+}
+
+/* pv512_multi on 8 lanes: NQ = P nq queries of P adjacent positions (query i has n + i / nq
+ * keys). The keys all of them have (j < n) go in blocks of EB: the block's e copied to one
+ * local block, its dens added (each den's chain in j order), then every tile of G2 queries
+ * x 32 dims over the block's values (in L1); then the later positions' last keys (j = n ..
+ * n + P - 2), each query's chains continued in j order, and the divisions. */
+static AVX2 void pv256(int NQ, int P, float *const *e, const float *v, int64_t n, float *const *outs) {
+    const int nq = NQ / P;
+    float eb[NQ2][EB] __attribute__((aligned(32)));
+    __m256 park[NQ2][HD / 8];
+    float den[NQ2 + 8];
+    for (int i = 0; i < NQ2 + 8; ++i) den[i] = 0.0f;
+    for (int i = 0; i < NQ; ++i)
+        for (int c = 0; c < HD / 8; ++c) park[i][c] = _mm256_setzero_ps();
+    for (int64_t j0 = 0; j0 < n; j0 += EB) {
+        const int jn = (int)(n - j0 < EB ? n - j0 : EB);
+        for (int i = 0; i < NQ; ++i) /* whole vectors: lanes past jn are never read */
+            for (int jj = 0; jj < jn; jj += 8) _mm256_store_ps(eb[i] + jj, _mm256_loadu_ps(e[i] + j0 + jj));
+        den_block(NQ, eb, jn, den);
+        const float *vb = v + j0 * HD;
+        int i = 0;
+        for (; i + G2 <= NQ; i += G2)
+            for (int c0 = 0; c0 < HD; c0 += 32) pv_tile(G2, eb + i, vb, jn, c0, park + i);
+        for (int c0 = 0; c0 < HD; c0 += 32) {
+            if (NQ - i == 2) pv_tile(2, eb + i, vb, jn, c0, park + i);
+            else if (NQ - i == 1) pv_tile(1, eb + i, vb, jn, c0, park + i);
+        }
+    }
+    for (int64_t j = n; j < n + P - 1; ++j) /* the later positions' last keys */
+        for (int i = (int)(j - n + 1) * nq; i < NQ; ++i) {
+            den[i] = den[i] + e[i][j];
+            const __m256 b = _mm256_set1_ps(e[i][j]);
+            for (int c = 0; c < HD / 8; ++c)
+                park[i][c] = _mm256_fmadd_ps(b, _mm256_loadu_ps(v + j * HD + 8 * c), park[i][c]);
+        }
+    for (int i = 0; i < NQ; ++i) {
+        const __m256 dv = _mm256_set1_ps(den[i]);
+        for (int c = 0; c < HD / 8; ++c) _mm256_storeu_ps(outs[i] + 8 * c, _mm256_div_ps(park[i][c], dv));
+    }
+}
+
+/* attend512_multi on the AVX2 kernels: P adjacent positions (n, n + 1, ... keys) of the
+ * same nq heads, NQ = P nq <= NQ2 queries (position-major) sharing one pass over the keys
+ * and one over the values; P = 1 is one position. The same chains as attend512. */
+static AVX2 void attend256_multi(int nq, int P, const float *const *qs, const float *kt,
+                                 const float *v, int64_t S_cap, int64_t n, float scale,
+                                 float *const *sc, float *const *outs) {
+    const int NQ = nq * P;
+    scores256(NQ, qs, kt, S_cap, n + P - 1, scale, sc);
+    for (int i = 0; i < NQ; ++i) softmax256(sc[i], n + i / nq);
+    pv256(NQ, P, sc, v, n, outs);
+}
+
+/* exp_rows on 8 lanes (exp32_256), the last n % 8 by the scalar exp32: the same bits. */
+static AVX2 void exp_rows256(const float *x, float *y, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, exp32_256(_mm256_loadu_ps(x + i)));
+    for (; i < n; ++i) y[i] = exp32(x[i]);
+}
+
+/* silu_rows on 8 lanes: silu_mul1's operations one for one (-g by flipping the sign bit,
+ * exp32_256, IEEE division, the -inf select), the last F % 8 of a row by silu_mul1. */
+static AVX2 void silu_rows256(const float *gu, float *out, int64_t M, int64_t F, int64_t ld) {
+    const __m256 one = _mm256_set1_ps(1.0f), ninf = _mm256_set1_ps(-INFINITY);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t m = 0; m < M; ++m) {
+        const float *g = gu + m * ld, *u = g + F;
+        float *o = out + m * F;
+        int64_t c = 0;
+        for (; c + 8 <= F; c += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + c);
+            const __m256 e = exp32_256(_mm256_xor_ps(gv, sign));
+            __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+            sv = _mm256_blendv_ps(sv, sign, _mm256_cmp_ps(gv, ninf, _CMP_EQ_OQ));
+            _mm256_storeu_ps(o + c, _mm256_mul_ps(sv, _mm256_loadu_ps(u + c)));
+        }
+        for (; c < F; ++c) o[c] = silu_mul1(g[c], u[c]);
+    }
+}
 #endif
+
+/* exp32 and silu_mul have AVX2 rows only: cap <= 1 takes them where the CPU has AVX2 + FMA. */
+static LMTAIL_UNUSED int avx2_rows(int cap) { return cap <= 1 && lmtail_cpu_has(LMTAIL_ISA_AVX2); }
+
+/* exp32 elementwise, x, y [n]; cap: pick_isa's (0 or 1: the AVX2 rows, 2: portable). */
+void lmtail_exp32_isa(const float *x, float *y, int64_t n, int cap) {
+    unsigned old = pin_mxcsr();
+#if defined(__x86_64__)
+    if (avx2_rows(cap)) {
+        exp_rows256(x, y, n);
+        restore_mxcsr(old);
+        return;
+    }
+#endif
+    exp_rows(x, y, n);
+    restore_mxcsr(old);
+}
+
+void lmtail_exp32(const float *x, float *y, int64_t n) { lmtail_exp32_isa(x, y, n, 0); }
+
+/* silu_mul of gu [M, ld] (gate columns [0, F), up [F, 2F)) -> out [M, F]; cap as exp32. */
+void lmtail_silu_mul_isa(const float *gu, float *out, int64_t M, int64_t F, int64_t ld, int cap) {
+    unsigned old = pin_mxcsr();
+#if defined(__x86_64__)
+    if (avx2_rows(cap)) {
+        silu_rows256(gu, out, M, F, ld);
+        restore_mxcsr(old);
+        return;
+    }
+#endif
+    silu_rows(gu, out, M, F, ld);
+    restore_mxcsr(old);
+}
+
+void lmtail_silu_mul(const float *gu, float *out, int64_t M, int64_t F, int64_t ld) {
+    lmtail_silu_mul_isa(gu, out, M, F, ld, 0);
+}
 
 /* Scores of NQ queries (NQ <= QB) sharing one KV head: sc[i][j] = fl32(dot * scale) for
  * j < nmax (lanes past a query's own n are computed from in-bounds slots and never used). */
@@ -390,8 +678,12 @@ CLONES static void attn_pos(const attn_job *jb, int64_t b, int64_t kh, int64_t t
         }
         const int64_t n = p + 1;
 #if defined(__x86_64__)
-        if (jb->avx512) {
+        if (jb->isa == 2) {
             attend512(nq, qs, kt, v, jb->S_cap, n, jb->scale, sc, outs, softmax512);
+            continue;
+        }
+        if (jb->isa == 1) {
+            attend256_multi(nq, 1, qs, kt, v, jb->S_cap, n, jb->scale, sc, outs);
             continue;
         }
 #endif
@@ -413,10 +705,10 @@ CLONES static void attn_pos(const attn_job *jb, int64_t b, int64_t kh, int64_t t
 }
 
 #if defined(__x86_64__)
-/* Positions t .. t + P - 1 (P <= UP, all real queries) of row b, KV head kh on the
- * AVX-512 kernels: each group of nq heads shares one pass over the keys (attend512_multi). */
-static AVX512 void attn_multi512(const attn_job *jb, int64_t b, int64_t kh, int64_t t, int P,
-                                 float *scratch) {
+/* Positions t .. t + P - 1 (all real queries; P = the unit's up) of row b, KV head kh on
+ * the AVX-512 (isa 2, P = UP512: attend512_multi) or AVX2 (isa 1, P = UP2: attend256_multi)
+ * kernels: each group of nq heads shares one pass over the keys. */
+static void attn_multi(const attn_job *jb, int64_t b, int64_t kh, int64_t t, int P, float *scratch) {
     const int64_t T = jb->T, g = jb->nh / jb->nkv;
     const int64_t n = jb->s0 + t - jb->pad[b] + 1;
     const float *kt = jb->kt + ((b * jb->nkv + kh) * HD) * jb->S_cap + jb->pad[b];
@@ -431,21 +723,22 @@ static AVX512 void attn_multi512(const attn_job *jb, int64_t b, int64_t kh, int6
             outs[k] = jb->out + ((b * T + tt) * jb->nh + h) * HD;
             sc[k] = scratch + (int64_t)k * (jb->S_cap + JB);
         }
-        attend512_multi(nq, P, qs, kt, v, jb->S_cap, n, jb->scale, sc, outs);
+        if (jb->isa == 2) attend512_multi(nq, UP512, qs, kt, v, jb->S_cap, n, jb->scale, sc, outs);
+        else attend256_multi(nq, UP2, qs, kt, v, jb->S_cap, n, jb->scale, sc, outs);
     }
 }
 #endif
 
-/* One unit: row b, KV head kh, positions UP u .. UP u + UP - 1 (fewer in the last unit). */
+/* One unit: row b, KV head kh, positions up u .. up u + up - 1 (fewer in the last unit). */
 static void attn_unit(const attn_job *jb, int64_t unit, float *scratch) {
-    const int64_t T = jb->T, tp = (T + UP - 1) / UP;
-    const int64_t b = unit / (jb->nkv * tp), kh = (unit / tp) % jb->nkv, t0 = UP * (unit % tp);
-    const int64_t t1 = t0 + UP < T ? t0 + UP : T;
+    const int64_t T = jb->T, up = jb->up, tp = (T + up - 1) / up;
+    const int64_t b = unit / (jb->nkv * tp), kh = (unit / tp) % jb->nkv, t0 = up * (unit % tp);
+    const int64_t t1 = t0 + up < T ? t0 + up : T;
     for (int64_t t = t0; t < t1;) {
 #if defined(__x86_64__)
-        if (jb->avx512 && jb->s0 + t - jb->pad[b] >= 0 && t + UP <= t1) {
-            attn_multi512(jb, b, kh, t, UP, scratch);
-            t += UP;
+        if (jb->isa && jb->s0 + t - jb->pad[b] >= 0 && t + up <= t1) {
+            attn_multi(jb, b, kh, t, (int)up, scratch);
+            t += up;
             continue;
         }
 #endif
@@ -469,20 +762,21 @@ static void *attn_worker(void *arg) {
 }
 
 /* Returns 0 on success, -1 if scratch memory could not be had (nothing written then).
- * no_avx512 != 0 forces the portable path (the tests compare the two). */
+ * cap: the ISA cap of pick_isa (the tests compare every path; the bytes are the same). */
 int lmtail_attend(const float *q, const float *kt, const float *v, float *out, const int64_t *pad,
                   int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t S_cap, int64_t s0,
-                  float scale, int threads, int no_avx512) {
+                  float scale, int threads, int cap) {
     attn_job job;
     memset(&job, 0, sizeof job);
     job.q = q, job.kt = kt, job.v = v, job.out = out, job.pad = pad;
     job.B = B, job.T = T, job.nh = nh, job.nkv = nkv, job.S_cap = S_cap, job.s0 = s0, job.scale = scale;
-    job.nunits = B * nkv * ((T + UP - 1) / UP);
-    job.avx512 = lmtail_cpu_has(LMTAIL_CPU_AVX512F) && !no_avx512;
+    job.isa = pick_isa(cap);
+    job.up = job.isa == 1 ? UP2 : UP512;
+    job.nunits = B * nkv * ((T + job.up - 1) / job.up);
     if (threads < 1) threads = 1;
     if (threads > job.nunits) threads = (int)(job.nunits > 0 ? job.nunits : 1);
     if (threads > LMTAIL_MAXT) threads = LMTAIL_MAXT;
-    job.per = (size_t)(UP * QB) * (size_t)(S_cap + JB);
+    job.per = (size_t)(job.up * QB) * (size_t)(S_cap + JB);
     job.scratch = (float *)malloc(job.per * sizeof(float) * (size_t)threads);
     if (!job.scratch) return -1;
     lmtail_parallel(attn_worker, &job, threads); /* at most `threads` workers take a slot */

@@ -9,6 +9,11 @@ S_cap cache slots, F FFN width, M rows, N rows of a norm, H hidden, P positions.
 Numerics: body.c's top comment and model/body.py's declarations (exp32, silu_mul, attend,
 add_rms_rows, rope_qkv, silu_mul_bf16); `constants()` returns exp32's constants as body.c
 holds them, for the test that compares them with model/body.py's.
+
+`isa` (exp32, silu_mul, attend) caps the micro-kernels body.c may pick (every one gives the
+same bytes): "avx512" the widest this CPU has (AVX-512, else AVX2 + FMA, else portable;
+exp32 and silu_mul have no AVX-512 rows and run AVX2 there), "avx2" at most AVX2 + FMA, "c"
+the portable C only.
 """
 from __future__ import annotations
 
@@ -19,10 +24,11 @@ import torch
 from lmtail.kernels._cc import kernel_library
 
 HD = 64  # the head dim body.c's attention is built for
+ISA_CAP = {"avx512": 0, "avx2": 1, "c": 2}  # body.c's pick_isa cap of each `isa` name
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _library = kernel_library("body.c", {
-    "lmtail_exp32": ([_P, _P, _I64], None),
-    "lmtail_silu_mul": ([_P, _P, _I64, _I64, _I64], None),
+    "lmtail_exp32_isa": ([_P, _P, _I64, _INT], None),
+    "lmtail_silu_mul_isa": ([_P, _P, _I64, _I64, _I64, _INT], None),
     "lmtail_attend": ([_P] * 5 + [_I64] * 6 + [_F32, _INT, _INT], _INT),
     "lmtail_add_rms_rows": ([_P, _I64, _INT, _P, _P, _I64, _I64, _F32, _I64, _P, _P], _INT),
     "lmtail_add_rms_rows32": ([_P, _I64, _P, _P, _I64, _I64, _F32, _I64, _P, _P], _INT),
@@ -44,36 +50,36 @@ def constants() -> torch.Tensor:
     return out
 
 
-def exp32(x: torch.Tensor) -> torch.Tensor:
+def exp32(x: torch.Tensor, isa: str = "avx512") -> torch.Tensor:
     """exp32 elementwise: x fp32 (any shape; copied when not contiguous) -> fp32."""
     xc = x.contiguous()
     y = torch.empty_like(xc)
-    _library().lmtail_exp32(xc.data_ptr(), y.data_ptr(), xc.numel())
+    _library().lmtail_exp32_isa(xc.data_ptr(), y.data_ptr(), xc.numel(), ISA_CAP[isa])
     return y
 
 
-def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+def silu_mul(gu: torch.Tensor, isa: str = "avx512") -> torch.Tensor:
     """gu [M, 2F] fp32 -> silu(gate) * up [M, F] fp32."""
     if gu.stride(1) != 1:
         gu = gu.contiguous()
     M, F = gu.shape[0], gu.shape[1] // 2
     out = torch.empty(M, F, dtype=torch.float32)  # [M, F]
     if M:
-        _library().lmtail_silu_mul(gu.data_ptr(), out.data_ptr(), M, F, gu.stride(0))
+        _library().lmtail_silu_mul_isa(gu.data_ptr(), out.data_ptr(), M, F, gu.stride(0), ISA_CAP[isa])
     return out
 
 
-def attend(q, kt, v, pad, s0: int, scale: float, threads: int, *, avx512: bool) -> torch.Tensor:
+def attend(q, kt, v, pad, s0: int, scale: float, threads: int, *, isa: str) -> torch.Tensor:
     """The declared attention: q [B, T, nh, 64], kt [B, nkv, 64, S_cap], v [B, nkv, S_cap, 64]
-    fp32 C-contiguous, pad [B] int64 >= 0, S_cap >= s0 + T + SLACK, threads >= 1; avx512:
-    use the AVX-512 micro-kernels when the CPU has them (the same bits). -> [B, T, nh, 64]."""
+    fp32 C-contiguous, pad [B] int64 >= 0, S_cap >= s0 + T + SLACK, threads >= 1; isa: the
+    micro-kernels' cap (module docstring; the same bits). -> [B, T, nh, 64]."""
     B, T, nh, _ = q.shape
     out = torch.empty_like(q)
     if out.numel() == 0:
         return out
     pad_c = pad.contiguous()
     rc = _library().lmtail_attend(q.data_ptr(), kt.data_ptr(), v.data_ptr(), out.data_ptr(), pad_c.data_ptr(),
-                                  B, T, nh, kt.shape[1], kt.shape[3], s0, float(scale), threads, int(not avx512))
+                                  B, T, nh, kt.shape[1], kt.shape[3], s0, float(scale), threads, ISA_CAP[isa])
     if rc != 0:
         raise MemoryError("attend: scratch allocation failed")
     return out

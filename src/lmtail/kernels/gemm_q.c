@@ -23,6 +23,7 @@
  * a dequantized block; every element is computed by one thread, whole.
  */
 #include "lmtail_kernels.h"
+#include <sched.h> /* sched_yield */
 
 enum { FMT_Q8_0 = 0, FMT_Q4_1 = 1 };
 enum { ISA_C = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
@@ -34,19 +35,23 @@ enum { ISA_C = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
  * (8 rows of a stay in L1), 3-4 rows half a block at a time, 1-2 rows a whole block.
  * M >= LANES_MIN_M, or M >= 8 with K > QUARTER_MAX_K, takes the lanes path (lanes_unit).
  * Threads: each gets at least MIN_WEIGHT weights (or MIN_WORK multiply-adds).
- * PREFETCH: the direct paths prefetch each weight row this many bytes ahead (the head at
- * M = 1, read from DRAM, ran about 2x faster with it on Zen 3; cached sizes: no change). */
+ * PREFETCH: the direct paths and the lanes path's panels prefetch each weight row this many
+ * bytes ahead (the head at M = 1, read from DRAM, ran about 2x faster with it on Zen 3; cached
+ * sizes: no change). */
 enum { PREFETCH = 256, LANES_MIN_M = 17, QUARTER_MIN_R = 5, QUARTER_MAX_K = 768, ROWS_COLS = 8 };
 enum { QK = 32, LANES_PANEL = 1 << 16, MIN_WEIGHT = 1 << 16, MIN_WORK = 1 << 20 };
+/* The lanes path: about LANES_UNITS units per thread (balance). */
+enum { LANES_UNITS = 4 };
 
 typedef struct {
     const float *a;
-    const float *at; /* [M, 32, NB] lane-major copy of a (the lanes path) */
+    float *at; /* [Q, 32, NB, 4] the lanes path's copy of a (lanes_at) */
     const uint8_t *w;
     float *out;
     int64_t lda, ldc, M, N, K, nb, bs, chunk, units;
     int fmt, isa, lanes; /* lanes: the lanes path on a vector path (lanes_unit) */
     int64_t next, done; /* next unit to take, units finished (atomic) */
+    int at_taken, at_done; /* the lanes path: a worker copies at, at is copied (atomic) */
 } job_t;
 
 static inline uint16_t ld16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
@@ -251,97 +256,152 @@ static AI AVX2 void rows_cols_avx2(const job_t *j, int64_t n0, int64_t n1, int f
 
 /* The lanes path (AVX2, M >= LANES_MIN_M, or M >= 8 with K > QUARTER_MAX_K): the same lane
  * chains, computed lane by lane, 8 columns to a register, so a fma takes a broadcast
- * activation and a vector of 8 columns:
- * R (<= 4) rows x C (<= 3) groups of 8 columns per register tile, 7 loads per 12 fmas.
- * The activations are copied once per call lane-major (each lane's NB values contiguous);
- * the unit's weights are dequantized once into a panel, 8 columns to a vector:
- *   at [M, 32, NB]:      at[(m*32 + l)*NB + b] = a[m, 32b + l]
- *   pt [G, 32, NB, 8]:   pt[((g*32 + l)*NB + b)*8 + i] = w[c0 + 8g + i, 32b + l] (0 past c1)
- * Lane l's chain over b = 0..NB-1 is parked in lb[l] (its final value), then the halving
- * tree runs on lb: lb[l] += lb[l+h]. Each element's steps are the declared ones. */
-static AI AVX2 void lanes_tile(const job_t *j, const float *pt, int64_t m, int R, int64_t g,
-                               int C, int64_t c0, int64_t c1, float *lb) {
-    const int64_t nb = j->nb;
-    for (int l = 0; l < QK; ++l) {
-        __m256 acc[4][3];
-        for (int r = 0; r < 4; ++r)
-            for (int c = 0; c < 3; ++c) acc[r][c] = _mm256_setzero_ps();
-        const float *wl[3], *al[4];
-        for (int c = 0; c < C; ++c) wl[c] = pt + ((g + c) * QK + l) * nb * 8;
-        for (int r = 0; r < R; ++r) al[r] = j->at + ((m + r) * QK + l) * nb;
-        for (int64_t b = 0; b < nb; ++b) {
-            __m256 wv[3];
-            for (int c = 0; c < C; ++c) wv[c] = _mm256_load_ps(wl[c] + 8 * b);
-            for (int r = 0; r < R; ++r) {
-                const __m256 av = _mm256_broadcast_ss(al[r] + b);
-                for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(av, wv[c], acc[r][c]);
-            }
-        }
-        for (int r = 0; r < R; ++r)
-            for (int c = 0; c < C; ++c) _mm256_store_ps(lb + ((l * 4 + r) * 3 + c) * 8, acc[r][c]);
-    }
-    for (int h = 16; h >= 1; h >>= 1)
-        for (int l = 0; l < h; ++l)
-            for (int r = 0; r < R; ++r)
-                for (int c = 0; c < C; ++c) {
-                    float *x = lb + ((l * 4 + r) * 3 + c) * 8;
-                    const float *y = lb + (((l + h) * 4 + r) * 3 + c) * 8;
-                    _mm256_store_ps(x, _mm256_add_ps(_mm256_load_ps(x), _mm256_load_ps(y)));
-                }
-    for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c)
-            for (int i = 0; i < 8; ++i) {
-                const int64_t n = c0 + 8 * (g + c) + i;
-                if (n < c1) j->out[(m + r) * j->ldc + n] = canon_nan(lb[(r * 3 + c) * 8 + i]);
-            }
+ * activation and a vector of 8 columns: a tile is 4 rows (a quad) x 24 columns (3 registers),
+ * 12 accumulators, 7 loads per 12 fmas, each from one running pointer. The activations are
+ * copied once per call by one worker (lanes_at_take), quads interleaved, rows past M zero; each
+ * unit's weights are dequantized once into a panel, 24 columns to a tile, columns past the
+ * unit zero:
+ *   at [Q, 32, NB, 4]:       at[((q*32 + l)*NB + b)*4 + r] = a[4q + r, 32b + l]
+ *   pt [T, 32, NB, 3, 8]:    pt[((t*32 + l)*NB + b)*24 + 8c + i] = w[c0 + 24t + 8c + i, 32b + l]
+ * Lane l's chain over b = 0..NB-1 runs whole; the lanes run in the halving tree's left to right
+ * leaf order (l = bit reversal of i, i = 0..31: 0, 16, 8, 24, 4, ...), so the tree is summed
+ * as the leaves come (post-order, a left node parked until its right sibling: left + right,
+ * the declared l[j] + l[j+h]). Each element's steps are the declared ones. */
+static AI int bitrev5(int i) {
+    return ((i & 1) << 4) | ((i & 2) << 2) | (i & 4) | ((i & 8) >> 2) | ((i & 16) >> 4);
 }
 
+/* The tile's results res [4, 24] into out rows m .. m+3 (those below M), columns n .. n+23
+ * (those below c1), a NaN as 0x7FC00000. */
+static AI AVX2 void lanes_store(const job_t *j, const float *res, int64_t m, int64_t n, int64_t c1) {
+    const __m256 qnan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000));
+    for (int r = 0; r < 4 && m + r < j->M; ++r)
+        for (int c = 0; c < 3 && n + 8 * c < c1; ++c) {
+            const float *x = res + 8 * (3 * r + c);
+            float *o = j->out + (m + r) * j->ldc + n + 8 * c;
+            const __m256 v = _mm256_load_ps(x), nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+            if (c1 - n - 8 * c >= 8) _mm256_storeu_ps(o, _mm256_blendv_ps(v, qnan, nan));
+            else for (int64_t e = 0; e < c1 - n - 8 * c; ++e) o[e] = canon_nan(x[e]);
+        }
+}
+
+/* Rows 4q .. 4q+3 of at x columns c0 + 24t .. c0 + 24t + 23 of the panel; park [6 heights, 12,
+ * 8] holds the left nodes, then the root. Rows past M and columns past c1 are not stored. */
+static AI AVX2 void lanes_tile(const job_t *j, const float *pt, int64_t q, int64_t t, int64_t c0,
+                               int64_t c1, float *park) {
+    const int64_t nb = j->nb;
+    for (int i = 0; i < QK; ++i) {
+        const int l = bitrev5(i);
+        const float *pa = j->at + (q * QK + l) * nb * 4, *pw = pt + (t * QK + l) * nb * 24;
+        __m256 acc[12]; /* [4 rows, 3 groups of 8 columns] */
+        for (int x = 0; x < 12; ++x) acc[x] = _mm256_setzero_ps();
+#pragma GCC unroll 2 /* medians ~4% faster at M = 256 on Zen 3 */
+        for (int64_t b = 0; b < nb; ++b, pa += 4, pw += 24) {
+            const __m256 w0 = _mm256_load_ps(pw), w1 = _mm256_load_ps(pw + 8), w2 = _mm256_load_ps(pw + 16);
+            for (int r = 0; r < 4; ++r) {
+                const __m256 av = _mm256_broadcast_ss(pa + r);
+                acc[3 * r] = _mm256_fmadd_ps(av, w0, acc[3 * r]);
+                acc[3 * r + 1] = _mm256_fmadd_ps(av, w1, acc[3 * r + 1]);
+                acc[3 * r + 2] = _mm256_fmadd_ps(av, w2, acc[3 * r + 2]);
+            }
+        }
+        int h = 0;
+        for (int k = i; k & 1; k >>= 1, ++h) /* a right node: its parked left sibling + it */
+            for (int x = 0; x < 12; ++x)
+                acc[x] = _mm256_add_ps(_mm256_load_ps(park + (h * 12 + x) * 8), acc[x]);
+        for (int x = 0; x < 12; ++x) _mm256_store_ps(park + (h * 12 + x) * 8, acc[x]); /* h = 5: the root */
+    }
+    lanes_store(j, park + 5 * 12 * 8, 4 * q, c0 + 24 * t, c1);
+}
+
+/* Quads q0 .. q1-1 of at from a (zero rows past M), 4 lanes x 4 rows transposed at a time. */
+static AVX2 void lanes_at(const job_t *j, int64_t q0, int64_t q1) {
+    const int64_t nb = j->nb;
+    const float zero[QK] = {0};
+    for (int64_t q = q0; q < q1; ++q) {
+        const float *row[4];
+        int64_t step[4];
+        for (int r = 0; r < 4; ++r) {
+            const int in = 4 * q + r < j->M;
+            row[r] = in ? j->a + (4 * q + r) * j->lda : zero;
+            step[r] = in ? QK : 0;
+        }
+        float *dst = j->at + q * QK * nb * 4;
+        for (int64_t b = 0; b < nb; ++b)
+            for (int k = 0; k < QK; k += 4) {
+                __m128 x0 = _mm_loadu_ps(row[0] + step[0] * b + k);
+                __m128 x1 = _mm_loadu_ps(row[1] + step[1] * b + k);
+                __m128 x2 = _mm_loadu_ps(row[2] + step[2] * b + k);
+                __m128 x3 = _mm_loadu_ps(row[3] + step[3] * b + k);
+                _MM_TRANSPOSE4_PS(x0, x1, x2, x3); /* x_i: lane k+i of rows 0..3 */
+                _mm_store_ps(dst + ((k + 0) * nb + b) * 4, x0);
+                _mm_store_ps(dst + ((k + 1) * nb + b) * 4, x1);
+                _mm_store_ps(dst + ((k + 2) * nb + b) * 4, x2);
+                _mm_store_ps(dst + ((k + 3) * nb + b) * 4, x3);
+            }
+    }
+}
+
+/* The first worker to come (the caller's, as a rule) copies all of at, before its first unit;
+ * the others start their first panels meanwhile (no worker waits on a helper that is late or
+ * off its core). */
+static AVX2 void lanes_at_take(job_t *j) {
+    if (__atomic_exchange_n(&j->at_taken, 1, __ATOMIC_RELAXED)) return;
+    lanes_at(j, 0, (j->M + 3) / 4);
+    __atomic_store_n(&j->at_done, 1, __ATOMIC_RELEASE);
+}
+
+/* Wait until at is copied (by a running worker: it took the copy). */
+static AVX2 void lanes_at_wait(const job_t *j) {
+    for (int n = 1; !__atomic_load_n(&j->at_done, __ATOMIC_ACQUIRE); ++n) {
+        lmtail_cpu_relax();
+        if (n % 1024 == 0) sched_yield(); /* the copying worker may be off its core */
+    }
+}
+
+/* The unit's panel (T = chunk/24 tiles, every 8 columns' blocks transposed 8 x 8 in registers),
+ * then (all of at copied) each quad of rows over the tiles. */
 static AVX2 void lanes_unit(const job_t *j, int64_t c0, int64_t c1, float *pt, int fmt) {
-    const int64_t nb = j->nb, G = (c1 - c0 + 7) / 8;
-    float *lb = pt + j->chunk * j->K; /* [32, 4, 3, 8] */
+    const int64_t nb = j->nb, T = (c1 - c0 + 23) / 24, Q = (j->M + 3) / 4;
+    float *park = pt + j->chunk * j->K; /* [6, 12, 8] */
     float tmp[8 * QK] __attribute__((aligned(32))); /* [8 columns, 32 lanes] of one block */
     __m256 v[4];
-    for (int64_t g = 0; g < G; ++g) { /* 8 columns' blocks, transposed 8 x 8 in registers */
-        const int64_t cols = c1 - c0 - 8 * g < 8 ? c1 - c0 - 8 * g : 8;
+    for (int64_t g = 0; g < 3 * T; ++g) {
+        const int64_t cols = c1 - c0 - 8 * g; /* < 8: the group's columns past c1 are zero */
+        float *dst = pt + (g / 3 * QK * nb) * 24 + 8 * (g % 3);
         for (int64_t b = 0; b < nb; ++b) {
             for (int64_t c = 0; c < 8; ++c) {
                 const uint8_t *blk = j->w + ((c0 + 8 * g + c) * nb + b) * j->bs;
-                if (c >= cols) for (int q = 0; q < 4; ++q) v[q] = _mm256_setzero_ps();
+                if (c < cols) _mm_prefetch((const char *)blk + PREFETCH, _MM_HINT_T0);
+                if (c >= cols) for (int x = 0; x < 4; ++x) v[x] = _mm256_setzero_ps();
                 else if (fmt == FMT_Q8_0) deq_avx2(blk, FMT_Q8_0, v);
                 else deq_avx2(blk, FMT_Q4_1, v);
-                for (int q = 0; q < 4; ++q) _mm256_store_ps(tmp + c * QK + 8 * q, v[q]);
+                for (int x = 0; x < 4; ++x) _mm256_store_ps(tmp + c * QK + 8 * x, v[x]);
             }
-            for (int q = 0; q < 4; ++q) {
-                __m256 r[8], t[8];
-                for (int c = 0; c < 8; ++c) r[c] = _mm256_load_ps(tmp + c * QK + 8 * q);
+            for (int x = 0; x < 4; ++x) {
+                __m256 r[8], s[8];
+                for (int c = 0; c < 8; ++c) r[c] = _mm256_load_ps(tmp + c * QK + 8 * x);
                 for (int c = 0; c < 8; c += 2) {
-                    t[c] = _mm256_unpacklo_ps(r[c], r[c + 1]);
-                    t[c + 1] = _mm256_unpackhi_ps(r[c], r[c + 1]);
+                    s[c] = _mm256_unpacklo_ps(r[c], r[c + 1]);
+                    s[c + 1] = _mm256_unpackhi_ps(r[c], r[c + 1]);
                 }
                 for (int c = 0; c < 8; c += 4) {
-                    r[c] = _mm256_shuffle_ps(t[c], t[c + 2], 0x44);
-                    r[c + 1] = _mm256_shuffle_ps(t[c], t[c + 2], 0xEE);
-                    r[c + 2] = _mm256_shuffle_ps(t[c + 1], t[c + 3], 0x44);
-                    r[c + 3] = _mm256_shuffle_ps(t[c + 1], t[c + 3], 0xEE);
+                    r[c] = _mm256_shuffle_ps(s[c], s[c + 2], 0x44);
+                    r[c + 1] = _mm256_shuffle_ps(s[c], s[c + 2], 0xEE);
+                    r[c + 2] = _mm256_shuffle_ps(s[c + 1], s[c + 3], 0x44);
+                    r[c + 3] = _mm256_shuffle_ps(s[c + 1], s[c + 3], 0xEE);
                 }
-                for (int c = 0; c < 4; ++c) { /* lane 8q + c and 8q + c + 4 of the 8 columns */
-                    float *lo = pt + ((g * QK + 8 * q + c) * nb + b) * 8, *hi = lo + 4 * nb * 8;
+                for (int c = 0; c < 4; ++c) { /* lanes 8x + c and 8x + c + 4 of the 8 columns */
+                    float *lo = dst + ((8 * x + c) * nb + b) * 24, *hi = lo + 4 * nb * 24;
                     _mm256_store_ps(lo, _mm256_permute2f128_ps(r[c], r[c + 4], 0x20));
                     _mm256_store_ps(hi, _mm256_permute2f128_ps(r[c], r[c + 4], 0x31));
                 }
             }
         }
     }
-    for (int64_t m = 0; m < j->M; m += 4) { /* these rows of at stay in L1 over the panel */
-        const int R = j->M - m < 4 ? (int)(j->M - m) : 4;
-        for (int64_t g = 0; g < G; g += 3) {
-            const int C = G - g < 3 ? (int)(G - g) : 3;
-#define LT(RR, CC) if (R == RR && C == CC) lanes_tile(j, pt, m, RR, g, CC, c0, c1, lb)
-            LT(4, 3); else LT(4, 2); else LT(4, 1); else LT(3, 3); else LT(3, 2); else LT(3, 1);
-            else LT(2, 3); else LT(2, 2); else LT(2, 1); else LT(1, 3); else LT(1, 2); else LT(1, 1);
-#undef LT
-        }
-    }
+    lanes_at_wait(j); /* the copy of a overlaps the other workers' first panels */
+    for (int64_t q = 0; q < Q; ++q) /* the quad's rows of at stay in L1 over the panel */
+        for (int64_t t = 0; t < T; ++t) lanes_tile(j, pt, q, t, c0, c1, park);
 }
 
 /* Below the lanes path: M == 1 two columns at a time, else ROWS_COLS columns at a time, their
@@ -431,8 +491,11 @@ static void *worker(void *arg) {
     /* the panel: plain C one row [K]; the lanes path [chunk, K] and its parked lanes */
     float *panel = NULL;
     const int64_t rows = j->isa == ISA_C ? 1 : j->lanes ? j->chunk : 0;
-    const int64_t extra = j->lanes ? QK * 4 * 3 * 8 : 0; /* the lanes path's lb */
+    const int64_t extra = j->lanes ? 6 * 12 * 8 : 0; /* the lanes path's parked nodes */
     const int ok = rows == 0 || !posix_memalign((void **)&panel, 64, sizeof(float) * (rows * j->K + extra));
+#if defined(__x86_64__)
+    if (j->lanes) lanes_at_take(j); /* also without a panel: lanes_unit waits for at */
+#endif
     while (ok) { /* a worker without a panel takes no unit; the others take them all */
         const int64_t u = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
         if (u >= j->units) break;
@@ -480,21 +543,19 @@ int lmtail_gemm_q(const float *a, int64_t lda, const uint8_t *w, int fmt, int64_
     const int64_t work = by_weight > by_work ? by_weight : by_work;
     if (nthreads > work) nthreads = work < 1 ? 1 : (int)work;
     /* about 4 units per thread (even widths); the lanes path: multiples of 24 columns, a
-     * panel of at most LANES_PANEL floats, about 2 units per thread or more */
+     * panel of at most LANES_PANEL floats, about LANES_UNITS units per thread or more */
     j.chunk = ((N + 4 * nthreads - 1) / (4 * nthreads) + 1) / 2 * 2;
     /* the lanes path, or rows_cols_avx2 (M >= 2) */
     j.lanes = isa != ISA_C && (M >= LANES_MIN_M || (M >= 8 && K > QUARTER_MAX_K));
     float *at = NULL;
     if (j.lanes) {
-        const int64_t most = LANES_PANEL / K / 24 * 24, even = (N + 2 * nthreads - 1) / (2 * nthreads);
+        const int64_t most = LANES_PANEL / K / 24 * 24;
+        const int64_t even = (N + LANES_UNITS * nthreads - 1) / (LANES_UNITS * nthreads);
         j.chunk = (even + 23) / 24 * 24;
         if (j.chunk > most) j.chunk = most;
         if (j.chunk < 24) j.chunk = 24;
-        if (posix_memalign((void **)&at, 64, sizeof(float) * M * K)) return -2;
-        for (int64_t m = 0; m < M; ++m)
-            for (int64_t l = 0; l < QK; ++l)
-                for (int64_t b = 0; b < j.nb; ++b) at[(m * QK + l) * j.nb + b] = a[m * lda + QK * b + l];
-        j.at = at;
+        if (posix_memalign((void **)&at, 64, sizeof(float) * ((M + 3) / 4 * 4) * K)) return -2;
+        j.at = at; /* filled by a worker (lanes_at_take) */
     }
     if (j.chunk < 2) j.chunk = 2;
     j.units = (N + j.chunk - 1) / j.chunk;

@@ -274,3 +274,43 @@ int lmtail_rowmass_terms(const double *z, double m, const double *k, double *y, 
     lmtail_mxcsr_restore(csr);
     return isa;
 }
+
+/* shifted_exp and sum64 on small row blocks (the sampler's [R, k] candidate terms), so the
+ * caller need not spell exp64's ~30 float64 ops as torch ops on a tiny tensor:
+ *   lmtail_shifted_exp_rows: y[i, v] = shifted_exp(z[i, v], m[i]) (z, y [R, n], m [R]),
+ *     shifted_exp1's ops (the same as the row pass's terms); returns 1 (y not to be used)
+ *     when a z or m is NaN or some z > m (the torch ops decide those: exp64's upper clamp
+ *     and NaN payloads are not spelled here).
+ *   lmtail_sum64_rows: out[i] = sum64(x[i, :]) (x [R, n]): lane t = v mod 256 chains from
+ *     +0.0 in pass order, then the halving tree (rowmass.sum64; its +0.0 pad lanes change no
+ *     chain, which is never -0.0); returns 1 (out not to be used) when an x is NaN.
+ * Single-threaded, generic C (a few microseconds a row); MXCSR pinned as above. */
+int lmtail_shifted_exp_rows(const double *z, const double *m, const double *k, double *y,
+                            int64_t R, int64_t n) {
+    for (int64_t i = 0; i < R; ++i) {
+        if (m[i] != m[i]) return 1;
+        for (int64_t v = 0; v < n; ++v)
+            if (!(z[i * n + v] <= m[i])) return 1;
+    }
+    const unsigned csr = lmtail_mxcsr_pin(LMTAIL_MXCSR_IEEE);
+    for (int64_t i = 0; i < R; ++i)
+        for (int64_t v = 0; v < n; ++v) y[i * n + v] = shifted_exp1(z[i * n + v], m[i], k);
+    lmtail_mxcsr_restore(csr);
+    return 0;
+}
+
+int lmtail_sum64_rows(const double *x, double *out, int64_t R, int64_t n) {
+    for (int64_t i = 0; i < R * n; ++i)
+        if (x[i] != x[i]) return 1;
+    const unsigned csr = lmtail_mxcsr_pin(LMTAIL_MXCSR_IEEE);
+    double acc[LANES];
+    for (int64_t i = 0; i < R; ++i) {
+        for (int t = 0; t < LANES; ++t) acc[t] = 0.0;
+        for (int64_t v = 0; v < n; ++v) acc[v % LANES] += x[i * n + v];
+        for (int w = LANES / 2; w >= 1; w /= 2)
+            for (int t = 0; t < w; ++t) acc[t] = acc[t] + acc[t + w];
+        out[i] = acc[0];
+    }
+    lmtail_mxcsr_restore(csr);
+    return 0;
+}

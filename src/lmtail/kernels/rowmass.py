@@ -25,6 +25,9 @@ those rows only: a NaN among z (NaN lanes without the fold, inf/inf, 0/0) and a 
 reached by both +0.0 and -0.0. They are rare (never in a folded, finite-temperature row
 without signed-zero ties) and cost one torch pass over those rows.
 
+`shifted_exp_rows` / `sum64_rows` are `shifted_exp` / `sum64` on small row blocks from C (the
+same bits; the torch ops where a NaN or z > m appears): the candidates sampler's terms.
+
 Backends (all bit-equal; tests/test_rowmass.py proves it), one `_backend.Dispatch` table
 in this fixed preference order: "avx512" (8 lanes per vector op; AVX-512F), "c" (plain C),
 "torch" (the declared ops as torch float64 tensor ops; the only one when no C compiler is
@@ -48,6 +51,8 @@ _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _library = kernel_library("rowmass.c", {
     "lmtail_row_mass": ([_P] * 7 + [_I64] * 3 + [_INT] * 2, _INT),
     "lmtail_rowmass_terms": ([_P, ctypes.c_double, _P, _P, _I64, _INT], _INT),
+    "lmtail_shifted_exp_rows": ([_P] * 4 + [_I64] * 2, _INT),
+    "lmtail_sum64_rows": ([_P] * 2 + [_I64] * 2, _INT),
 }, what="row_mass", fallback="the torch backend")
 
 
@@ -75,6 +80,31 @@ def shifted_exp(z: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """exp64(z - m) with z == m -> 1 (defines +inf rows and all -inf rows). z [R, N], m [R]."""
     d = torch.where(z == m[:, None], torch.zeros_like(z), z - m[:, None])
     return exp64(d)
+
+
+def shifted_exp_rows(z: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """shifted_exp(z, m) (z [R, N], m [R]) with the same bits: rowmass.c's
+    lmtail_shifted_exp_rows when built and every z <= m, nothing NaN; else the torch ops."""
+    lib = _library()
+    if lib is not None and z.dim() == 2 and z.dtype == m.dtype == torch.float64 and z.numel():
+        zc, mc = z.detach().contiguous(), m.detach().contiguous()
+        y = torch.empty_like(zc)  # [R, N]
+        if not lib.lmtail_shifted_exp_rows(zc.data_ptr(), mc.data_ptr(), exp64_constants().data_ptr(),
+                                           y.data_ptr(), zc.shape[0], zc.shape[1]):
+            return y
+    return shifted_exp(z, m)
+
+
+def sum64_rows(x: torch.Tensor) -> torch.Tensor:
+    """sum64(x) (x [R, N] float64) with the same bits: rowmass.c's lmtail_sum64_rows when
+    built and nothing is NaN; else the torch ops."""
+    lib = _library()
+    if lib is not None and x.dim() == 2 and x.dtype == torch.float64 and x.numel():
+        xc = x.detach().contiguous()
+        out = torch.empty(xc.shape[0], dtype=torch.float64)  # [R]
+        if not lib.lmtail_sum64_rows(xc.data_ptr(), out.data_ptr(), xc.shape[0], xc.shape[1]):
+            return out
+    return sum64(x)
 
 
 def _row_mass_torch(row: torch.Tensor, scale: torch.Tensor):

@@ -49,6 +49,11 @@
  * declared) and a T pass at a scale that is not finite and > 0 (NaN z from inf/inf, and
  * the max shortcut needs s > 0). A row is owned by one thread from first op to last; each
  * worker pins MXCSR to round-to-nearest with FTZ/DAZ off; -ffp-contract=off, no fast-math.
+ *
+ * Also here, single-threaded scalar C for the tail's host work at small batch (each commented
+ * where it is defined, op for op with the torch spelling it stands for): lmtail_owner_stats
+ * (candidates.merge), lmtail_sample_candidates (sampler.plan_on + decide on merged
+ * candidates), lmtail_tail_norm (tail.normed_rows, deferred rms).
  */
 #include "lmtail_kernels.h"
 
@@ -463,4 +468,292 @@ int lmtail_shard_partials(const float *x, int64_t n, int64_t V, int64_t ld, int6
     if (nthreads < 1) nthreads = 1;
     lmtail_parallel(worker, &J, nthreads);
     return (J.failed && J.next < n) ? -2 : isa;
+}
+
+/* ================================================================ the one-call owner stats */
+/* numerics.log64's ops (L: SQRT2, then the atanh series 1/(2i+1), i = 0..14, handed in by
+ * the caller from numerics.log64_constants(); K: exp64's constants, for LN2_HI / LN2_LO),
+ * with its special values: 0 -> -inf, +inf -> +inf, anything else outside [2**-1022, inf)
+ * (negatives, subnormals, NaN) -> the canonical quiet NaN. */
+static double log64_full(double x, const double *L, const double *K) {
+    if (x == 0.0) return NEG_INF;
+    if (x == __builtin_inf()) return __builtin_inf();
+    if (!(x >= 2.2250738585072014e-308)) return __builtin_nan("");
+    uint64_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    int64_t e = (int64_t)((bits >> 52) & 0x7FF) - 1023;
+    const uint64_t mb = (bits & ((1ULL << 52) - 1)) | (1023ULL << 52);
+    double m;
+    memcpy(&m, &mb, sizeof m);
+    if (m > L[0]) {
+        m = m * 0.5;
+        e = e + 1;
+    }
+    const double ed = (double)e;
+    const double s = (m - 1.0) / (m + 1.0);
+    const double s2 = s * s;
+    double p = L[1 + 14];
+    for (int j = 13; j >= 0; --j) p = p * s2 + L[1 + j];
+    return 2.0 * s * p + ed * K[K_LO] + ed * K[K_HI];
+}
+
+/* candidates.combine of one row's pair: (m, S) from the chunks' (m_j, S_j) at mass[4*j + q]
+ * and mass[4*j + q + 1], j < c: top = max_j m_j + 0.0, t_j = S_j * shifted_exp(m_j, top),
+ * S = sum64(t) (lane j mod 256 chains from +0.0, then the halving tree). 1 if a m_j is NaN
+ * (then nothing is written). */
+static int combine_row(const double *mass, int64_t c, int q, const double *K, double *acc,
+                       double *m_out, double *s_out) {
+    double top = NEG_INF;
+    for (int64_t j = 0; j < c; ++j) {
+        const double m = mass[4 * j + q];
+        if (m != m) return 1;
+        if (m > top) top = m;
+    }
+    top = top + 0.0;
+    for (int t = 0; t < LANES; ++t) acc[t] = 0.0;
+    for (int64_t j = 0; j < c; ++j)
+        acc[j % LANES] += mass[4 * j + q + 1] * shifted_exp1(mass[4 * j + q], top, K);
+    for (int w = LANES / 2; w >= 1; w /= 2)
+        for (int t = 0; t < w; ++t) acc[t] = acc[t] + acc[t + w];
+    *m_out = top;
+    *s_out = acc[0];
+    return 0;
+}
+
+/* The owner's view of R rows from their merged keys [R, k1] (descending) and, when mass is
+ * not NULL, the chunk partials [R, c, 4] in global chunk order (candidates.merge):
+ *   vals [R, k1] fp32, ids [R, k1] int64   candidates.split_fp32_keys, op for op
+ *   stats [5, R] float64                   m1, S1, mT, ST (combine of each pair), lse1 =
+ *                                          m1 + log64(S1)
+ *   lp0 [R] fp32                           fp32(double(vals[r, 0]) - lse1): slot 0's logprob
+ * flag[r] = 1: a chunk max of the row is NaN; its stats and lp0 are not written (the caller
+ * takes candidates.combine's torch path). Single-threaded (a few microseconds a row);
+ * MXCSR pinned to round-to-nearest, FTZ/DAZ off. Returns the number of flagged rows. */
+int lmtail_owner_stats(const int64_t *keys, int64_t R, int64_t k1, const double *mass, int64_t c,
+                       const double *K, const double *L, float *vals, int64_t *ids,
+                       double *stats, float *lp0, int32_t *flag) {
+    const unsigned csr = lmtail_mxcsr_pin(LMTAIL_MXCSR_IEEE);
+    double acc[LANES];
+    int bad = 0;
+    for (int64_t r = 0; r < R; ++r) {
+        for (int64_t t = 0; t < k1; ++t) {
+            const int64_t key = keys[r * k1 + t];
+            const int32_t mono = (int32_t)(key >> 32);
+            int32_t b = mono < 0 ? (mono ^ 0x7FFFFFFF) : mono;
+            if (mono == NAN_MONO) b = 0x7FC00000;
+            const int pad = key == PAD_KEY;
+            if (pad) b = (int32_t)0xFF800000u;
+            vals[r * k1 + t] = u2f((uint32_t)b);
+            ids[r * k1 + t] = pad ? -1 : (int64_t)0xFFFFFFFF - (key & 0xFFFFFFFF);
+        }
+        if (!mass) continue;
+        const double *mr = mass + r * c * 4;
+        double m1, s1, mt, st;
+        if (combine_row(mr, c, 0, K, acc, &m1, &s1) || combine_row(mr, c, 2, K, acc, &mt, &st)) {
+            flag[r] = 1;
+            ++bad;
+            continue;
+        }
+        const double lse1 = m1 + log64_full(s1, L, K);
+        stats[0 * R + r] = m1;
+        stats[1 * R + r] = s1;
+        stats[2 * R + r] = mt;
+        stats[3 * R + r] = st;
+        stats[4 * R + r] = lse1;
+        lp0[r] = (float)((double)vals[r * k1] - lse1);
+    }
+    lmtail_mxcsr_restore(csr);
+    return bad;
+}
+
+/* ================================================================ the tail's norm */
+/* decode_tail's normed_rows (deferred rms) for rows x [n, H] fp32, gamma g [H] fp32 and the
+ * real-lane mask real [H] (NULL: every lane real):
+ *   xr    = real ? x : +0.0
+ *   ssq   = orders.sum_squares(xr, strided(256)): lane t's fp32 fma chain over t, t + 256, ...
+ *           from +0.0 (exact fma, fma_rn; past H: + 0.0), then per 32-lane group the halving
+ *           fold 16, 8, 4, 2, 1 and the groups added in order (kernels/fmachain.c's)
+ *   m     = ssq / hu;  rms = 1 / sqrt(m + eps)          (fp32 each, IEEE, sqrt correctly
+ *                                                        rounded: sqrtss)
+ *   a     = real ? fp32(x * g) : +0.0                    [n, H] fp32
+ * Writes m [n] (the caller's eps = 0 check), rms [n], a. Returns 1 (outputs not to be used)
+ * when a real lane of x or g is NaN: the caller then takes the torch path, whose NaN payloads
+ * this kernel does not promise. MXCSR pinned to round-to-nearest, FTZ/DAZ off. */
+int lmtail_tail_norm(const float *x, int64_t n, int64_t H, const float *g, const uint8_t *real,
+                     float hu, float eps, float *a, float *m_out, float *rms) {
+    for (int64_t i = 0; i < H; ++i)
+        if ((!real || real[i]) && g[i] != g[i]) return 1;
+    const unsigned csr = lmtail_mxcsr_pin(LMTAIL_MXCSR_IEEE);
+    float acc[LANES];
+    int bad = 0;
+    for (int64_t r = 0; r < n && !bad; ++r) {
+        const float *xr = x + r * H;
+        float *ar = a + r * H;
+        for (int t = 0; t < LANES; ++t) acc[t] = 0.0f;
+        for (int64_t base = 0; base < H; base += LANES)
+            for (int t = 0; t < LANES; ++t) {
+                const int64_t i = base + t;
+                if (i >= H) {
+                    acc[t] = acc[t] + 0.0f;
+                    continue;
+                }
+                const float v = (!real || real[i]) ? xr[i] : 0.0f;
+                if (v != v) bad = 1;
+                acc[t] = fma_rn(v, v, acc[t]);
+                ar[i] = (!real || real[i]) ? v * g[i] : 0.0f;
+            }
+        float total = 0.0f;
+        for (int grp = 0; grp < LANES / 32; ++grp) {
+            float *y = acc + 32 * grp;
+            for (int half = 16; half >= 1; half /= 2)
+                for (int i = 0; i < half; ++i) y[i] = y[i] + y[i + half];
+            total = grp == 0 ? y[0] : total + y[0];
+        }
+        const float m = total / hu;
+        m_out[r] = m;
+#if defined(__x86_64__)
+        const float s = _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(m + eps)));
+#else
+        const float s = __builtin_sqrtf(m + eps);
+#endif
+        rms[r] = 1.0f / s;
+    }
+    lmtail_mxcsr_restore(csr);
+    return bad;
+}
+
+/* ================================================================ the sampler on merged candidates */
+/* sampler.plan_on + draw + decide for the candidates exchange (candidates.sample_merged with
+ * MergedStats), one row at a time, op for op in float64 (plan_on's docstring and the
+ * sampler module's numerics; every line below names the torch op it is):
+ *   row r: v [k] = double(vals[r*ldv ..]) (NaN -> -inf with nan_fold), sp [P] fp32 (top_k,
+ *   top_p, T[, u[, min_p]]), stats [5, R] (m1, S1, mT, ST, lse1), out = double(outside[r])
+ *   (NaN -> -inf with nan_fold), has_outside[r].
+ * Writes tokens, logprobs, truncated. Returns 1 (nothing to be used) when a row meets a
+ * NaN, or a shifted_exp argument above its max (the torch ops decide those). scratch: [3k]. */
+static inline double shexp(double z, double m, const double *K, int *bad) {
+    if (!(z <= m) || m != m) *bad = 1; /* also catches NaN z */
+    return *bad ? 0.0 : shifted_exp1(z, m, K);
+}
+
+static int sample_row(const float *vr, const int64_t *ir, int64_t k, const float *spr, int64_t P,
+                      const double *st, int64_t R, int64_t r, double out, int has_out, int fold,
+                      const double *K, double *acc, double *z, double *p, double *c,
+                      int64_t *token, float *lp, uint8_t *trunc) {
+    int bad = 0;
+    double tk = (double)spr[0]; /* top_k = sp[:, 0].clamp(-1, 2**62).to(int64) */
+    tk = tk < -1.0 ? -1.0 : (tk > 4611686018427387904.0 ? 4611686018427387904.0 : tk);
+    const int64_t top_k = (int64_t)tk;
+    const double top_p = spr[1], temp = spr[2];
+    const double u = P >= 4 ? (double)spr[3] : 0.5, min_p = P >= 5 ? (double)spr[4] : 0.0;
+    const int greedy = temp < 1e-5;
+    const double safe_t = greedy ? 1.0 : temp;
+    const double lse1 = st[4 * R + r];
+    if (fold && out != out) out = NEG_INF;
+    if (lse1 != lse1 || out != out) return 1;
+    /* 1. top-k: kk, thr, in_k = v >= thr (a prefix: v descends) */
+    const int enabled = top_k > 0;
+    const int64_t kk = enabled ? (top_k < k ? top_k : k) : k;
+    for (int64_t j = 0; j < k; ++j) {
+        double v = (double)vr[j];
+        if (fold && v != v) v = NEG_INF;
+        if (v != v) return 1;
+        z[j] = v; /* v for now */
+    }
+    const double thr = z[kk - 1];
+    int trunc_ = enabled && (top_k > k || (has_out && out >= thr));
+    /* 3. z = v / safe_t; s_k = sum64(in_k ? shifted_exp(z, z[0]) : 0) */
+    for (int64_t j = 0; j < k; ++j) p[j] = z[j] >= thr; /* in_k as 0/1, kept in p for now */
+    for (int64_t j = 0; j < k; ++j) z[j] = z[j] / safe_t;
+    const double m_k = z[0];
+    for (int t = 0; t < LANES; ++t) acc[t] = 0.0;
+    for (int64_t j = 0; j < k; ++j) {
+        const double e = shexp(z[j], m_k, K, &bad);
+        acc[j % LANES] += p[j] != 0.0 ? e : 0.0;
+    }
+    for (int w = LANES / 2; w >= 1; w /= 2)
+        for (int t = 0; t < w; ++t) acc[t] = acc[t] + acc[t + w];
+    double m = m_k, s = acc[0];
+    int past = 0;
+    if (!enabled && !greedy) { /* off_mass: the whole row's mass at T (needs_t) or at 1 */
+        const double t64 = temp;
+        const int at_t = spr[0] <= 0 && t64 >= 1e-5 && t64 != 1.0;
+        m = at_t ? st[2 * R + r] : st[0 * R + r];
+        s = at_t ? st[3 * R + r] : st[1 * R + r];
+        past = has_out && shexp(out / safe_t, m, K, &bad) > 0;
+    }
+    if (bad || m != m || s != s) return 1;
+    /* p = in_k ? shifted_exp(z, m) / s : 0, nan_to_num(nan=0) (inf -> +-DBL_MAX) */
+    for (int64_t j = 0; j < k; ++j) {
+        const int in = p[j] != 0.0;
+        double q = shexp(z[j], m, K, &bad) / s;
+        q = in ? q : 0.0;
+        if (q != q) q = 0.0;
+        else if (q == __builtin_inf()) q = __DBL_MAX__;
+        else if (q == -__builtin_inf()) q = -__DBL_MAX__;
+        c[j] = in; /* in_k, kept in c until the running sum */
+        p[j] = q;
+    }
+    if (bad) return 1;
+    /* 4. c = running_sum64(p); keep = in_k & ((c - p < top_p) | top_p >= 1) & (p >= min_p * p[0]) */
+    double run = 0.0;
+    int64_t n_keep = 0;
+    const double floor_p = min_p * p[0];
+    for (int64_t j = 0; j < k; ++j) {
+        const int in = c[j] != 0.0;
+        run = run + p[j];
+        c[j] = run;
+        const int keep = j == 0 || (in && (c[j] - p[j] < top_p || top_p >= 1) && p[j] >= floor_p);
+        z[j] = keep; /* keep, in z from here */
+        n_keep += keep;
+    }
+    const int short_ = top_p < 1 ? c[k - 1] < top_p : past;
+    trunc_ = trunc_ || (!enabled && short_);
+    /* 6. draw: pos = #{kept j : c_j / c[n_keep - 1] <= u}, clamped to n_keep - 1; greedy: 0 */
+    const double total = c[n_keep - 1];
+    int64_t pos = 0;
+    for (int64_t j = 0; j < k; ++j) pos += z[j] != 0.0 && c[j] / total <= u;
+    if (pos > n_keep - 1) pos = n_keep - 1;
+    if (greedy) pos = 0;
+    *token = ir[pos];
+    *lp = (float)((double)vr[pos] - lse1);
+    *trunc = (uint8_t)(trunc_ && !greedy);
+    return 0;
+}
+
+int lmtail_sample_candidates(const float *vals, const int64_t *ids, int64_t ld, int64_t R, int64_t k,
+                             const float *sp, int64_t P, const double *stats, const float *outside,
+                             const uint8_t *has_outside, int nan_fold, const double *K,
+                             int64_t *tokens, float *logprobs, uint8_t *truncated, double *scratch) {
+    const unsigned csr = lmtail_mxcsr_pin(LMTAIL_MXCSR_IEEE);
+    double acc[LANES];
+    int bad = 0;
+    for (int64_t r = 0; r < R && !bad; ++r)
+        bad = sample_row(vals + r * ld, ids + r * ld, k, sp + r * P, P, stats, R, r, (double)outside[r],
+                         has_outside[r], nan_fold, K, acc, scratch, scratch + k, scratch + 2 * k,
+                         tokens + r, logprobs + r, truncated + r);
+    lmtail_mxcsr_restore(csr);
+    return bad;
+}
+
+/* decode_tail's deferred scale, in place: x[r*V + i] = fl32(x[r*V + i] * s[r]) for r < n,
+ * i < V (IEEE fp32 products, MXCSR pinned to round-to-nearest, FTZ/DAZ off): the bytes of
+ * torch's `acc * rms[:, None]`, a NaN x kept as its own NaN, quieted (with one NaN operand
+ * the product is that NaN whatever the operand order). Returns 1 (nothing written) when
+ * some s[r] is NaN: the caller then runs the torch op, whose choice between two NaN
+ * payloads this kernel does not promise.
+ * One thread: the decode tail calls it between the body's kernels, where a torch op of
+ * >= 32,768 elements would wake torch's OpenMP team, whose spinning then takes a core
+ * from the body's next GEMM. */
+int lmtail_scale_rows(float *x, int64_t n, int64_t V, const float *s) {
+    for (int64_t r = 0; r < n; ++r)
+        if (s[r] != s[r]) return 1;
+    const unsigned csr = lmtail_mxcsr_pin(LMTAIL_MXCSR_IEEE);
+    for (int64_t r = 0; r < n; ++r) {
+        float *xr = x + r * V;
+        const float sr = s[r];
+        for (int64_t i = 0; i < V; ++i) xr[i] = xr[i] * sr;
+    }
+    lmtail_mxcsr_restore(csr);
+    return 0;
 }

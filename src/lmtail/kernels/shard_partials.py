@@ -30,12 +30,22 @@ Backends (all bit-equal; tests/test_shard_partials.py proves it on this CPU), on
 last -- and "torch" (the declared ops as torch ops; always there, the only one without a C
 compiler). The C kernel leaves a row to the torch backend (recomputed here, that row only)
 when with_mass and it has a NaN lane without nan_fold, or its T scale is not finite and > 0.
+
+Three more single-threaded C entry points serve the tail's host work at small batch (each
+the same ops as the torch spelling it replaces, each declining with None where that
+spelling's NaN payloads or ranges are not pinned): `owner_stats` (candidates.merge's key
+split, combines and lse1), `sample_candidates` (sampler.plan_on + decide over
+candidates.MergedStats) and `tail_norm` (tail.normed_rows' deferred norm).
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 
+import numpy as np
 import torch
+
+from lmtail import numerics
 
 from lmtail.kernels import _backend, cpu
 from lmtail.kernels._cc import kernel_library
@@ -112,6 +122,14 @@ SIGNATURES = {
     # x, n, V, ld, col0, k1, nan_fold, bounds, c, scale, with_mass, K, keys, mass, nans, flag,
     # nthreads, isa
     "lmtail_shard_partials": ([_P] + [_I64] * 5 + [_INT, _P, _I64, _P, _INT] + [_P] * 5 + [_INT] * 2, _INT),
+    # keys, R, k1, mass, c, K, L, vals, ids, stats, lp0, flag
+    "lmtail_owner_stats": ([_P, _I64, _I64, _P, _I64] + [_P] * 7, _INT),
+    # vals, ids, ld, R, k, sp, P, stats, outside, has_outside, nan_fold, K, tokens, logprobs, truncated, scratch
+    "lmtail_sample_candidates": ([_P, _P] + [_I64] * 3 + [_P, _I64, _P, _P, _P, _INT] + [_P] * 5, _INT),
+    # x, n, H, g, real, hu, eps, a, m, rms
+    "lmtail_tail_norm": ([_P, _I64, _I64, _P, _P, ctypes.c_float, ctypes.c_float] + [_P] * 3, _INT),
+    # x, n, V, s
+    "lmtail_scale_rows": ([_P, _I64, _I64, _P], _INT),
 }
 _library = kernel_library("shard_partials.c", SIGNATURES, what="shard_partials",
                           fallback="the torch backend")
@@ -145,8 +163,8 @@ def _run_c(isa: int):
         if used == -2:
             raise MemoryError(f"shard_partials: could not allocate scratch for k1={k1}")
         assert used == isa, (used, isa)
-        left = torch.nonzero(flag)[:, 0]  # rows the torch backend decides (see the docstring)
-        if left.numel():
+        if flag.numpy().any():  # rows the torch backend decides (see the docstring)
+            left = torch.nonzero(flag)[:, 0]
             k_, m_, n_ = _torch_run(logits[left], col0=col0, k1=k1, nan_fold=nan_fold, bounds=bounds,
                                     scale_t=scale_t[left], with_mass=with_mass, threads=threads)
             keys[left], mass[left], nans[left] = k_, m_, n_
@@ -184,3 +202,102 @@ def shard_partials(logits: torch.Tensor, *, col0: int, k1: int, nan_fold: bool, 
                                             bounds=bounds.to(torch.int64).contiguous(),
                                             scale_t=scale_t.to(torch.float64).contiguous(),
                                             with_mass=with_mass, threads=_backend.threads(threads))
+
+
+# ---------------------------------------------------------------------------------------
+# the owner's one-call stats and the tail's norm (shard_partials.c; None: the caller's
+# torch ops decide, the same bytes)
+# ---------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def log64_constants() -> torch.Tensor:
+    """[16] float64 handed to lmtail_owner_stats: numerics.log64_constants() (SQRT2, then
+    the atanh series; shard_partials.c holds no copy)."""
+    return torch.tensor(numerics.log64_constants(), dtype=torch.float64)
+
+
+def owner_stats(keys: torch.Tensor, mass: torch.Tensor | None):
+    """The owner's row view in one C call, or None without the compiled kernel.
+    keys [R, k1] int64 descending (merged); mass [R, C, 4] float64 in global chunk order or
+    None. Returns (vals [R, k1] fp32, ids [R, k1] int64, stats [5, R] float64 | None (m1,
+    S1, mT, ST, lse1), lp0 [R] fp32 | None, ok): vals, ids = candidates.split_fp32_keys;
+    (m1, S1), (mT, ST) = candidates.combine of each pair; lse1 = m1 + numerics.log64(S1);
+    lp0 = fp32(double(vals[:, 0]) - lse1), all op for op. ok False (stats, lp0 not to be
+    used): a chunk max is NaN (combine's torch path decides those)."""
+    lib = _c_library()
+    if lib is None:
+        return None
+    keys = keys.contiguous()
+    r, k1 = keys.shape
+    vals = torch.empty((r, k1), dtype=torch.float32)  # [R, k1]
+    ids = torch.empty((r, k1), dtype=torch.int64)  # [R, k1]
+    stats = lp0 = None
+    c = 0
+    if mass is not None:
+        mass = mass.contiguous()
+        c = mass.shape[1]
+        stats = torch.empty((5, r), dtype=torch.float64)  # [5, R]
+        lp0 = torch.empty(r, dtype=torch.float32)  # [R]
+    flag = np.zeros(r, dtype=np.int32)  # [R]
+    bad = lib.lmtail_owner_stats(keys.data_ptr(), r, k1, None if mass is None else mass.data_ptr(), c,
+                                 exp64_constants().data_ptr(), log64_constants().data_ptr(), vals.data_ptr(),
+                                 ids.data_ptr(), None if stats is None else stats.data_ptr(),
+                                 None if lp0 is None else lp0.data_ptr(), flag.ctypes.data)
+    return vals, ids, stats, lp0, bad == 0
+
+
+def tail_norm(x: torch.Tensor, gamma: torch.Tensor, real: torch.Tensor | None, h_u: int, eps: float):
+    """decode_tail's deferred norm in one C call (shard_partials.c, lmtail_tail_norm), or
+    None (no compiled kernel, or a NaN on a real lane of x or gamma: the torch ops decide).
+    x [n, H] fp32, gamma [H] fp32, real [H] bool or None (every lane real) -> (a [n, H]
+    fp32 = x * gamma with pad lanes +0, m [n] fp32 = ssq / H_u, rms [n] fp32)."""
+    lib = _c_library()
+    if lib is None:
+        return None
+    x, gamma = x.contiguous(), gamma.contiguous()
+    n, h = x.shape
+    a = torch.empty((n, h), dtype=torch.float32)  # [n, H]
+    m = torch.empty(n, dtype=torch.float32)  # [n]
+    rms = torch.empty(n, dtype=torch.float32)  # [n]
+    mask = None if real is None else real.contiguous()
+    # fp32(h_u), fp32(eps): ctypes rounds a float to fp32 to nearest-even, as torch.tensor does
+    bad = lib.lmtail_tail_norm(x.data_ptr(), n, h, gamma.data_ptr(), None if mask is None else mask.data_ptr(),
+                               float(h_u), float(eps), a.data_ptr(), m.data_ptr(), rms.data_ptr())
+    return None if bad else (a, m, rms)
+
+
+def scale_rows(acc: torch.Tensor, rms: torch.Tensor) -> torch.Tensor:
+    """decode_tail's deferred scale fp32(acc * rms[:, None]), acc [n, V] fp32 C-contiguous
+    (overwritten and returned), rms [n] fp32: the bytes of the torch op, in one thread of C
+    (shard_partials.c, lmtail_scale_rows) so the tail wakes no OpenMP team between the
+    body's kernels; the torch op when the kernel is not built or an rms is NaN."""
+    lib = _c_library()
+    rms = rms.contiguous()
+    if lib is None or not acc.is_contiguous() or acc.numel() == 0 \
+            or lib.lmtail_scale_rows(acc.data_ptr(), acc.shape[0], acc.shape[1], rms.data_ptr()):
+        return acc * rms[:, None]
+    return acc
+
+
+def sample_candidates(values: torch.Tensor, ids: torch.Tensor, sp: torch.Tensor, stats: torch.Tensor,
+                      outside: torch.Tensor, has_outside: torch.Tensor, *, nan_fold: bool):
+    """candidates.sample_merged's sampler (sampler.plan_on + decide over MergedStats) in one
+    C call, or None (no compiled kernel, a layout it does not take, or a row meeting a NaN:
+    the torch ops decide). values [R, k] fp32 / ids [R, k] int64 (rows of a common stride,
+    unit column stride), sp [R, 3|4|5] fp32 (validated), stats [5, R] float64 from
+    owner_stats (m1, S1, mT, ST, lse1), outside [R] fp32, has_outside [R] bool ->
+    (tokens [R] int64, logprobs [R] fp32, truncated [R] bool), the same bytes."""
+    lib = _c_library()
+    r, k = values.shape
+    if (lib is None or r == 0 or values.stride(1) != 1 or ids.stride(1) != 1 or values.stride(0) != ids.stride(0)
+            or not stats.is_contiguous()):
+        return None
+    spc, out, has = sp.detach().contiguous(), outside.contiguous(), has_outside.contiguous()
+    tokens = torch.empty(r, dtype=torch.int64)  # [R]
+    logprobs = torch.empty(r, dtype=torch.float32)  # [R]
+    truncated = torch.empty(r, dtype=torch.bool)  # [R]
+    scratch = torch.empty(3 * k, dtype=torch.float64)  # [3k]
+    bad = lib.lmtail_sample_candidates(values.data_ptr(), ids.data_ptr(), values.stride(0), r, k, spc.data_ptr(),
+                                       spc.shape[1], stats.data_ptr(), out.data_ptr(), has.data_ptr(), int(nan_fold),
+                                       exp64_constants().data_ptr(), tokens.data_ptr(), logprobs.data_ptr(),
+                                       truncated.data_ptr(), scratch.data_ptr())
+    return None if bad else (tokens, logprobs, truncated)

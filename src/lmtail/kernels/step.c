@@ -39,7 +39,7 @@ typedef void (*rope_fn)(const float *qkv, int64_t ld, const float *cs, const flo
                         int64_t S_cap, int64_t s0);
 typedef int (*attend_fn)(const float *q, const float *kt, const float *v, float *out, const int64_t *pad,
                          int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t S_cap, int64_t s0, float scale,
-                         int threads, int no_avx512);
+                         int threads, int isa_cap);
 typedef void (*silu_fn)(const float *gu, float *out, int64_t M, int64_t F, int64_t ld);
 
 /* One linear: a QuantWeight's blocks (fmt: gemm_q's code), N outputs of K inputs. */
@@ -66,7 +66,7 @@ typedef struct {
     const float *final_norm, *cos_t, *sin_t; /* [H]; rope tables [P, HD/2] */
     int64_t L, H, nh, nkv, F, lanes;
     float eps, scale;
-    int64_t gemm_isa, no_avx512;
+    int64_t gemm_isa, attend_isa; /* gemm_q's isa code; body.c's attend cap */
 } model_t;
 
 /* The caller's buffers for up to n_max rows (kernels/step.py StepBuffers). */
@@ -100,14 +100,14 @@ static int attention(const model_t *m, const buffers_t *bf, const attn_t *at, in
         m->rope(bf->qkv, ldqkv, m->cos_t, m->sin_t, at->pos, bf->q, at->kc[l], at->vc[l], at->B, at->T, m->nh,
                 m->nkv, at->S_cap, at->s0);
         return m->attend(bf->q, at->kc[l], at->vc[l], bf->att, at->pad, at->B, at->T, m->nh, m->nkv, at->S_cap,
-                         at->s0, m->scale, (int)at->attend_threads, (int)m->no_avx512);
+                         at->s0, m->scale, (int)at->attend_threads, (int)m->attend_isa);
     }
     for (int64_t r = 0; r < at->B; ++r) {
         float *kc = at->kc[l * at->B + r], *vc = at->vc[l * at->B + r];
         m->rope(bf->qkv + r * ldqkv, ldqkv, m->cos_t, m->sin_t, at->pos + r, bf->q + r * qd, kc, vc, 1, 1, m->nh,
                 m->nkv, at->S_caps[r], at->s0s[r]);
         if (m->attend(bf->q + r * qd, kc, vc, bf->att + r * qd, at->pad, 1, 1, m->nh, m->nkv, at->S_caps[r],
-                      at->s0s[r], m->scale, (int)at->attend_threads, (int)m->no_avx512))
+                      at->s0s[r], m->scale, (int)at->attend_threads, (int)m->attend_isa))
             return -1;
     }
     return 0;

@@ -44,7 +44,7 @@ class _Model(ctypes.Structure):
     _fields_ = [("gemm_q", _P), ("norm", _P), ("rope", _P), ("attend", _P), ("silu", _P),
                 ("layers", ctypes.POINTER(_Layer)), ("final_norm", _P), ("cos_t", _P), ("sin_t", _P),
                 ("L", _I64), ("H", _I64), ("nh", _I64), ("nkv", _I64), ("F", _I64), ("lanes", _I64),
-                ("eps", _F32), ("scale", _F32), ("gemm_isa", _I64), ("no_avx512", _I64)]
+                ("eps", _F32), ("scale", _F32), ("gemm_isa", _I64), ("attend_isa", _I64)]
 
 
 class _Buffers(ctypes.Structure):
@@ -54,7 +54,7 @@ class _Buffers(ctypes.Structure):
 def available(gemm_backend: str, attend_backend: str) -> bool:
     """True when step.c, gemm_q.c and body.c are built and the chosen backends are C ones."""
     return (_library() is not None and kbody.available() and kquant._library() is not None
-            and gemm_backend in kquant._ISA and attend_backend in ("avx512", "c"))
+            and gemm_backend in kquant._ISA and attend_backend in kbody.ISA_CAP)
 
 
 def _fn(lib, name: str) -> int:
@@ -76,11 +76,11 @@ class Q32Model:
     """The q32 body's model as step.c's model_t, built once: `linears` L tuples of the 7
     QuantWeights (q, k, v, o, gate, up, down), `attn_norms` / `ffn_norms` L x [H] fp32,
     `final_norm` [H] fp32, rope tables cos_t, sin_t [P, 32] fp32, the norm's lane count, eps,
-    the attention scale, the gemm_q backend ("avx512" | "avx2" | "c") and whether attend may
-    use AVX-512. Keeps every tensor it points into alive."""
+    the attention scale, the gemm_q backend ("avx512" | "avx2" | "c") and the attend backend
+    ("avx512" | "avx2" | "c": the micro-kernels body.c's attend may pick; the same bytes). Keeps every tensor it points into alive."""
 
     def __init__(self, shape: StepShape, linears, attn_norms, ffn_norms, final_norm, cos_t, sin_t, *,
-                 lanes: int, eps: float, scale: float, gemm_backend: str, attend_avx512: bool):
+                 lanes: int, eps: float, scale: float, gemm_backend: str, attend_backend: str):
         keep = [t.contiguous() for t in (*attn_norms, *ffn_norms, final_norm, cos_t, sin_t)]
         self._keep = (keep, linears)
         an, fn_, (fin, cs, sn) = keep[:shape.L], keep[shape.L:2 * shape.L], keep[2 * shape.L:]
@@ -97,7 +97,7 @@ class Q32Model:
             rope=_fn(blib, "lmtail_rope_qkv"), attend=_fn(blib, "lmtail_attend"), silu=_fn(blib, "lmtail_silu_mul"),
             layers=ctypes.cast(layers, ctypes.POINTER(_Layer)), final_norm=fin.data_ptr(), cos_t=cs.data_ptr(),
             sin_t=sn.data_ptr(), L=shape.L, H=shape.H, nh=shape.nh, nkv=shape.nkv, F=shape.F, lanes=lanes,
-            eps=eps, scale=scale, gemm_isa=kquant._ISA[gemm_backend], no_avx512=int(not attend_avx512))
+            eps=eps, scale=scale, gemm_isa=kquant._ISA[gemm_backend], attend_isa=kbody.ISA_CAP[attend_backend])
         self.shape = shape
 
 

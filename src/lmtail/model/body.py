@@ -5,7 +5,10 @@ ops they replace, lmtail.norms.add_rms, apply_rope + cache writes, silu_mul + bf
 Every function here computes from IEEE basic operations (+, -, *, /, fma, casts) in a
 stated order, so its bytes are the same on every CPU and for every backend (one
 kernels._backend.Dispatch table per op, preferred in this fixed order):
-  "avx512" the C kernels with attention's AVX-512 register-tile micro-kernels (AVX-512F);
+  "avx512" the C kernels with attention's AVX-512 register-tile micro-kernels (AVX-512F;
+           exp32 and silu_mul run their AVX2 rows there);
+  "avx2"   the C kernels with the AVX2 + FMA micro-kernels (8 lanes: attention, exp32,
+           silu_mul);
   "c"      the portable C kernels (kernels/body.c through kernels.body; compiled as
            AVX-512 / AVX2 / default clones picked at load: the same bits, only explicit
            fmaf fuses);
@@ -99,6 +102,10 @@ def _c_avx512() -> bool:
     return kbody.available() and cpu.has("avx512f")
 
 
+def _c_avx2() -> bool:
+    return kbody.available() and cpu.has("avx2", "fma")
+
+
 def available_backends() -> tuple[str, ...]:
     """Backends of this module on this machine, in the fixed preference order (all give the
     same bytes)."""
@@ -136,8 +143,9 @@ def _exp32_torch(x: torch.Tensor) -> torch.Tensor:
 
 
 EXP32 = _backend.Dispatch("exp32", (
-    _backend.Backend("avx512", kbody.exp32, _c_avx512),
-    _backend.Backend("c", kbody.exp32, kbody.available),
+    _backend.Backend("avx512", functools.partial(kbody.exp32, isa="avx512"), _c_avx512),
+    _backend.Backend("avx2", functools.partial(kbody.exp32, isa="avx2"), _c_avx2),
+    _backend.Backend("c", functools.partial(kbody.exp32, isa="c"), kbody.available),
     _backend.Backend("torch", _exp32_torch, device=None),
 ))
 
@@ -158,8 +166,9 @@ def _silu_mul_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 SILU_MUL = _backend.Dispatch("silu_mul", (
-    _backend.Backend("avx512", kbody.silu_mul, _c_avx512),
-    _backend.Backend("c", kbody.silu_mul, kbody.available),
+    _backend.Backend("avx512", functools.partial(kbody.silu_mul, isa="avx512"), _c_avx512),
+    _backend.Backend("avx2", functools.partial(kbody.silu_mul, isa="avx2"), _c_avx2),
+    _backend.Backend("c", functools.partial(kbody.silu_mul, isa="c"), kbody.available),
     _backend.Backend("torch", lambda gu: _silu_mul_torch(gu[:, :gu.shape[1] // 2], gu[:, gu.shape[1] // 2:]),
                      device=None),
 ))
@@ -285,8 +294,9 @@ def _attend_torch(q, kt, v, pad, s0, scale):
 
 
 ATTEND = _backend.Dispatch("attend", (
-    _backend.Backend("avx512", functools.partial(kbody.attend, avx512=True), _c_avx512),
-    _backend.Backend("c", functools.partial(kbody.attend, avx512=False), kbody.available),
+    _backend.Backend("avx512", functools.partial(kbody.attend, isa="avx512"), _c_avx512),
+    _backend.Backend("avx2", functools.partial(kbody.attend, isa="avx2"), _c_avx2),
+    _backend.Backend("c", functools.partial(kbody.attend, isa="c"), kbody.available),
     _backend.Backend("torch", lambda q, kt, v, pad, s0, scale, threads: _attend_torch(q, kt, v, pad, s0, scale),
                      device=None),
 ))

@@ -469,7 +469,7 @@ def _body_declared(bundle: ModelBundle, ids, cache: KVCache, ops: Ops, qpos, s0)
 # the q32 body: the file's own blocks on an fp32 stream, one native call per forward
 # ---------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=4)
-def q32_model(bundle: ModelBundle, lanes: int, gemm_backend: str, attend_avx512: bool):
+def q32_model(bundle: ModelBundle, lanes: int, gemm_backend: str, attend_backend: str):
     """kernels.step.Q32Model of this bundle, built once per (bundle, lanes, backends) and
     cached: the weights are quant_linears(bundle) (the file's memory map), the gammas the
     bundle's norms widened to contiguous fp32."""
@@ -482,7 +482,7 @@ def q32_model(bundle: ModelBundle, lanes: int, gemm_backend: str, attend_avx512:
     shape = kstep.StepShape(L=cfg.n_layers, H=cfg.hidden, nh=cfg.n_heads, nkv=cfg.n_kv_heads, F=cfg.ffn)
     return kstep.Q32Model(shape, lins, an, fn_, fin, cos_t, sin_t, lanes=lanes, eps=cfg.eps,
                           scale=1.0 / math.sqrt(cfg.head_dim), gemm_backend=gemm_backend,
-                          attend_avx512=attend_avx512)
+                          attend_backend=attend_backend)
 
 
 def embed_rows(bundle: ModelBundle, ids: torch.Tensor) -> torch.Tensor:
@@ -530,7 +530,7 @@ def _body_q32(bundle: ModelBundle, ids, cache: KVCache, ops: Ops, qpos, s0):
     gemm_row, attend_row = quant_mod.GEMM_Q.pick(None), decl.ATTEND.pick(None)
     attend_threads = decl.attend_threads(None, B, T, cfg.n_heads, s0)
     if ops.native_step and kstep.available(gemm_row.name, attend_row.name):
-        model = q32_model(bundle, ops.fused_norm_lanes, gemm_row.name, attend_row.name == "avx512")
+        model = q32_model(bundle, ops.fused_norm_lanes, gemm_row.name, attend_row.name)
         if cache.scratch is None:
             cache.scratch = kstep.StepBuffers(model.shape)
         h, y = kstep.run_q32(model, cache.scratch, x, cache.k, cache.v, pos, cache.pad, s0=s0,

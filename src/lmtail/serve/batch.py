@@ -121,7 +121,7 @@ def _step_rows_q32(bundle: ModelBundle, tokens, caches: list[KVCache], ops: Ops,
     gemm_row, attend_row = quant_mod.GEMM_Q.pick(None), decl.ATTEND.pick(None)
     if not (ops.native_step and kstep.available(gemm_row.name, attend_row.name)):
         return torch.cat([forward(bundle, tokens[r, None, None], c, ops=ops)[0][0] for r, c in enumerate(caches)])
-    model = q32_model(bundle, ops.fused_norm_lanes, gemm_row.name, attend_row.name == "avx512")
+    model = q32_model(bundle, ops.fused_norm_lanes, gemm_row.name, attend_row.name)
     scratch = kstep.StepBuffers(model.shape) if scratch is None else scratch
     h, _ = kstep.run_q32_rows(model, scratch, embed_rows(bundle, tokens), caches)  # [R, H]
     for c in caches:
