@@ -257,10 +257,16 @@ class Timed:
     failed: str = ""
 
 
+SETTLE_S = 0.5  # idle seconds before each timed call
+
+
 def run_abba(calls: dict, rounds: int, check) -> Timed:
     """calls: arm -> zero-argument fn returning a worker answer with "s". The first call of
     each arm is the untimed check (check(outs) raises on disagreement); then `rounds`
-    rounds in A B B A order."""
+    rounds in A B B A order, each timed call after SETTLE_S idle seconds: an engine's
+    threads poll or spin for a while after its work (llama.cpp's threadpool, OpenMP teams,
+    lmtail's kernel pools), and on 2 cores a spinning thread of the previous arm would take
+    a core from the next one."""
     out = Timed()
     try:
         outs = {a: f() for a, f in calls.items()}
@@ -270,6 +276,7 @@ def run_abba(calls: dict, rounds: int, check) -> Timed:
         return out
     out.times = {a: [] for a in calls}
     for a in abba_order(list(calls), rounds):
+        time.sleep(SETTLE_S)
         try:
             s = calls[a]()["s"]
         except WorkerError as e:
