@@ -454,25 +454,6 @@ pv_tile(const int G, const float (*eb)[EB], const float *v, int jn, int c0, __m2
         for (int c = 0; c < 4; ++c) park[i][c0 / 8 + c] = acc[i][c];
 }
 
-/* r[k] <- lane k of r[0..7] (an 8 x 8 transpose). */
-static inline __attribute__((always_inline)) AVX2 void transpose8(__m256 *r) {
-    __m256 t[8], u[8];
-    for (int k = 0; k < 8; k += 2) {
-        t[k] = _mm256_unpacklo_ps(r[k], r[k + 1]);
-        t[k + 1] = _mm256_unpackhi_ps(r[k], r[k + 1]);
-    }
-    for (int k = 0; k < 8; k += 4) {
-        u[k] = _mm256_shuffle_ps(t[k], t[k + 2], 0x44);
-        u[k + 1] = _mm256_shuffle_ps(t[k], t[k + 2], 0xEE);
-        u[k + 2] = _mm256_shuffle_ps(t[k + 1], t[k + 3], 0x44);
-        u[k + 3] = _mm256_shuffle_ps(t[k + 1], t[k + 3], 0xEE);
-    }
-    for (int k = 0; k < 4; ++k) {
-        r[k] = _mm256_permute2f128_ps(u[k], u[k + 4], 0x20);
-        r[k + 4] = _mm256_permute2f128_ps(u[k], u[k + 4], 0x31);
-    }
-}
-
 /* den[i] = den[i] + eb[i][jj] for jj = 0 .. jn - 1 in order, i < NQ: 8 queries to a vector
  * (lane i - 8 g; each lane's chain is one den's; lanes past NQ add zeros), their e's turned
  * to columns by transposes. den has room for NQ rounded up to 8. */
@@ -487,7 +468,7 @@ static inline __attribute__((always_inline)) AVX2 void den_block(int NQ, const f
             __m256 r[8];
             for (int k = 0; k < 8; ++k)
                 r[k] = 8 * g + k < NQ ? _mm256_load_ps(eb[8 * g + k] + jj) : _mm256_setzero_ps();
-            transpose8(r);
+            lmtail_transpose8(r);
             if (m == 8)
                 for (int k = 0; k < 8; ++k) D[g] = _mm256_add_ps(D[g], r[k]);
             else
@@ -807,13 +788,7 @@ static inline __attribute__((always_inline)) float strided_inv(const float *h, i
         const int64_t n = H - i0 < lanes ? H - i0 : lanes;
         for (int64_t t = 0; t < n; ++t) acc[t] = fmaf(h[i0 + t], h[i0 + t], acc[t]);
     }
-    float ssq = 0.0f;
-    for (int64_t g = 0; g < lanes / 32; ++g) {
-        float *l = acc + 32 * g;
-        for (int half = 16; half >= 1; half /= 2)
-            for (int i = 0; i < half; ++i) l[i] = l[i] + l[i + half];
-        ssq = g == 0 ? l[0] : ssq + l[0];
-    }
+    const float ssq = lmtail_lane_totals(acc, lanes);
     const float m = ssq / (float)H;
     const float d = m + eps;
     return 1.0f / __builtin_sqrtf(d);

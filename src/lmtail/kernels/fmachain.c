@@ -47,16 +47,12 @@ typedef struct {
 
 /* orders.lane_totals on acc[T] (overwritten). */
 static float lane_totals(float *acc, int T, int reverse) {
+    if (!reverse) return lmtail_lane_totals(acc, T);
     float total = 0.0f;
     for (int g = 0; g < T / 32; ++g) {
         float *x = acc + 32 * g;
-        if (!reverse) {
-            for (int half = 16; half >= 1; half /= 2)
-                for (int i = 0; i < half; ++i) x[i] = x[i] + x[i + half];
-        } else {
-            for (int w = 16; w >= 1; w /= 2) /* k reads 2k, 2k+1 >= k: in place is safe */
-                for (int k = 0; k < w; ++k) x[k] = x[2 * k] + x[2 * k + 1];
-        }
+        for (int w = 16; w >= 1; w /= 2) /* k reads 2k, 2k+1 >= k: in place is safe */
+            for (int k = 0; k < w; ++k) x[k] = x[2 * k] + x[2 * k + 1];
         total = g == 0 ? x[0] : total + x[0];
     }
     return total;

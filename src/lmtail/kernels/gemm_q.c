@@ -379,23 +379,10 @@ static AVX2 void lanes_unit(const job_t *j, int64_t c0, int64_t c1, float *pt, i
                 for (int x = 0; x < 4; ++x) _mm256_store_ps(tmp + c * QK + 8 * x, v[x]);
             }
             for (int x = 0; x < 4; ++x) {
-                __m256 r[8], s[8];
+                __m256 r[8];
                 for (int c = 0; c < 8; ++c) r[c] = _mm256_load_ps(tmp + c * QK + 8 * x);
-                for (int c = 0; c < 8; c += 2) {
-                    s[c] = _mm256_unpacklo_ps(r[c], r[c + 1]);
-                    s[c + 1] = _mm256_unpackhi_ps(r[c], r[c + 1]);
-                }
-                for (int c = 0; c < 8; c += 4) {
-                    r[c] = _mm256_shuffle_ps(s[c], s[c + 2], 0x44);
-                    r[c + 1] = _mm256_shuffle_ps(s[c], s[c + 2], 0xEE);
-                    r[c + 2] = _mm256_shuffle_ps(s[c + 1], s[c + 3], 0x44);
-                    r[c + 3] = _mm256_shuffle_ps(s[c + 1], s[c + 3], 0xEE);
-                }
-                for (int c = 0; c < 4; ++c) { /* lanes 8x + c and 8x + c + 4 of the 8 columns */
-                    float *lo = dst + ((8 * x + c) * nb + b) * 24, *hi = lo + 4 * nb * 24;
-                    _mm256_store_ps(lo, _mm256_permute2f128_ps(r[c], r[c + 4], 0x20));
-                    _mm256_store_ps(hi, _mm256_permute2f128_ps(r[c], r[c + 4], 0x31));
-                }
+                lmtail_transpose8(r); /* r[l]: lane 8x + l of the 8 columns */
+                for (int l = 0; l < 8; ++l) _mm256_store_ps(dst + ((8 * x + l) * nb + b) * 24, r[l]);
             }
         }
     }

@@ -53,6 +53,20 @@ static inline LMTAIL_UNUSED float bf16_daz(uint16_t b) { return u2f((uint32_t)da
 /* every NaN stored as the canonical quiet NaN 0x7FC00000 */
 static inline LMTAIL_UNUSED float canon_nan(float x) { return x != x ? u2f(0x7FC00000u) : x; }
 
+/* orders.lane_totals (the strided(T) sum's fold) on acc[T], T a multiple of 32, overwritten:
+ * per group of 32 lanes the halving tree (x[i] = x[i] + x[i + h], h = 16, 8, 4, 2, 1), the
+ * groups' results added in order. Shared by fmachain.c, body.c's norms, shard_partials.c. */
+static inline LMTAIL_UNUSED float lmtail_lane_totals(float *acc, int64_t T) {
+    float total = 0.0f;
+    for (int64_t g = 0; g < T / 32; ++g) {
+        float *x = acc + 32 * g;
+        for (int half = 16; half >= 1; half /= 2)
+            for (int i = 0; i < half; ++i) x[i] = x[i] + x[i + half];
+        total = g == 0 ? x[0] : total + x[0];
+    }
+    return total;
+}
+
 /* ---------------------------------------------------------------- exact fp32 fma, no libm */
 #define F32_MIN_BITS 0x00800000u /* the bits of 2^-126, the smallest normal float */
 
@@ -229,6 +243,26 @@ shifted_exp8(__m512d *y, const __m512d *z, __m512d mv, const __m512d *KV) {
 }
 
 #define LMTAIL_AVX2 __attribute__((target("avx2")))
+
+/* r[k] <- lane k of r[0..7]: an 8 x 8 fp32 transpose in registers (AVX). Shared by
+ * body.c (attention's den) and gemm_q.c (the lanes path's panel). */
+static inline __attribute__((always_inline)) LMTAIL_AVX2 void lmtail_transpose8(__m256 *r) {
+    __m256 t[8], u[8];
+    for (int k = 0; k < 8; k += 2) {
+        t[k] = _mm256_unpacklo_ps(r[k], r[k + 1]);
+        t[k + 1] = _mm256_unpackhi_ps(r[k], r[k + 1]);
+    }
+    for (int k = 0; k < 8; k += 4) {
+        u[k] = _mm256_shuffle_ps(t[k], t[k + 2], 0x44);
+        u[k + 1] = _mm256_shuffle_ps(t[k], t[k + 2], 0xEE);
+        u[k + 2] = _mm256_shuffle_ps(t[k + 1], t[k + 3], 0x44);
+        u[k + 3] = _mm256_shuffle_ps(t[k + 1], t[k + 3], 0xEE);
+    }
+    for (int k = 0; k < 4; ++k) {
+        r[k] = _mm256_permute2f128_ps(u[k], u[k + 4], 0x20);
+        r[k + 4] = _mm256_permute2f128_ps(u[k], u[k + 4], 0x31);
+    }
+}
 
 /* 2**n for 4 integer-valued n in [-1022, 1023]: the exponent bits (AVX2). */
 static inline __attribute__((always_inline)) LMTAIL_AVX2 __m256d pow2_4(__m256d n) {

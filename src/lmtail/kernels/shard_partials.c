@@ -602,14 +602,7 @@ int lmtail_tail_norm(const float *x, int64_t n, int64_t H, const float *g, const
                 acc[t] = fma_rn(v, v, acc[t]);
                 ar[i] = (!real || real[i]) ? v * g[i] : 0.0f;
             }
-        float total = 0.0f;
-        for (int grp = 0; grp < LANES / 32; ++grp) {
-            float *y = acc + 32 * grp;
-            for (int half = 16; half >= 1; half /= 2)
-                for (int i = 0; i < half; ++i) y[i] = y[i] + y[i + half];
-            total = grp == 0 ? y[0] : total + y[0];
-        }
-        const float m = total / hu;
+        const float m = lmtail_lane_totals(acc, LANES) / hu;
         m_out[r] = m;
 #if defined(__x86_64__)
         const float s = _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(m + eps)));
