@@ -57,12 +57,14 @@ def verdict(cmd_a: str, cmd_b: str) -> ab.MetricAB:
     return m
 
 
+@pytest.mark.slow  # 15 s of subprocess sleeps (statistical power): `make test-all`
 def test_planted_five_percent_slowdown_is_called_slower():
     m = verdict("sleep 0.2", "sleep 0.21")
     assert m.verdict == "B slower", (m.verdict, m.ratios)
     assert m.median_ratio > 1.02
 
 
+@pytest.mark.slow  # 15 s of subprocess sleeps: `make test-all`
 def test_a_a_is_level():
     m = verdict("sleep 0.2", "sleep 0.2")
     assert m.verdict == "level", (m.verdict, m.ratios)

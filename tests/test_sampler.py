@@ -328,7 +328,7 @@ def test_folded_nan_candidates_do_not_turn_a_row_greedy():
 
 def test_params_fast_check_is_the_rules():
     """validate_params' host check (_params_ok) accepts exactly the tensors param_problems
-    finds nothing in: random [R, 3|4|5] rows built from every rule's edge values (the
+    finds nothing in: 3,000 random [R, 3|4|5] rows built from every rule's edge values (the
     boundaries themselves, one fp32 ulp either side, +-inf, NaN, -0), by both spellings
     (rows, columns). Planted: a tensor only the whole-number rule rejects is rejected."""
     from lmtail.sampler import _columns_ok, _params_ok, _rows_ok, param_problems
@@ -339,7 +339,7 @@ def test_params_fast_check_is_the_rules():
     g = np.random.default_rng(0)
     seen = {True: 0, False: 0}
     for cols in (3, 4, 5):
-        for _ in range(3000):
+        for _ in range(1000):
             r = int(g.integers(1, 4))
             good = np.array([[3.0, 0.9, 0.7, 0.5, 0.1][:cols]] * r, dtype=np.float32)
             for _ in range(int(g.integers(0, 3))):  # change a few entries to edge values
@@ -348,7 +348,7 @@ def test_params_fast_check_is_the_rules():
             want = not any(bool(bad.any()) for bad, _ in param_problems(sp))
             assert _params_ok(sp.numpy()) == _rows_ok(sp.tolist()) == _columns_ok(sp.numpy()) == want, sp
             seen[want] += 1
-    assert min(seen.values()) > 500
+    assert min(seen.values()) > 200
     half = np.array([[1.5, 0.9, 0.7]], dtype=np.float32)  # planted: no whole-number rule
     assert not _rows_ok(half.tolist()) and not _columns_ok(half) and np.isfinite(half).all()
     big = np.tile(np.array([[3.0, 0.9, 0.7, 0.5, 0.1]], dtype=np.float32), (40, 1))  # R > 16: the columns

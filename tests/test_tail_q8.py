@@ -249,7 +249,9 @@ def test_decode_step_tail_wakes_no_torch_team(monkeypatch):
     runs no torch op at torch's parallel grain: the deferred scale and the candidates'
     passes are C. Planted: the same tail with the scale as the torch op is caught."""
     x, gamma, _, sp = inputs(gbs=4)
-    w = QuantWeight.quantize(torch.randn(49152, H) / H**0.5, "Q8_0")
+    blocks = torch.randint(-127, 128, (49152, H // 32, 34), dtype=torch.int16).to(torch.uint8)  # q bytes
+    blocks[:, :, :2] = torch.tensor([0x1F, 0x21], dtype=torch.uint8)  # d = fp16 0x211F ~ 0.01
+    w = QuantWeight("Q8_0", (49152, H), blocks.reshape(49152, -1).contiguous())  # (V, H), random Q8_0
     for b in (1, 4):
         run = lambda: decode_tail(x[:b], gamma, w, **KW, sampling_params=sp[:b])  # noqa: E731
         run()
