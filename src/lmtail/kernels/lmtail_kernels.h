@@ -170,6 +170,29 @@ static inline LMTAIL_UNUSED double exact_inverse(double s) {
     return 1.0 / s;
 }
 
+/* numerics.log64 for a normal, positive, finite x: e, m from the bits (m in [1, 2), halved
+ * with e + 1 when m > L[0]), s = (m - 1) / (m + 1), p = the atanh series Horner in s*s over
+ * L[1 + i] = 1/(2i+1), i = 14..0, then 2*s*p + e*LN2_LO + e*LN2_HI (K: exp64's constants).
+ * L[0] = sqrt 2 (the mantissa split). Shared by rows_tail.c and shard_partials.c. */
+static inline LMTAIL_UNUSED double lmtail_log64(double x, const double *L, const double *K) {
+    uint64_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    int64_t e = (int64_t)((bits >> 52) & 0x7FF) - 1023;
+    const uint64_t mb = (bits & ((1ULL << 52) - 1)) | (1023ULL << 52);
+    double m;
+    memcpy(&m, &mb, sizeof m);
+    if (m > L[0]) {
+        m = m * 0.5;
+        e = e + 1;
+    }
+    const double ed = (double)e;
+    const double s = (m - 1.0) / (m + 1.0);
+    const double s2 = s * s;
+    double p = L[1 + 14];
+    for (int j = 13; j >= 0; --j) p = p * s2 + L[1 + j];
+    return 2.0 * s * p + ed * K[K_LO] + ed * K[K_HI];
+}
+
 /* exp64(z == m ? 0 : z - m) for z <= m, z not NaN: numerics.exp64's ops in its order (clamp
  * at -746 (d <= 0: the clamp at 710 never bites), n = round-half-even(xc * INV_LN2),
  * r = (xc - n*HI) - n*LO, the degree-13 Horner, times 2**n, split as (p * 2**n1) * 2**n2

@@ -211,32 +211,12 @@ static void topk_row(const uint16_t *x, int64_t V, int64_t k, int fold, int isa,
 }
 
 /* ================================================================ float64 exp and log */
-/* log64's constants: SQRT2 (the mantissa split) and LOG_C[i] = 1/(2i+1), i = 0..14 (the
- * atanh series; numerics.log64's 1.0 / k). lmtail_rows_tail_constants exports them. */
-static const double SQRT2 = 1.4142135623730951;
-static const double LOG_C[15] = {1.0 / 1, 1.0 / 3, 1.0 / 5, 1.0 / 7, 1.0 / 9, 1.0 / 11, 1.0 / 13,
-                                 1.0 / 15, 1.0 / 17, 1.0 / 19, 1.0 / 21, 1.0 / 23, 1.0 / 25,
+/* log64's constants (lmtail_kernels.h's lmtail_log64): LOG_L[0] = SQRT2 (the mantissa
+ * split), LOG_L[1 + i] = 1/(2i+1), i = 0..14 (the atanh series; numerics.log64's 1.0 / k).
+ * lmtail_rows_tail_constants exports them. Used for x >= 1 finite (the sums it is taken of). */
+static const double LOG_L[16] = {1.4142135623730951, 1.0 / 1, 1.0 / 3, 1.0 / 5, 1.0 / 7, 1.0 / 9, 1.0 / 11,
+                                 1.0 / 13, 1.0 / 15, 1.0 / 17, 1.0 / 19, 1.0 / 21, 1.0 / 23, 1.0 / 25,
                                  1.0 / 27, 1.0 / 29};
-
-/* numerics.log64 for x >= 1 finite (the sums it is taken of are >= 1). */
-static double log64(double x, const double *K) {
-    uint64_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    int64_t e = (int64_t)((bits >> 52) & 0x7FF) - 1023;
-    const uint64_t mb = (bits & ((1ULL << 52) - 1)) | (1023ULL << 52);
-    double m;
-    memcpy(&m, &mb, sizeof m);
-    if (m > SQRT2) {
-        m = m * 0.5;
-        e = e + 1;
-    }
-    const double ed = (double)e;
-    const double s = (m - 1.0) / (m + 1.0);
-    const double s2 = s * s;
-    double p = LOG_C[14];
-    for (int j = 13; j >= 0; --j) p = p * s2 + LOG_C[j];
-    return 2.0 * s * p + ed * K[K_LO] + ed * K[K_HI];
-}
 
 /* ================================================================ the full-row mass */
 typedef struct {
@@ -674,7 +654,7 @@ static void sample_row(const job_t *J, int64_t i, const uint16_t *x, scratch_t *
         return;
     }
     R.m1 = row_mass(x, J->V, fold, 1.0, vmax, J->K, s->acc, J->isa, R.kr, s->tab, s->iota);
-    const double lse1 = vmax + log64(R.m1.S, J->K);
+    const double lse1 = vmax + lmtail_log64(R.m1.S, LOG_L, J->K);
     if (J->dbg) {
         J->dbg[3 * i] = R.m1.S;
         J->dbg[3 * i + 1] = lse1;
@@ -771,11 +751,10 @@ static int isa_ok(int isa) {
 }
 
 /* The constants this file holds (the rest come in K from numerics): out[0] = GREEDY_T,
- * out[1] = SQRT2, out[2 + i] = LOG_C[i] for i < 15. Returns the count written (17). */
+ * out[1 + i] = LOG_L[i] for i < 16 (SQRT2, then the series). Returns the count written (17). */
 int lmtail_rows_tail_constants(double *out) {
     out[0] = GREEDY_T;
-    out[1] = SQRT2;
-    for (int i = 0; i < 15; ++i) out[2 + i] = LOG_C[i];
+    for (int i = 0; i < 16; ++i) out[1 + i] = LOG_L[i];
     return 17;
 }
 

@@ -471,30 +471,15 @@ int lmtail_shard_partials(const float *x, int64_t n, int64_t V, int64_t ld, int6
 }
 
 /* ================================================================ the one-call owner stats */
-/* numerics.log64's ops (L: SQRT2, then the atanh series 1/(2i+1), i = 0..14, handed in by
- * the caller from numerics.log64_constants(); K: exp64's constants, for LN2_HI / LN2_LO),
- * with its special values: 0 -> -inf, +inf -> +inf, anything else outside [2**-1022, inf)
+/* numerics.log64 (lmtail_kernels.h's lmtail_log64; L: SQRT2, then the atanh series
+ * 1/(2i+1), i = 0..14, handed in by the caller from numerics.log64_constants(); K: exp64's
+ * constants), with its special values: 0 -> -inf, +inf -> +inf, anything else outside [2**-1022, inf)
  * (negatives, subnormals, NaN) -> the canonical quiet NaN. */
 static double log64_full(double x, const double *L, const double *K) {
     if (x == 0.0) return NEG_INF;
     if (x == __builtin_inf()) return __builtin_inf();
     if (!(x >= 2.2250738585072014e-308)) return __builtin_nan("");
-    uint64_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    int64_t e = (int64_t)((bits >> 52) & 0x7FF) - 1023;
-    const uint64_t mb = (bits & ((1ULL << 52) - 1)) | (1023ULL << 52);
-    double m;
-    memcpy(&m, &mb, sizeof m);
-    if (m > L[0]) {
-        m = m * 0.5;
-        e = e + 1;
-    }
-    const double ed = (double)e;
-    const double s = (m - 1.0) / (m + 1.0);
-    const double s2 = s * s;
-    double p = L[1 + 14];
-    for (int j = 13; j >= 0; --j) p = p * s2 + L[1 + j];
-    return 2.0 * s * p + ed * K[K_LO] + ed * K[K_HI];
+    return lmtail_log64(x, L, K);
 }
 
 /* candidates.combine of one row's pair: (m, S) from the chunks' (m_j, S_j) at mass[4*j + q]
