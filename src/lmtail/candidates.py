@@ -136,11 +136,15 @@ class ShardPartials:
     nans: torch.Tensor | None
 
 
+def _at_t(top_k: float, t: float) -> bool:
+    """needs_t's rule on one row's fp32 values as Python floats (exact): top-k off, sampled, T != 1."""
+    return top_k <= 0 and t >= GREEDY_TEMPERATURE and t != 1.0
+
+
 def needs_t(sp: torch.Tensor) -> torch.Tensor:
     """[R] bool: rows the sampler normalizes over the whole row at T != 1 (top-k off,
-    sampled)."""
-    t = sp[:, 2].double()
-    return (sp[:, 0] <= 0) & (t >= GREEDY_TEMPERATURE) & (t != 1.0)
+    sampled). On the host copy: [R, 5] is a few hundred bytes, a row a few comparisons."""
+    return torch.tensor([_at_t(r[0], r[2]) for r in sp.tolist()], dtype=torch.bool)
 
 
 def shard_partials(logits: torch.Tensor, *, col0: int, v: int, k: int, nan_fold: bool,
@@ -153,9 +157,8 @@ def shard_partials(logits: torch.Tensor, *, col0: int, v: int, k: int, nan_fold:
     c = MASS_CHUNKS * vs // v
     assert j0 * v // MASS_CHUNKS == col0 and (j0 + c) * v // MASS_CHUNKS == col0 + vs, "a rank holds whole chunks"
     scale_t = None
-    if sp is not None:  # needs_t's rule on the rows as Python floats (the fp32 values, exact)
-        scale_t = torch.tensor([r[2] if r[0] <= 0 and r[2] >= GREEDY_TEMPERATURE and r[2] != 1.0 else 0.0
-                                for r in sp.tolist()], dtype=torch.float64)  # [n]
+    if sp is not None:  # T on needs_t's rows, 0 elsewhere
+        scale_t = torch.tensor([r[2] if _at_t(r[0], r[2]) else 0.0 for r in sp.tolist()], dtype=torch.float64)  # [n]
     keys, mass, nans = kernel.shard_partials(logits, col0=col0, k1=k + 1, nan_fold=nan_fold,
                                              bounds=_local_bounds(v, j0, c), scale_t=scale_t,
                                              with_mass=sp is not None)
