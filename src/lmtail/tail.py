@@ -288,30 +288,37 @@ def normed_rows(hidden_states, gamma, config: TailConfig) -> tuple[torch.Tensor,
     undefined_rows(m, cfg.eps, "hidden_states")  # m == 0 with eps32 = 0: 1/sqrt(0)
     s = sqrt_rn32(m + torch.tensor(cfg.eps, dtype=torch.float32))
     rms = torch.tensor(1.0, dtype=torch.float32) / s  # [gbs]
-    if cfg.head_input == "fp32":  # the Q8_0 head: gemm_q reads g unrounded
-        a = x * g  # [gbs, H] fp32
-        if h_u != h:
-            a = torch.where(real, a, torch.zeros((), dtype=torch.float32))
-        return a, rms
-    if cfg.head_input == "bf16x2":
-        xg = x * g  # [gbs, H] fp32
+    if cfg.deferred_rms:
+        return _deferred_input(x * g, None if h_u == h else real, cfg.head_input), rms
+    a = ((x * rms[:, None]) * g).to(torch.bfloat16)
+    if h_u != h:
+        a = torch.where(real, a, torch.zeros((), dtype=torch.bfloat16))  # [gbs, H]
+    return a, rms  # [gbs, H], [gbs]
+
+
+def _deferred_input(xg, real, head_input: str) -> torch.Tensor:
+    """The head GEMM's input from xg = fp32(x * gamma) [gbs, H] (deferred rms): "fp32" xg
+    itself (the Q8_0 head reads it unrounded), "bf16" bf16(xg), "bf16x2" [gbs, 2, H] (hi =
+    bf16(xg), lo = bf16(fp32(xg - hi)), lo 0 beside an inf hi); pad lanes (real [H] False;
+    None: every lane real) +0."""
+    if head_input == "fp32":
+        a = xg
+    elif head_input == "bf16x2":
         hi = xg.to(torch.bfloat16)
         lo = torch.where(torch.isinf(hi), torch.zeros((), dtype=torch.float32),
                          xg - hi.to(torch.float32)).to(torch.bfloat16)  # exact in fp32; 0 beside an inf
         a = torch.stack([hi, lo], dim=1)  # [gbs, 2, H]
-    elif cfg.deferred_rms:
-        a = (x * g).to(torch.bfloat16)
     else:
-        a = ((x * rms[:, None]) * g).to(torch.bfloat16)
-    if h_u != h:
-        a = torch.where(real, a, torch.zeros((), dtype=torch.bfloat16))  # [gbs, H] | [gbs, 2, H]
-    return a, rms  # [gbs, H] (bf16x2: [gbs, 2, H]), [gbs]
+        a = xg.to(torch.bfloat16)  # [gbs, H]
+    if real is not None:
+        a = torch.where(real, a, torch.zeros((), dtype=a.dtype))
+    return a
 
 
 def _normed_rows_c(hidden_states, gamma, cfg: TailConfig, h: int, h_u: int):
     """normed_rows (deferred rms) with its norm in one C pass (kernels.shard_partials.tail_norm:
-    the same ssq order, roundings and pad lanes; the head input's bf16 roundings stay torch
-    ops), or None where the torch ops decide (no compiled kernel, a NaN on a real lane)."""
+    the same ssq order, roundings and pad lanes; the head input's bf16 roundings are
+    _deferred_input's torch ops), or None where the torch ops decide (no compiled kernel, a NaN on a real lane)."""
     real = None if h_u == h else pad_mask(h, h_u, cfg.zero_interleaved_pad)  # [H] | None
     got = sp_kernel.tail_norm(hidden_states.to(torch.float32), gamma.reshape(h).to(torch.float32), real,
                               h_u, cfg.eps)
@@ -320,18 +327,7 @@ def _normed_rows_c(hidden_states, gamma, cfg: TailConfig, h: int, h_u: int):
     xg, m, rms = got  # [gbs, H] fp32 x*gamma (pad lanes +0), [gbs] ssq/H_u, [gbs] 1/sqrt
     if ctypes.c_float(cfg.eps).value == 0:  # fp32(eps) = 0: a zero row has no rms
         undefined_rows(m, cfg.eps, "hidden_states")
-    if cfg.head_input == "fp32":
-        return xg, rms
-    if cfg.head_input == "bf16x2":
-        hi = xg.to(torch.bfloat16)
-        lo = torch.where(torch.isinf(hi), torch.zeros((), dtype=torch.float32),
-                         xg - hi.to(torch.float32)).to(torch.bfloat16)  # exact in fp32; 0 beside an inf
-        a = torch.stack([hi, lo], dim=1)  # [gbs, 2, H]
-    else:
-        a = xg.to(torch.bfloat16)  # [gbs, H]
-    if real is not None:
-        a = torch.where(real, a, torch.zeros((), dtype=torch.bfloat16))
-    return a, rms
+    return _deferred_input(xg, real, cfg.head_input), rms
 
 
 def logits_from(a, rms, lm_head_weight_t, config: TailConfig) -> torch.Tensor:
