@@ -272,6 +272,12 @@ MUTANTS = (
            "for (int64_t i = 0; i < V; ++i) xr[i] = xr[i] * sr;",
            "for (int64_t i = 0; i < V; ++i) xr[i] = xr[i] != xr[i] ? u2f(0x7FC00000u) : xr[i] * sr;",
            ("test_shard_partials.py",), "deferred scale: NaN logits stored canonical (payloads lost)"),
+    Mutant("candidates.at_t_top_k_zero", "src/lmtail/candidates.py",
+           "return top_k <= 0 and t >= GREEDY_TEMPERATURE and t != 1.0",
+           "return top_k < 0 and t >= GREEDY_TEMPERATURE and t != 1.0",
+           ("test_candidates.py",), "the T pass skipped for top_k = 0 rows (top-k off)"),
+    Mutant("sampler.params_ok_top_p_open", "src/lmtail/sampler.py", "0 < p <= 1 and 0 <= t < inf",
+           "0 < p < 1 and 0 <= t < inf", ("test_sampler.py",), "host param check: top_p = 1 refused"),
     Mutant("tail.bf16x2_lo_dropped", "src/lmtail/tail.py", "acc = acc2[:, 0] + acc2[:, 1]", "acc = acc2[:, 0]",
            KC, "bf16x2 without the a_lo GEMM row"),
 )
