@@ -241,6 +241,45 @@ def test_lanes_path_bit_equal_to_plain_c(fmt):
     assert same_bits(gemm_q(a, w, backend="c"), lanes_emulation(a, dequantize(w)))
 
 
+def _gemm_q_cat(a, ws, backend, threads):
+    """gemm_q.c's lmtail_gemm_q_cat (the native step's q|k|v and gate|up call) on the
+    weights ws of one format and K: out [M, sum N_i], the outputs side by side."""
+    import ctypes
+    M, K = a.shape
+    out = torch.full((M, sum(w.shape[0] for w in ws)), 7.0)
+    ptrs = (ctypes.c_void_p * len(ws))(*(w.data.data_ptr() for w in ws))
+    ns = (ctypes.c_int64 * len(ws))(*(w.shape[0] for w in ws))
+    rc = Q._library().lmtail_gemm_q_cat(a.data_ptr(), K, ptrs, ns, len(ws), Q._FMT_CODE[ws[0].fmt], K,
+                                        out.data_ptr(), out.shape[1], M, threads, Q._ISA[backend])
+    assert rc == 0, rc
+    return out
+
+
+@pytest.mark.parametrize("fmt", Q.FORMATS)
+def test_cat_equals_one_call_per_weight(fmt):
+    """lmtail_gemm_q_cat over 1..3 weights (widths that put unit edges inside a weight and
+    on a seam, e.g. 576 | 192 | 192 as q|k|v) == gemm_q of each weight, its columns side by
+    side, bit for bit, on every C backend, every blocking path (M = 1, 2, 5, 8, 17, 40) and
+    1, 2, 3 threads. Planted: the weights in another order must differ."""
+    if not C_BACKENDS:
+        pytest.skip("no C compiler: the native step does not run")
+    sets = [(576, 192, 192), (37, 5), (8,), (200, 1, 63)]
+    for i, widths in enumerate(sets):
+        K = 576 if i == 0 else 96
+        ws = [rand_weight(n, K, fmt, 40 + 3 * i + s) for s, n in enumerate(widths)]
+        for M in (1, 2, 5, 8, 17, 40):
+            a = special_a(M, K, 50 + M)
+            want = torch.cat([gemm_q(a, w, backend="c", threads=1) for w in ws], dim=1)
+            for be in C_BACKENDS:
+                for th in (1, 2, 3):
+                    assert same_bits(_gemm_q_cat(a, ws, be, th), want), (widths, M, be, th)
+            if len(ws) > 1:  # finite activations (a NaN in a row makes every column NaN)
+                a = rand_a(M, K, 60 + M)
+                want = torch.cat([gemm_q(a, w, backend="c", threads=1) for w in ws], dim=1)
+                assert same_bits(_gemm_q_cat(a, ws, C_BACKENDS[0], 2), want), (widths, M)
+                assert not same_bits(_gemm_q_cat(a, ws[::-1], C_BACKENDS[0], 2), want), (widths, M)
+
+
 def test_rows_do_not_depend_on_the_batch():
     """Row m's bytes alone == in a batch of 1 .. 8, 11, 12, 13, 15, 16, 17, 100, 255, 512 (the
     blocking paths) == with the rows reversed, on 1, 2 and 3 threads."""

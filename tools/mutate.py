@@ -215,6 +215,9 @@ MUTANTS = (
            "acc[c][i & 1] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + 8 * i), v[i], acc[c][i & 1]);",
            ("test_contract.py", "test_quant.py"), "AVX2 gemm_q at M = 1 (decode) in 16 lane chains",
            anchor="lmtail_gemm_q("),
+    Mutant("gemm_q.c.cat_seam", "src/lmtail/kernels/gemm_q.c",
+           "while (s + 1 < j->nw && n >= j->end[s]) ++s;", "while (s + 1 < j->nw && n > j->end[s]) ++s;",
+           ("test_quant.py",), "concatenated weights (q|k|v): each seam's first column read past the weight before"),
     # the q32 body, its native step, the Q8_0 head
     Mutant("body.c.norm32_gamma_first", "src/lmtail/kernels/body.c", "y[i] = (h[i] * inv) * gamma[i];",
            "y[i] = (h[i] * gamma[i]) * inv;", ("test_q32.py", "test_contract.py"),

@@ -10,6 +10,10 @@
  *                                              value j = fl32(fp32(d) * q[j] + fp32(m))
  *                                              (d*q is exact: one rounding, an fma)
  *   out  [M, ldc]     fp32                     out[m*ldc + n] for n < N
+ * lmtail_gemm_q_cat takes up to CAT_MAX weights of one format and one K whose outputs sit side
+ * by side by columns (q|k|v, gate|up): column n of the concatenation is row n - start of its
+ * own weight. One call, one thread team, the units cut over all N columns; each element's
+ * steps are the one-weight call's, so its bytes are too.
  *
  * Numerics (the declaration): for every (m, n) on its own, with w = the values above
  *   l[j] = +0 for j = 0..31
@@ -42,11 +46,15 @@ enum { PREFETCH = 256, LANES_MIN_M = 17, QUARTER_MIN_R = 5, QUARTER_MAX_K = 768,
 enum { QK = 32, LANES_PANEL = 1 << 16, MIN_WEIGHT = 1 << 16, MIN_WORK = 1 << 20 };
 /* The lanes path: about LANES_UNITS units per thread (balance). */
 enum { LANES_UNITS = 4 };
+/* Weights one lmtail_gemm_q_cat call takes. */
+enum { CAT_MAX = 4 };
 
 typedef struct {
     const float *a;
     float *at; /* [Q, 32, NB, 4] the lanes path's copy of a (lanes_at) */
-    const uint8_t *w;
+    const uint8_t *w[CAT_MAX]; /* the weights' blocks; column n is in weight s when n < end[s] */
+    int64_t end[CAT_MAX];
+    int nw;
     float *out;
     int64_t lda, ldc, M, N, K, nb, bs, chunk, units;
     int fmt, isa, lanes; /* lanes: the lanes path on a vector path (lanes_unit) */
@@ -55,6 +63,13 @@ typedef struct {
 } job_t;
 
 static inline uint16_t ld16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+/* Column n's first block (its weight's row n - start). */
+static inline const uint8_t *col_w(const job_t *j, int64_t n) {
+    int s = 0;
+    while (s + 1 < j->nw && n >= j->end[s]) ++s;
+    return j->w[s] + (n - (s ? j->end[s - 1] : 0)) * j->nb * j->bs;
+}
 
 /* fp16 bits -> fp32, exact (subnormal halves become normal floats; inf/NaN kept). */
 static inline float half_to_f32(uint16_t h) {
@@ -80,7 +95,8 @@ static void deq_block_c(const uint8_t *blk, int fmt, float *v) {
 }
 
 static void deq_row_c(const job_t *j, int64_t n, float *v) {
-    for (int64_t b = 0; b < j->nb; ++b) deq_block_c(j->w + (n * j->nb + b) * j->bs, j->fmt, v + QK * b);
+    const uint8_t *row = col_w(j, n);
+    for (int64_t b = 0; b < j->nb; ++b) deq_block_c(row + b * j->bs, j->fmt, v + QK * b);
 }
 
 static float tree_c(float *l) {
@@ -148,10 +164,11 @@ static AI AVX2 void direct_avx2(const job_t *j, int64_t n, int C, int fmt) {
     __m256 acc[2][4], v[4];
     for (int c = 0; c < 2; ++c)
         for (int i = 0; i < 4; ++i) acc[c][i] = _mm256_setzero_ps();
+    const uint8_t *row[2] = {col_w(j, n), C > 1 ? col_w(j, n + 1) : NULL};
     for (int64_t b = 0; b < j->nb; ++b) {
         const float *ab = j->a + QK * b;
         for (int c = 0; c < C; ++c) {
-            const uint8_t *blk = j->w + ((n + c) * j->nb + b) * j->bs;
+            const uint8_t *blk = row[c] + b * j->bs;
             _mm_prefetch((const char *)blk + PREFETCH, _MM_HINT_T0);
             deq_avx2(blk, fmt, v);
             for (int i = 0; i < 4; ++i)
@@ -166,8 +183,9 @@ static AI AVX2 void pair_avx2(const job_t *j, int64_t m0, int R, int64_t n, int 
     __m256 acc[2][4], v[4];
     for (int r = 0; r < 2; ++r)
         for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
+    const uint8_t *row = col_w(j, n);
     for (int64_t b = 0; b < j->nb; ++b) {
-        const uint8_t *blk = j->w + (n * j->nb + b) * j->bs;
+        const uint8_t *blk = row + b * j->bs;
         _mm_prefetch((const char *)blk + PREFETCH, _MM_HINT_T0);
         deq_avx2(blk, fmt, v);
         for (int r = 0; r < R; ++r) {
@@ -208,7 +226,7 @@ static AI AVX2 void deq_part_avx2(const uint8_t *blk, int fmt, int i0, int S, __
 static AI AVX2 void rows_part_avx2(const job_t *j, int64_t m0, int R, int S, int64_t n, int fmt) {
     const int64_t nb = j->nb, lda = j->lda, bs = j->bs;
     const float *a = j->a + m0 * lda;
-    const uint8_t *row = j->w + n * nb * bs;
+    const uint8_t *row = col_w(j, n);
     __m256 l[8][4];
     for (int i0 = 0; i0 < 4; i0 += S) {
         __m256 acc[8][2];
@@ -369,9 +387,11 @@ static AVX2 void lanes_unit(const job_t *j, int64_t c0, int64_t c1, float *pt, i
     for (int64_t g = 0; g < 3 * T; ++g) {
         const int64_t cols = c1 - c0 - 8 * g; /* < 8: the group's columns past c1 are zero */
         float *dst = pt + (g / 3 * QK * nb) * 24 + 8 * (g % 3);
+        const uint8_t *row[8];
+        for (int64_t c = 0; c < 8; ++c) row[c] = c < cols ? col_w(j, c0 + 8 * g + c) : NULL;
         for (int64_t b = 0; b < nb; ++b) {
             for (int64_t c = 0; c < 8; ++c) {
-                const uint8_t *blk = j->w + ((c0 + 8 * g + c) * nb + b) * j->bs;
+                const uint8_t *blk = c < cols ? row[c] + b * j->bs : NULL;
                 if (c < cols) _mm_prefetch((const char *)blk + PREFETCH, _MM_HINT_T0);
                 if (c >= cols) for (int x = 0; x < 4; ++x) v[x] = _mm256_setzero_ps();
                 else if (fmt == FMT_Q8_0) deq_avx2(blk, FMT_Q8_0, v);
@@ -438,10 +458,11 @@ static AI AVX512 void deq_512(const uint8_t *blk, int fmt, __m512 *v) {
 static AI AVX512 void direct_512(const job_t *j, int64_t n, int C, int fmt) {
     __m512 acc[2][2], v[2];
     for (int c = 0; c < 2; ++c) acc[c][0] = acc[c][1] = _mm512_setzero_ps();
+    const uint8_t *row[2] = {col_w(j, n), C > 1 ? col_w(j, n + 1) : NULL};
     for (int64_t b = 0; b < j->nb; ++b) {
         const float *ab = j->a + QK * b;
         for (int c = 0; c < C; ++c) {
-            const uint8_t *blk = j->w + ((n + c) * j->nb + b) * j->bs;
+            const uint8_t *blk = row[c] + b * j->bs;
             _mm_prefetch((const char *)blk + PREFETCH, _MM_HINT_T0);
             deq_512(blk, fmt, v);
             for (int i = 0; i < 2; ++i)
@@ -513,17 +534,24 @@ int lmtail_gemm_q_has(int isa) {
     return 0;
 }
 
-/* out = a @ W^T in the lanes32 order on up to nthreads threads with `isa`. fmt: 0 Q8_0,
- * 1 Q4_1. Returns 0 on success, -1 on an unavailable isa, -2 when a buffer cannot be
- * allocated, -3 on a bad shape or format. */
-int lmtail_gemm_q(const float *a, int64_t lda, const uint8_t *w, int fmt, int64_t N, int64_t K,
-                  float *out, int64_t ldc, int64_t M, int nthreads, int isa) {
+/* out = [W_0; W_1; ...]^T applied to a: the nw (1..CAT_MAX) weights ws[s] of ns[s] rows each
+ * (one format, one K) as one weight of N = sum ns columns, in the lanes32 order, on up to
+ * nthreads threads with `isa`. fmt: 0 Q8_0, 1 Q4_1. Returns 0 on success, -1 on an
+ * unavailable isa, -2 when a buffer cannot be allocated, -3 on a bad shape, format or count. */
+int lmtail_gemm_q_cat(const float *a, int64_t lda, const uint8_t *const *ws, const int64_t *ns, int nw, int fmt,
+                      int64_t K, float *out, int64_t ldc, int64_t M, int nthreads, int isa) {
     if (!lmtail_gemm_q_has(isa)) return -1;
-    if ((fmt != FMT_Q8_0 && fmt != FMT_Q4_1) || K <= 0 || K % QK || N < 0 || M < 0) return -3;
-    if (M == 0 || N == 0) return 0;
+    if ((fmt != FMT_Q8_0 && fmt != FMT_Q4_1) || K <= 0 || K % QK || M < 0 || nw < 1 || nw > CAT_MAX) return -3;
     job_t j;
     memset(&j, 0, sizeof j);
-    j.a = a; j.lda = lda; j.w = w; j.fmt = fmt; j.N = N; j.K = K; j.nb = K / QK;
+    int64_t N = 0;
+    for (int s = 0; s < nw; ++s) {
+        if (ns[s] < 0) return -3;
+        j.w[s] = ws[s];
+        j.end[s] = N += ns[s];
+    }
+    if (M == 0 || N == 0) return 0;
+    j.nw = nw; j.a = a; j.lda = lda; j.fmt = fmt; j.N = N; j.K = K; j.nb = K / QK;
     j.bs = fmt == FMT_Q8_0 ? 34 : 20; j.out = out; j.ldc = ldc; j.M = M; j.isa = isa;
     if (nthreads < 1) nthreads = 1;
     const int64_t by_weight = N * K / MIN_WEIGHT, by_work = M * N * K / MIN_WORK;
@@ -550,4 +578,11 @@ int lmtail_gemm_q(const float *a, int64_t lda, const uint8_t *w, int fmt, int64_
     lmtail_parallel(worker, &j, nthreads);
     free(at);
     return j.done == j.units ? 0 : -2;
+}
+
+/* out = a @ W^T: lmtail_gemm_q_cat of the one weight w [N, K]. */
+int lmtail_gemm_q(const float *a, int64_t lda, const uint8_t *w, int fmt, int64_t N, int64_t K,
+                  float *out, int64_t ldc, int64_t M, int nthreads, int isa) {
+    if (N < 0) return -3;
+    return lmtail_gemm_q_cat(a, lda, &w, &N, 1, fmt, K, out, ldc, M, nthreads, isa);
 }

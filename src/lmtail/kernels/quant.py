@@ -50,7 +50,10 @@ _library = kernel_library(
     {"lmtail_gemm_q_has": ((ctypes.c_int,), ctypes.c_int),
      "lmtail_gemm_q": ((ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
                         ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                        ctypes.c_int64, ctypes.c_int, ctypes.c_int), ctypes.c_int)},
+                        ctypes.c_int64, ctypes.c_int, ctypes.c_int), ctypes.c_int),
+     "lmtail_gemm_q_cat": ((ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                            ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                            ctypes.c_int, ctypes.c_int), ctypes.c_int)},
     what="gemm_q", fallback="the torch emulation")
 
 

@@ -1,6 +1,6 @@
 /* lmtail's native body step: the q32 body's whole layer loop in ONE call (decode step,
  * batch decode or a prefill chunk). It computes nothing itself: it calls the declared
- * kernels it is handed (gemm_q.c's lmtail_gemm_q, body.c's lmtail_add_rms_rows32,
+ * kernels it is handed (gemm_q.c's lmtail_gemm_q_cat, body.c's lmtail_add_rms_rows32,
  * lmtail_rope_qkv, lmtail_attend, lmtail_silu_mul) in the order model/llama.py's python loop
  * calls them, on buffers the caller allocated once, so its bytes are the python loop's by
  * construction (tests/test_step.py checks them equal). What it removes is per-op python:
@@ -16,7 +16,8 @@
  *   s        [N, F]            fp32  scratch (silu(gate) * up)
  *   kc[l]    [B, nkv, HD, S_cap] fp32, vc[l] [B, nkv, S_cap, HD] fp32: layer l's cache
  *
- * Per layer l (Q4_1 / Q8_0 / ... blocks through gemm_q, everything else fp32):
+ * Per layer l (Q4_1 / Q8_0 / ... blocks through gemm_q, everything else fp32; q|k|v and gate|up
+ * each one gemm_q call over the concatenated columns):
  *   qkv = y @ [Wq; Wk; Wv]^T;  q, kc, vc = rope_qkv(qkv, pos);  att = attend(q, kc, vc)
  *   a = att @ Wo^T;            h, y = add_rms32(a, h, ffn_norm[l])
  *   gu = y @ [Wg; Wu]^T;       s = silu_mul(gu);  a = s @ Wd^T
@@ -30,8 +31,8 @@
 #include "lmtail_kernels.h"
 #include <stdint.h>
 
-typedef int (*gemm_q_fn)(const float *a, int64_t lda, const uint8_t *w, int fmt, int64_t N, int64_t K,
-                         float *out, int64_t ldc, int64_t M, int nthreads, int isa);
+typedef int (*gemm_q_fn)(const float *a, int64_t lda, const uint8_t *const *ws, const int64_t *ns, int nw, int fmt,
+                         int64_t K, float *out, int64_t ldc, int64_t M, int nthreads, int isa);
 typedef int (*norm32_fn)(const float *x, int64_t ldx, const float *r, const float *gamma, int64_t N,
                          int64_t H, float eps, int64_t lanes, float *h, float *y);
 typedef void (*rope_fn)(const float *qkv, int64_t ld, const float *cs, const float *sn, const int64_t *pos,
@@ -75,9 +76,19 @@ typedef struct {
     int64_t n_max;
 } buffers_t;
 
-static int linear(const model_t *m, const qlinear_t *w, const float *x, int64_t ldx, float *out, int64_t ldc,
-                  int64_t N, int threads) {
-    return m->gemm_q(x, ldx, w->w, (int)w->fmt, w->n, w->k, out, ldc, N, threads, (int)m->gemm_isa);
+/* out = x @ [w_0; ...; w_{nw-1}]^T: nw consecutive linears of one format and one K (q|k|v,
+ * gate|up) in ONE gemm_q call (lmtail_gemm_q_cat: one thread team for all their columns),
+ * outputs side by side by columns; the same bytes as one call per linear. */
+static int linear(const model_t *m, const qlinear_t *w, int nw, const float *x, int64_t ldx, float *out,
+                  int64_t ldc, int64_t N, int threads) {
+    const uint8_t *ws[3];
+    int64_t ns[3];
+    for (int s = 0; s < nw; ++s) {
+        if (w[s].fmt != w[0].fmt || w[s].k != w[0].k) return -3;
+        ws[s] = w[s].w;
+        ns[s] = w[s].n;
+    }
+    return m->gemm_q(x, ldx, ws, ns, nw, (int)w[0].fmt, w[0].k, out, ldc, N, threads, (int)m->gemm_isa);
 }
 
 /* Where a call's keys and values live. Batch mode (rows == 0): one cache per layer for B rows
@@ -125,18 +136,13 @@ static int layers(const model_t *m, const buffers_t *bf, const attn_t *at, float
     for (int64_t l = 0; l < m->L; ++l) {
         const layer_t *ly = &m->layers[l];
         const int64_t code = -1000 - l * 10;
-        if (linear(m, &ly->lin[LIN_Q], y, H, bf->qkv, ldqkv, N, gemm_threads)
-            || linear(m, &ly->lin[LIN_K], y, H, bf->qkv + qd, ldqkv, N, gemm_threads)
-            || linear(m, &ly->lin[LIN_V], y, H, bf->qkv + qd + kvd, ldqkv, N, gemm_threads))
-            return (int)(code - 1);
+        if (linear(m, &ly->lin[LIN_Q], 3, y, H, bf->qkv, ldqkv, N, gemm_threads)) return (int)(code - 1);
         if (attention(m, bf, at, l, ldqkv)) return (int)(code - 2);
-        if (linear(m, &ly->lin[LIN_O], bf->att, qd, bf->a, H, N, gemm_threads)) return (int)(code - 3);
+        if (linear(m, &ly->lin[LIN_O], 1, bf->att, qd, bf->a, H, N, gemm_threads)) return (int)(code - 3);
         if (m->norm(bf->a, H, h, ly->ffn_norm, N, H, m->eps, m->lanes, h, y)) return (int)(code - 4);
-        if (linear(m, &ly->lin[LIN_GATE], y, H, bf->gu, 2 * F, N, gemm_threads)
-            || linear(m, &ly->lin[LIN_UP], y, H, bf->gu + F, 2 * F, N, gemm_threads))
-            return (int)(code - 5);
+        if (linear(m, &ly->lin[LIN_GATE], 2, y, H, bf->gu, 2 * F, N, gemm_threads)) return (int)(code - 5);
         m->silu(bf->gu, bf->s, N, F, 2 * F);
-        if (linear(m, &ly->lin[LIN_DOWN], bf->s, F, bf->a, H, N, gemm_threads)) return (int)(code - 6);
+        if (linear(m, &ly->lin[LIN_DOWN], 1, bf->s, F, bf->a, H, N, gemm_threads)) return (int)(code - 6);
         const float *next = l + 1 < m->L ? m->layers[l + 1].attn_norm : m->final_norm;
         if (m->norm(bf->a, H, h, next, N, H, m->eps, m->lanes, h, y)) return (int)(code - 7);
     }

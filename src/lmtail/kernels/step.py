@@ -1,6 +1,6 @@
 """The native body step (kernels/step.c): the q32 body's layer loop in one C call.
 
-step.c calls the declared kernels themselves (gemm_q.c's lmtail_gemm_q, body.c's
+step.c calls the declared kernels themselves (gemm_q.c's lmtail_gemm_q_cat, body.c's
 lmtail_add_rms_rows32, lmtail_rope_qkv, lmtail_attend, lmtail_silu_mul), reached as function
 pointers of the libraries the kernel loader already built, in the order of the python loop
 in model/llama.py (`_q32_layers`): the same bytes by construction (tests/test_step.py).
@@ -93,7 +93,7 @@ class Q32Model:
         self._layers = layers
         blib, qlib = kbody._library(), kquant._library()
         self.struct = _Model(
-            gemm_q=_fn(qlib, "lmtail_gemm_q"), norm=_fn(blib, "lmtail_add_rms_rows32"),
+            gemm_q=_fn(qlib, "lmtail_gemm_q_cat"), norm=_fn(blib, "lmtail_add_rms_rows32"),
             rope=_fn(blib, "lmtail_rope_qkv"), attend=_fn(blib, "lmtail_attend"), silu=_fn(blib, "lmtail_silu_mul"),
             layers=ctypes.cast(layers, ctypes.POINTER(_Layer)), final_norm=fin.data_ptr(), cos_t=cs.data_ptr(),
             sin_t=sn.data_ptr(), L=shape.L, H=shape.H, nh=shape.nh, nkv=shape.nkv, F=shape.F, lanes=lanes,

@@ -130,9 +130,11 @@ def _packed_all(lin16: tuple[Linears16, ...]) -> tuple[Packed16, ...]:
         return ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ModelBundle:
-    """Everything the forward, the tail and the CLI need; load once, pass explicitly."""
+    """Everything the forward, the tail and the CLI need; load once, pass explicitly.
+    Equality and hash are the object's identity (a cache keyed on a bundle, e.g. the native
+    step's model, costs one pointer per lookup, not a walk over its tensors)."""
 
     config: LlamaConfig
     embed: torch.Tensor | None  # [V, H] fp32, dequantized token_embd
