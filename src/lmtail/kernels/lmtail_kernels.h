@@ -294,16 +294,21 @@ static inline __attribute__((always_inline)) LMTAIL_AVX2 __m256d pow2_4(__m256d 
 }
 
 /* shifted_exp1 on EXP8_U x 4 lanes (AVX2): the same ops in the same order as shifted_exp1 /
- * shifted_exp8; KV[c] = K[c] broadcast. Shared by rows_tail.c and shard_partials.c. */
+ * shifted_exp8; KV[c] = K[c] broadcast. Shared by rows_tail.c and shard_partials.c. The
+ * d < -745 test is kept as a 4-bit mask in a general register, so only n, r and p stay in
+ * vector registers through the Horner chain (16 ymm: d as well spilled; 6-7% faster passes
+ * on Zen 3; EXP8_U = 8 spills r and ran 15-40% slower). */
 static inline __attribute__((always_inline)) LMTAIL_AVX2 void
 sexp4(__m256d *y, const __m256d *z, __m256d mv, const __m256d *KV) {
     const __m256d zero = _mm256_setzero_pd();
     const __m256d lo = _mm256_set1_pd(-1022.0), hi = _mm256_set1_pd(1023.0);
-    __m256d d[EXP8_U], n[EXP8_U], r[EXP8_U], p[EXP8_U];
+    __m256d n[EXP8_U], r[EXP8_U], p[EXP8_U];
+    int tiny[EXP8_U]; /* lanes with d < -745 (term 0) */
     for (int u = 0; u < EXP8_U; ++u) {
         const __m256d eq = _mm256_cmp_pd(z[u], mv, _CMP_EQ_OQ);
-        d[u] = _mm256_blendv_pd(_mm256_sub_pd(z[u], mv), zero, eq);
-        const __m256d xc = _mm256_max_pd(d[u], _mm256_set1_pd(-746.0));
+        const __m256d d = _mm256_blendv_pd(_mm256_sub_pd(z[u], mv), zero, eq);
+        tiny[u] = _mm256_movemask_pd(_mm256_cmp_pd(d, _mm256_set1_pd(-745.0), _CMP_LT_OQ));
+        const __m256d xc = _mm256_max_pd(d, _mm256_set1_pd(-746.0));
         n[u] = _mm256_round_pd(_mm256_mul_pd(xc, KV[K_INV]),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         r[u] = _mm256_sub_pd(_mm256_sub_pd(xc, _mm256_mul_pd(n[u], KV[K_HI])),
@@ -327,7 +332,12 @@ sexp4(__m256d *y, const __m256d *z, __m256d mv, const __m256d *KV) {
             e = _mm256_mul_pd(_mm256_mul_pd(p[u], pow2_4(_mm256_min_pd(_mm256_max_pd(n1, lo), hi))),
                               pow2_4(_mm256_min_pd(_mm256_max_pd(n2, lo), hi)));
         }
-        y[u] = _mm256_blendv_pd(e, zero, _mm256_cmp_pd(d[u], _mm256_set1_pd(-745.0), _CMP_LT_OQ));
+        if (tiny[u]) { /* lanes with d < -745: +0.0 */
+            const __m256i bit = _mm256_set_epi64x(8, 4, 2, 1);
+            const __m256i hit = _mm256_cmpeq_epi64(_mm256_and_si256(_mm256_set1_epi64x(tiny[u]), bit), bit);
+            e = _mm256_blendv_pd(e, zero, _mm256_castsi256_pd(hit));
+        }
+        y[u] = e;
     }
 }
 #endif
