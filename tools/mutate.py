@@ -238,6 +238,10 @@ MUTANTS = (
     Mutant("quant.decl_depth", "src/lmtail/kernels/quant.py", "depth=nb + 5,", "depth=nb // 2 + 5,",
            ("test_contract.py", "test_quant.py"), "gemm_q_decl's depth: half the lane chain"),
     # gemm_bf16 in the dp32 order
+    Mutant("gemm_dp32.c.direct_even_first", "src/lmtail/kernels/gemm_dp32.c",
+           "t[r][s][q] = _mm256_fmadd_ps(ae, we[s][q], _mm256_fmadd_ps(ao, wo[s][q], t[r][s][q]));",
+           "t[r][s][q] = _mm256_fmadd_ps(ao, wo[s][q], _mm256_fmadd_ps(ae, we[s][q], t[r][s][q]));",
+           ("test_dp32.py",), "dp32 AVX2 decode rows (direct_avx2): even lane first"),
     Mutant("gemm_dp32.c.even_first_avx2", "src/lmtail/kernels/gemm_dp32.c",
            "t[r][0] = _mm256_fmadd_ps(ae, we0, _mm256_fmadd_ps(ao, wo0, t[r][0]));",
            "t[r][0] = _mm256_fmadd_ps(ao, wo0, _mm256_fmadd_ps(ae, we0, t[r][0]));",

@@ -27,12 +27,18 @@
  * owned by one thread for all M rows; per chunk of KC lanes and per strip of SW columns the
  * weights are widened once into a panel (zero past H and V), then rows go through it in
  * register tiles. acc is parked in a per-thread [M, NT] buffer between blocks (an exact
- * fp32 store and load) and copied to out, NaN canonical, at the end of the tile.
+ * fp32 store and load) and copied to out, NaN canonical, at the end of the tile. AVX2 with
+ * fewer than MR rows reads the weight straight into registers, several strips at once
+ * (direct_avx2), where the lanes are below H and the strips inside V.
  */
 #include "lmtail_kernels.h"
 
 enum { ISA_C = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_BF16 = 3 };
 enum { MR = 4, NT = 256, KC = 256, MAXT = LMTAIL_MAXT };
+/* direct_avx2's column tiles (fewer than MR rows): rows of w read in runs of 2 KiB per chunk.
+ * [1, 2880] x [2880, 25136] on 2 Zen 3 threads (bench_tail --stages): 11.9 ms through the
+ * panel, 9.2 ms direct at 256 columns, 8.9 ms at 1024 (amx32's stream path: 7.0 ms). */
+enum { NT_DIRECT = 1024 };
 /* Threads per call: each thread gets at least MIN_WEIGHT weight elements (256 KiB) */
 enum { MIN_WEIGHT = 1 << 17 };
 
@@ -44,7 +50,7 @@ typedef struct {
     const float *aw;    /* [M, Kp] fp32, DAZ applied, zero past H (emulations) */
     const uint16_t *ab; /* [M, Kp] bf16, DAZ applied, zero past H (VDPBF16PS) */
     float *out;
-    int64_t M, H, Kp, V, ldc, sw, ntiles;
+    int64_t M, H, Kp, V, ldc, sw, ntiles, nt; /* nt: columns per tile (NT or NT_DIRECT) */
     int isa;
     int64_t next, done; /* next tile to take, tiles finished (atomic) */
 } job_t;
@@ -156,6 +162,80 @@ tile_avx2(const int ROWS, const float *a, int64_t lda, const float *p, int64_t k
     }
 }
 
+/* Fewer than MR rows (decode): a tile of ROWS rows has only 2*ROWS t chains, each 32 fmas
+ * deep per block, so the fma latency, not its throughput, would bound it. direct_avx2 runs
+ * ROWS rows x S strips of 16 columns at once (2*ROWS*S chains) straight from the weight (no
+ * panel: each bf16 widened in a register; MXCSR DAZ reads a subnormal as zero), lanes
+ * [k0, k0+kc) all < H, columns [c0, c0+16S) all < V. The same steps per element as
+ * tile_avx2: t from +0 per block, odd lane then even, acc = acc + t parked in c. */
+static inline __attribute__((always_inline)) AVX2 __m256 wide8(const uint16_t *x) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)x)), 16));
+}
+
+static inline __attribute__((always_inline)) AVX2 void
+direct_avx2(const int ROWS, const int S, const job_t *j, const float *a, int64_t lda, int64_t k0, int64_t kc,
+            int64_t c0, float *c, int64_t ldc, int first) {
+    const __m256i hi = _mm256_set1_epi32((int)0xFFFF0000u);
+    for (int64_t b = k0; b < k0 + kc; b += 32) {
+        __m256 t[3][4][2];
+#pragma GCC unroll 12
+        for (int r = 0; r < ROWS; ++r)
+            for (int s = 0; s < S; ++s) t[r][s][0] = t[r][s][1] = _mm256_setzero_ps();
+        for (int64_t i = b; i < b + 32; i += 2) {
+            __m256 wo[4][2], we[4][2];
+#pragma GCC unroll 4
+            for (int s = 0; s < S; ++s)
+                for (int q = 0; q < 2; ++q) {
+                    const int64_t col = c0 + 16 * s + 8 * q;
+                    if (j->packed) {
+                        const uint16_t *px = j->w + (i >> 1) * 2 * j->Vp + 2 * col;
+                        if (q == 0) _mm_prefetch((const char *)(px + 16 * 2 * j->Vp), _MM_HINT_T0); /* next block */
+                        const __m256i x = _mm256_loadu_si256((const __m256i *)px);
+                        we[s][q] = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+                        wo[s][q] = _mm256_castsi256_ps(_mm256_and_si256(x, hi));
+                    } else {
+                        if (q == 0) { /* the next block's rows, these columns (32 bytes) */
+                            _mm_prefetch((const char *)(j->w + (i + 32) * j->ldw + col), _MM_HINT_T0);
+                            _mm_prefetch((const char *)(j->w + (i + 33) * j->ldw + col), _MM_HINT_T0);
+                        }
+                        we[s][q] = wide8(j->w + i * j->ldw + col);
+                        wo[s][q] = wide8(j->w + (i + 1) * j->ldw + col);
+                    }
+                }
+#pragma GCC unroll 3
+            for (int r = 0; r < ROWS; ++r) {
+                const __m256 ao = _mm256_broadcast_ss(a + r * lda + i + 1 - k0);
+                const __m256 ae = _mm256_broadcast_ss(a + r * lda + i - k0);
+#pragma GCC unroll 4
+                for (int s = 0; s < S; ++s)
+                    for (int q = 0; q < 2; ++q)
+                        t[r][s][q] = _mm256_fmadd_ps(ae, we[s][q], _mm256_fmadd_ps(ao, wo[s][q], t[r][s][q]));
+            }
+        }
+#pragma GCC unroll 12
+        for (int r = 0; r < ROWS; ++r)
+            for (int s = 0; s < S; ++s)
+                for (int q = 0; q < 2; ++q) {
+                    float *cq = c + r * ldc + 16 * s + 8 * q;
+                    const __m256 acc = first && b == k0 ? _mm256_setzero_ps() : _mm256_load_ps(cq);
+                    _mm256_store_ps(cq, _mm256_add_ps(acc, t[r][s][q]));
+                }
+    }
+}
+
+/* rows x strips: 1 x 4, 2 x 2, 3 x 2 (8 to 12 chains) */
+enum { DIRECT_S1 = 4, DIRECT_S2 = 2, DIRECT_S3 = 2 };
+#define DIRECT2_N(R, S)                                                                                \
+    static AVX2 __attribute__((noinline)) void direct2_##R(const job_t *j, const float *a, int64_t lda, \
+                                                           int64_t k0, int64_t kc, int64_t c0, float *c, \
+                                                           int64_t ldc, int first) {                    \
+        direct_avx2(R, S, j, a, lda, k0, kc, c0, c, ldc, first);                                        \
+    }
+DIRECT2_N(1, DIRECT_S1) DIRECT2_N(2, DIRECT_S2) DIRECT2_N(3, DIRECT_S3)
+typedef void (*direct_fn)(const job_t *, const float *, int64_t, int64_t, int64_t, int64_t, float *, int64_t, int);
+static const direct_fn DIRECT2[MR] = {0, direct2_1, direct2_2, direct2_3};
+static const int DIRECT_S[MR] = {0, DIRECT_S1, DIRECT_S2, DIRECT_S3};
+
 #define TILE2_N(R)                                                                          \
     static AVX2 __attribute__((noinline)) void tile2_##R(const float *a, int64_t lda,       \
                                                          const float *p, int64_t kc,       \
@@ -243,14 +323,22 @@ static BF16 void tile_bf16(int rows, const uint16_t *a, int64_t lda, const uint1
 #endif
 
 /* ---------------------------------------------------------------- one tile */
-/* Tile t: all M rows x columns [c0, c0+nc), nc <= NT. panel: KC*sw fp32 (or the bf16 pair
- * panel); acc [M, NT] fp32: the tile's acc, copied to out (NaN canonical) at the end. */
+/* Tile t: all M rows x columns [c0, c0+nc), nc <= nt. panel: KC*sw fp32 (or the bf16 pair
+ * panel); acc [M, nt] fp32: the tile's acc, copied to out (NaN canonical) at the end. */
 static void tile(const job_t *j, int64_t t, void *panel, float *acc) {
-    const int64_t sw = j->sw, c0 = t * NT, nc = j->V - c0 < NT ? j->V - c0 : NT;
+    const int64_t sw = j->sw, nt = j->nt, c0 = t * nt, nc = j->V - c0 < nt ? j->V - c0 : nt;
     for (int64_t k0 = 0; k0 < j->Kp; k0 += KC) {
         const int64_t kc = j->Kp - k0 < KC ? j->Kp - k0 : KC;
         const int first = k0 == 0;
-        for (int64_t s = 0; s < nc; s += sw) {
+        int64_t s = 0;
+#if defined(__x86_64__)
+        if (j->isa == ISA_AVX2 && j->M < MR && k0 + kc <= j->H) { /* decode rows: direct_avx2 */
+            const int64_t w16 = 16 * DIRECT_S[j->M];
+            for (; s + w16 <= nc; s += w16)
+                DIRECT2[j->M](j, j->aw + k0, j->Kp, k0, kc, c0 + s, acc + s, nt, first);
+        }
+#endif
+        for (; s < nc; s += sw) {
 #if defined(__x86_64__)
             if (j->isa == ISA_BF16) panel_pairs(j, k0, kc, c0 + s, (uint16_t *)panel);
             else if (j->isa != ISA_C) panel_vec(j, k0, kc, c0 + s, (float *)panel);
@@ -259,23 +347,23 @@ static void tile(const job_t *j, int64_t t, void *panel, float *acc) {
                 panel_f32(j, k0, kc, c0 + s, (float *)panel);
             for (int64_t m = 0; m < j->M; m += MR) {
                 const int rows = j->M - m < MR ? (int)(j->M - m) : MR;
-                float *c = acc + m * NT + s;
+                float *c = acc + m * nt + s;
 #if defined(__x86_64__)
                 if (j->isa == ISA_BF16)
-                    tile_bf16(rows, j->ab + m * j->Kp + k0, j->Kp, (const uint16_t *)panel, kc, c, NT, first);
+                    tile_bf16(rows, j->ab + m * j->Kp + k0, j->Kp, (const uint16_t *)panel, kc, c, nt, first);
                 else if (j->isa == ISA_AVX512)
-                    TILE512[rows](j->aw + m * j->Kp + k0, j->Kp, (const float *)panel, kc, c, NT, first);
+                    TILE512[rows](j->aw + m * j->Kp + k0, j->Kp, (const float *)panel, kc, c, nt, first);
                 else if (j->isa == ISA_AVX2)
-                    TILE2[rows](j->aw + m * j->Kp + k0, j->Kp, (const float *)panel, kc, c, NT, first);
+                    TILE2[rows](j->aw + m * j->Kp + k0, j->Kp, (const float *)panel, kc, c, nt, first);
                 else
 #endif
                     for (int r = 0; r < rows; ++r)
-                        strip_c(j, j->aw + (m + r) * j->Kp + k0, (const float *)panel, kc, c + NT * r, first);
+                        strip_c(j, j->aw + (m + r) * j->Kp + k0, (const float *)panel, kc, c + nt * r, first);
             }
         }
     }
     for (int64_t m = 0; m < j->M; ++m)
-        for (int64_t c = 0; c < nc; ++c) j->out[m * j->ldc + c0 + c] = canon_nan(acc[m * NT + c]);
+        for (int64_t c = 0; c < nc; ++c) j->out[m * j->ldc + c0 + c] = canon_nan(acc[m * nt + c]);
 }
 
 static void *worker(void *arg) {
@@ -286,7 +374,7 @@ static void *worker(void *arg) {
     void *panel = NULL;
     float *acc = NULL;
     int ok = !posix_memalign(&panel, 64, sizeof(float) * KC * 32) &&
-             !posix_memalign((void **)&acc, 64, sizeof(float) * j->M * NT);
+             !posix_memalign((void **)&acc, 64, sizeof(float) * j->M * j->nt);
     while (ok) { /* a worker without buffers takes no tile; the others take them all */
         const int64_t t = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
         if (t >= j->ntiles) break;
@@ -322,7 +410,8 @@ int lmtail_dp32_gemm(const uint16_t *a, int64_t lda, const uint16_t *w, int64_t 
     j.w = w; j.packed = packed; j.ldw = ldw; j.Vp = (V + 31) / 32 * 32;
     j.out = out; j.M = M; j.H = H; j.Kp = Kp; j.V = V; j.ldc = ldc; j.isa = isa;
     j.sw = isa == ISA_AVX2 || isa == ISA_BF16 ? 16 : 32;
-    j.ntiles = (V + NT - 1) / NT;
+    j.nt = isa == ISA_AVX2 && M < MR ? NT_DIRECT : NT;
+    j.ntiles = (V + j.nt - 1) / j.nt;
     float *aw = NULL;
     uint16_t *ab = NULL;
     if (isa == ISA_BF16) {
