@@ -340,3 +340,27 @@ def test_checkout_pointer_runs_the_shipped_script():
                        capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert "--rounds" in r.stdout and "--quick" in r.stdout
+
+
+@pytest.mark.parametrize("exchange", ["candidates", "mirror"])
+def test_tail_stages_are_decode_tail_call_for_call(exchange):
+    """bench_tail --stages times decode_tail's own stages: the staged call's outputs equal
+    decode_tail's bit for bit (every field), one time per stage of STAGES[exchange];
+    planted: another gemm_order in the staged call must differ in the logits."""
+    from lmtail.benchmarks import bench_tail as bt
+    from lmtail.config import TailConfig
+    from lmtail.sampler import SamplingParams, sampling_tensor
+    from lmtail.tail import decode_tail
+    g = torch.Generator().manual_seed(3)
+    x, gamma = torch.randn(3, 96, generator=g), 1 + 0.1 * torch.randn(96, generator=g)
+    w = (0.05 * torch.randn(96, 300, generator=g)).to(torch.bfloat16)
+    sp = sampling_tensor([SamplingParams(top_k=5, temperature=0.8, seed=i) for i in range(3)], positions=[1, 2, 3])
+    cfg = TailConfig(k=8, exchange=exchange)
+    times, out = bt.tail_stages(x, gamma, w, sp, cfg)
+    assert len(times) == len(bt.STAGES[exchange]) and all(t >= 0 for t in times)
+    want = decode_tail(x, gamma, w, sampling_params=sp, config=cfg)
+    for f in ("topk_values", "topk_indices", "tokens", "logprobs", "truncated", "logits"):
+        assert_bitwise(getattr(out, f), getattr(want, f), what=f)
+    _, other = bt.tail_stages(x, gamma, w, sp, TailConfig(k=8, exchange=exchange, gemm_order="chain"))
+    with pytest.raises(AssertionError):
+        assert_bitwise(other.logits, want.logits)
