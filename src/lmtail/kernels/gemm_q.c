@@ -587,6 +587,5 @@ int lmtail_gemm_q_cat(const float *a, int64_t lda, const uint8_t *const *ws, con
 /* out = a @ W^T: lmtail_gemm_q_cat of the one weight w [N, K]. */
 int lmtail_gemm_q(const float *a, int64_t lda, const uint8_t *w, int fmt, int64_t N, int64_t K,
                   float *out, int64_t ldc, int64_t M, int nthreads, int isa) {
-    if (N < 0) return -3;
     return lmtail_gemm_q_cat(a, lda, &w, &N, 1, fmt, K, out, ldc, M, nthreads, isa);
 }
