@@ -38,6 +38,10 @@ class Backend:
     run: Callable
     available: Callable[[], bool] = _always
     device: str | None = "cpu"
+    # an emulated build of a hardware path (SIMDe / the AMX tile model, "emu-<isa>"): the
+    # same source and bytes, run on a CPU without the ISA; for tests and `lmtail doctor`
+    # only, never chosen by backend=None nor listed by names()
+    emulated: bool = False
 
 
 class Dispatch:
@@ -48,9 +52,12 @@ class Dispatch:
         assert len(set(names)) == len(names), f"{op}: duplicate backend names {names}"
         self.op, self.rows = op, tuple(rows)
 
-    def names(self, device: str = "cpu") -> tuple[str, ...]:
-        """The available backends for tensors on `device`, in preference order."""
-        return tuple(r.name for r in self.rows if r.device in (None, device) and r.available())
+    def names(self, device: str = "cpu", *, emulated: bool = False) -> tuple[str, ...]:
+        """The available backends for tensors on `device`, in preference order; with
+        emulated=True the available emulated rows ("emu-<isa>") too, after them."""
+        rows = [r for r in self.rows if r.device in (None, device) and r.available()]
+        return (tuple(r.name for r in rows if not r.emulated)
+                + (tuple(r.name for r in rows if r.emulated) if emulated else ()))
 
     def pick(self, backend: str | None, device: str = "cpu", *, what: str = "") -> Backend:
         """The row `backend` names (None: the first available); ValueError "backend must be
@@ -58,7 +65,7 @@ class Dispatch:
         have = self.names(device)
         if backend is None and have:
             name = have[0]
-        elif backend in have:
+        elif backend in have or backend in self.names(device, emulated=True):
             name = backend
         else:
             raise ValueError(f"backend must be one of {have}{what}; got {backend!r}")

@@ -678,13 +678,19 @@ typedef struct {
 
 static AMX void amx_release(void) { _tile_release(); }
 
-static AMX void amx_config(void) {
-    tilecfg_t cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; ++t) { cfg.colsb[t] = 64; cfg.rows[t] = 16; } /* all 16 x 64 B */
-    _tile_loadconfig(&cfg);
-}
+/* The one tile configuration: palette 1, tiles 0-7 all 16 rows x 64 bytes, 8-15 unused.
+ * A static const object in .rodata, never a local: GCC's _tile_loadconfig names only an
+ * 8-byte memory operand, so the stores filling a local config are dead to the compiler and
+ * get dropped, and LDTILECFG faults (#GP) on the half-written bytes. A constant has no
+ * stores to drop (tests/test_backends.py reads the assembly: every ldtilecfg operand is a
+ * 64-byte constant holding this configuration). */
+static const tilecfg_t AMX_CFG = {
+    .palette_id = 1,
+    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
+};
+
+static AMX void amx_config(void) { _tile_loadconfig(&AMX_CFG); }
 
 /* Rows [m0, m1) (a multiple of 32 in ab's padding) x columns [c0, c0+nc), nc <= NCA = 32:
  * tiles 0-3 C (2 x 2 of 16 x 16 fp32), 4-5 A (16 rows x 32 lanes), 6-7 B (16 pairs x 16
