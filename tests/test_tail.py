@@ -561,3 +561,22 @@ def test_norm_c_pass_leaves_nan_rows_to_torch(monkeypatch):
     monkeypatch.setattr(spk, "tail_norm", lambda *a, **k: None)
     want = tail_mod.normed_rows(x, gamma, cfg)
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("gemm_order,exchange", [("amx32", "candidates"), ("dp32", "mirror")])
+def test_packed_head_equals_plain_head_bitwise(gemm_order, exchange):
+    """A head packed once at load (kernels.gemm.PackedWeight) gives the plain head's bytes;
+    the chain order, head_shard and head_input='fp32' refuse it with their words."""
+    from lmtail.kernels.gemm import pack_weight
+    from lmtail.tail import head_shard
+
+    x, gamma, w = problem(5, 3)
+    sp = params(5, 3)
+    kw = dict(KW, gemm_order=gemm_order, exchange=exchange, sampling_params=sp)
+    same(decode_tail(x, gamma, pack_weight(w), **kw), decode_tail(x, gamma, w, **kw))
+    with pytest.raises(ValueError, match="gemm_order must be 'amx32' or 'dp32' with a PackedWeight head"):
+        decode_tail(x, gamma, pack_weight(w), **dict(kw, gemm_order="chain"))
+    with pytest.raises(ValueError, match="head_shard takes the plain"):
+        head_shard(pack_weight(w), 0, 2)
+    with pytest.raises(ValueError, match=r"a PackedWeight head must be \[H=64, V_s\]"):
+        decode_tail(x[:, :64], gamma[:64], pack_weight(w), **dict(kw, hidden_actual=None))

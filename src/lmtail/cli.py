@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("lmtail.benchmarks", "run the benchmark suite (A-B-B-A paired ratios, arms checked first)"),
     "receipt": ("lmtail.receipts.receipt", "the receipt: SmolLM2 over public texts, tail arms vs float64, paired"),
     "ab": ("lmtail.receipts.ab", "a paired, alternating A/B of two commands"),
+    "doctor": ("lmtail.doctor", "this CPU, the compiler, and every op's backends: verified / failed / chosen, timed"),
     "serve": ("lmtail.serve.cli", "an OpenAI-compatible server (continuous batching; each response "
               "byte-equal to the same request served alone)"),
 }

@@ -71,7 +71,7 @@ from . import candidates, exchange
 from .checks import check_eps, gamma32, is_int, nan_policy, need, need_tensor, undefined_rows
 from .config import EXCHANGES, TAIL_HEAD_INPUTS, TailConfig
 from .kernels.gemm import TAIL_ORDERS as GEMM_ORDERS
-from .kernels.gemm import gemm_bf16, gemm_decl
+from .kernels.gemm import PackedWeight, gemm_bf16, gemm_decl
 from .kernels.quant import QuantWeight, gemm_q, gemm_q_decl
 from .kernels import rows_tail as rows_kernel
 from .kernels import shard_partials as sp_kernel
@@ -170,6 +170,11 @@ def validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, sampling_params
             raise ValueError(f"lm_head_weight_t: a Q8_0 head must be (V_s, K=H={h}); got {w.shape} (K={w.shape[1]})")
         if not (w.shape[0] >= 1):
             raise ValueError(f"lm_head_weight_t: a Q8_0 head needs V_s >= 1 rows; got {w.shape}")
+    elif isinstance(w, PackedWeight):
+        if not (w.H == h):
+            raise ValueError(f"lm_head_weight_t: a PackedWeight head must be [H={h}, V_s]; got {w.shape}")
+        if cfg.gemm_order not in ("amx32", "dp32"):
+            raise ValueError(f"gemm_order must be 'amx32' or 'dp32' with a PackedWeight head; got {cfg.gemm_order!r}")
     else:
         if not (isinstance(w, torch.Tensor) and w.device.type == "cpu"):
             need_tensor("lm_head_weight_t", w, f"[H={h}, V_s] bf16 or a kernels.quant.QuantWeight Q8_0 (V_s, H={h})")
@@ -235,8 +240,9 @@ def _check_head_kind(w, h: int, cfg: TailConfig) -> None:
     needs a QuantWeight."""
     if not isinstance(w, QuantWeight):
         if cfg.head_input == "fp32":
+            got = "a PackedWeight" if isinstance(w, PackedWeight) else f"a {w.dtype} tensor"
             raise ValueError("head_input='fp32' needs a kernels.quant.QuantWeight Q8_0 head "
-                             f"(V_s, H={h}) as lm_head_weight_t; got a {w.dtype} tensor")
+                             f"(V_s, H={h}) as lm_head_weight_t; got {got}")
         return
     if cfg.head_input != "fp32":
         raise ValueError("head_input must be 'fp32' with a Q8_0 head (the GEMM reads fp32(x*gamma), "
@@ -247,13 +253,17 @@ def _check_head_kind(w, h: int, cfg: TailConfig) -> None:
 
 
 def head_shard_width(w) -> int:
-    """V_s of a head shard: [H, V_s] bf16 tensor -> V_s (its last dim); QuantWeight (V_s, H) -> V_s."""
+    """V_s of a head shard: [H, V_s] bf16 tensor or PackedWeight -> V_s (its last dim);
+    QuantWeight (V_s, H) -> V_s."""
     return w.shape[0] if isinstance(w, QuantWeight) else w.shape[-1]
 
 
 def head_shard(w, r: int, vtp: int):
     """Rank r's shard of a full-vocab head (V % vtp == 0): [H, V] bf16 -> columns
     [H, V_s] (contiguous); QuantWeight (V, H) -> rows r*V_s:(r+1)*V_s (a view, no copy)."""
+    if isinstance(w, PackedWeight):
+        raise ValueError("head_shard takes the plain [H, V] head (pack each shard after "
+                         "sharding: kernels.gemm.weight_for); got a PackedWeight")
     vs = head_shard_width(w) // vtp
     if isinstance(w, QuantWeight):
         return w.rows(r * vs, (r + 1) * vs)
@@ -487,7 +497,10 @@ def decode_tail(hidden_states, gamma, lm_head_weight_t, *, eps: float = 1e-5,
     model's [V, H] weight: w[r*V_s:(r+1)*V_s].t().contiguous()), or a
     kernels.quant.QuantWeight "Q8_0" of shape (V_s, H) (the GGUF head's rows r*V_s..,
     `QuantWeight.rows(r*V_s, (r+1)*V_s)`; needs head_input="fp32", H % 32 == 0 and the
-    default gemm_order); rank r of `group` holds vocab ids r*V_s ..;
+    default gemm_order), or a kernels.gemm.PackedWeight of the [H, V_s] shard (gemm_order
+    "amx32" / "dp32": the layout AMX and VDPBF16PS read, made once at load;
+    kernels.gemm.weight_for packs when that is faster on this machine; the same bytes);
+    rank r of `group` holds vocab ids r*V_s ..;
     sampling_params (default None: no sampling, so tokens/logprobs/truncated are None)
     [R, 3|4|5] fp32 for the rows this rank owns, in layout.owned_rows(r, VTP, gbs, hops,
     batch_groups) order: (top_k, top_p, temperature[, u[, min_p]]), best built with
@@ -533,7 +546,7 @@ def decode_tail(hidden_states, gamma, lm_head_weight_t, *, eps: float = 1e-5,
                                   timeout=timeout)
     need(batch_groups == 1 and not fence, "batch_groups and fence need a process group; got "
                                           f"batch_groups={batch_groups}, fence={fence}")
-    if not isinstance(lm_head_weight_t, QuantWeight):
+    if not isinstance(lm_head_weight_t, (QuantWeight, PackedWeight)):
         need_tensor("lm_head_weight_t", lm_head_weight_t, "[H, V_s] bf16 or a kernels.quant.QuantWeight Q8_0")
     validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, sampling_params, cfg,
                          vocab_size=head_shard_width(lm_head_weight_t))

@@ -5,25 +5,35 @@ an availability predicate (compiled library built, CPU features present: `kernel
 `run`, the op's unchecked entry for that backend (the op has validated its arguments once at
 its public boundary). `Dispatch(op, rows)` resolves `backend=` in one place:
 
-  backend=None  the first available row, in the table's order, whose device matches the
-                tensors': a FIXED preference order (widest vector ISA first), not a
-                measurement; every row gives the same bytes, so the choice is speed only.
-  backend=name  that row, or ValueError naming the available ones.
+  backend=None  the FASTEST VERIFIED row for the call's shape class (rows 1 / 2-16 / more):
+                the first time a table would run on a machine, `_verify` checks each
+                hardware row against the "c" row bit for bit in a child process and times
+                every row that passed (and "c", "torch") on the table's probe; the verdicts
+                and the choice are cached per CPU, kernel sources and compiler. Every row
+                gives the same bytes, so the choice is speed only. A row that faulted or
+                differed is never used: one RuntimeWarning names it and the row used instead.
+                Without a probe (or with no hardware row available): the first available row
+                in the table's order.
+  backend=name  that row, or ValueError naming the available ones (and the reason, for a
+                row that failed its check on this machine).
 
 `threads(threads, work=, min_work=)` resolves `threads=` the same way for every op: None ->
 torch.get_num_threads(), fewer when the work would give a thread less than min_work.
 
-A device backend (CUDA, Triton) is one more row per op, with device="cuda" and its own
-`run`: nothing here assumes host pointers or a CPU (only the CPU rows' `run` does).
+A device backend (CUDA, Triton) is one more row per op, with device="cpu" replaced by its
+own and its own `run`: nothing here assumes host pointers or a CPU (only the CPU rows' `run`
+does); only CPU rows are verified and timed here.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from lmtail.checks import check_threads
+from lmtail.kernels import _verify
 
 
 def _always() -> bool:
@@ -45,30 +55,78 @@ class Backend:
 
 
 class Dispatch:
-    """The backend table of one op (module docstring)."""
+    """The backend table of one op (module docstring). `cache_dir`: where verdicts are
+    cached (None: next to the compiled kernels)."""
 
-    def __init__(self, op: str, rows: Sequence[Backend]):
+    def __init__(self, op: str, rows: Sequence[Backend], *, cache_dir=None):
         names = [r.name for r in rows]
         assert len(set(names)) == len(names), f"{op}: duplicate backend names {names}"
-        self.op, self.rows = op, tuple(rows)
+        self.op, self.rows, self.cache_dir = op, tuple(rows), cache_dir
+        self.probe_fn: Callable | None = None  # probe(rows, seed) -> call(name) (_verify)
+        self.module: str | None = None          # where the probe (and the table) live
+        self.verifying = False                  # True in _verify's child: rows as they are
+        self.layouts: tuple[str, ...] = ("plain",)  # weight layouts timed (_verify)
+        self._record: _verify.Record | None = None
+        self._warned = False
+
+    def probe(self, fn: Callable | None = None, *, layouts: tuple[str, ...] = ("plain",)):
+        """Register the table's probe (a decorator; `_verify` module docstring); layouts:
+        the weight layouts the op takes, each timed (the probe then takes layout=)."""
+        def register(f: Callable) -> Callable:
+            self.probe_fn, self.module, self.layouts = f, f.__module__, tuple(layouts)
+            return f
+        return register if fn is None else register(fn)
 
     def names(self, device: str = "cpu", *, emulated: bool = False) -> tuple[str, ...]:
-        """The available backends for tensors on `device`, in preference order; with
-        emulated=True the available emulated rows ("emu-<isa>") too, after them."""
+        """The available backends for tensors on `device`, in the table's order; with
+        emulated=True the available emulated rows ("emu-<isa>") too, after them. A row that
+        failed its check on this machine is still listed (pick refuses it)."""
         rows = [r for r in self.rows if r.device in (None, device) and r.available()]
         return (tuple(r.name for r in rows if not r.emulated)
                 + (tuple(r.name for r in rows if r.emulated) if emulated else ()))
 
-    def pick(self, backend: str | None, device: str = "cpu", *, what: str = "") -> Backend:
-        """The row `backend` names (None: the first available); ValueError "backend must be
-        one of (...)<what>; got ..." when it is not available for `device`."""
+    def checked(self) -> bool:
+        """True when pick consults verdicts: a probe, not the check itself, and a hardware
+        row available on this CPU."""
+        return (self.probe_fn is not None and not self.verifying
+                and any(n not in _verify.TRUSTED for n in self.names("cpu")))
+
+    def record(self) -> _verify.Record:
+        """This machine's verdicts for the table (cached on disk; made once, in children)."""
+        if self._record is None:
+            self._record = _verify.record(self, cache_dir=self.cache_dir)
+        return self._record
+
+    def pick(self, backend: str | None, device: str = "cpu", *, what: str = "",
+             rows: int | None = None, layout: str = "plain") -> Backend:
+        """The row `backend` names (None: the fastest verified row for `rows` rows and the
+        weight `layout`, module docstring); ValueError "backend must be one of (...)<what>; got ..." when it is not
+        available for `device`, or names a row that failed its check here."""
         have = self.names(device)
-        if backend is None and have:
-            name = have[0]
-        elif backend in have or backend in self.names(device, emulated=True):
-            name = backend
-        else:
+        if backend is not None and backend not in have and backend not in self.names(device, emulated=True):
             raise ValueError(f"backend must be one of {have}{what}; got {backend!r}")
+        if backend is None and not have:
+            raise ValueError(f"backend must be one of {have}{what}; got {backend!r}")
+        if device != "cpu" or not self.checked():
+            name = backend if backend is not None else have[0]
+            return next(r for r in self.rows if r.name == name)
+        rec = self.record()
+        failed = rec.failed()
+        if backend is not None:
+            if backend in failed:
+                ok = tuple(n for n in have if n not in failed)
+                raise ValueError(f"backend {backend!r} of {self.op} failed its check on this "
+                                 f"machine ({failed[backend]}); use one of {ok}")
+            return next(r for r in self.rows if r.name == backend)
+        name = rec.chosen.get(_verify.time_key(_verify.row_class(rows), layout))
+        if name not in have or name in failed:
+            name = next(n for n in have if n not in failed)
+        if failed and not self._warned:
+            self._warned = True
+            bad = "; ".join(f"{n!r} ({why})" for n, why in failed.items())
+            warnings.warn(f"lmtail {self.op}: backend {bad} failed its check on this CPU and is "
+                          f"not used; using {name!r} instead (`lmtail doctor` shows the record)",
+                          RuntimeWarning, stacklevel=3)
         return next(r for r in self.rows if r.name == name)
 
 

@@ -246,3 +246,33 @@ def moe_routed(slots: torch.Tensor, weights: torch.Tensor, *, nslots: int,
     nthreads = _backend.threads(threads, work=t * h * max(nslots, 1), min_work=_MIN_WORK_PER_THREAD)
     row = MOE_ROUTED.pick(backend, _device(slots, weights))
     return row.run(slots, weights, nslots, nthreads)
+
+
+# ---------------------------------------------------------------------------------------
+# the probes backends are verified and timed on (kernels._verify)
+# ---------------------------------------------------------------------------------------
+@FMA_SUM.probe
+def _fma_sum_probe(rows: int, seed: int):
+    """a [rows, N] * b [N] fp32 in a 64-lane, vec-4, reversed order (N odd); seed 3 plants
+    subnormals, inf and NaN."""
+    g = torch.Generator().manual_seed(6000 + seed)
+    n = 1000 if seed >= 0 else 2880
+    a, b = torch.randn(rows, n, generator=g), torch.randn(n, generator=g)  # [rows, N], [N]
+    if seed == 3:
+        a[:, 1], b[2], a[0, 3], a[-1, 4] = 1e-41, 1e-40, float("inf"), float("nan")
+    threads = torch.get_num_threads()
+    return lambda name: fma_sum_rows(a, b, lanes=64, vec=4, reverse=seed % 2 == 1, backend=name,
+                                     threads=threads)
+
+
+@MOE_ROUTED.probe
+def _moe_routed_probe(rows: int, seed: int):
+    """slots [4, rows, H] (bf16 for odd seeds) and weights [rows, 4], 3 slots routed."""
+    g = torch.Generator().manual_seed(6100 + seed)
+    h = 100 if seed >= 0 else 2880
+    slots = torch.randn(4, rows, h, generator=g)  # [S, T, H]
+    if seed % 2:
+        slots = slots.to(torch.bfloat16)
+    weights = torch.rand(rows, 4, generator=g)  # [T, W]
+    threads = torch.get_num_threads()
+    return lambda name: moe_routed(slots, weights, nslots=3, backend=name, threads=threads)

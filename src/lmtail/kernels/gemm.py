@@ -55,6 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from lmtail.kernels import _backend, cpu
+from lmtail.kernels._verify import row_class as _verify_row_class
 from lmtail.kernels._cc import kernel_library
 from lmtail.numerics import Decl, SumDecl
 
@@ -367,6 +368,54 @@ def gemm_bf16(a: torch.Tensor, w, *, order: str = DEFAULT_ORDER, out: torch.Tens
     if not available_backends(order):
         raise RuntimeError(f"gemm_bf16 order={order!r} needs its C kernel, which could not be "
                            "built on this machine (see the RuntimeWarning)")
-    row = GEMM[order].pick(backend, what=f" for order={order!r} on this machine")
+    row = GEMM[order].pick(backend, what=f" for order={order!r} on this machine", rows=a.shape[0],
+                           layout="packed" if isinstance(w, PackedWeight) else "plain")
     nthreads = torch.get_num_threads() if threads is None else threads
     return gemm_unchecked(a, w, row, nthreads, out)
+
+
+# ---------------------------------------------------------------------------------------
+# the probes backends are verified and timed on (kernels._verify)
+# ---------------------------------------------------------------------------------------
+PACKED_NATIVE = ("amx", "avx512bf16")  # rows whose instructions read the packed layout as it is
+
+
+def _gemm_probe(order: str):
+    def probe(rows: int, seed: int, layout: str = "plain"):
+        """a [rows, H] x w [H, V] bf16: odd H and V with random values, w packed for seed 1;
+        seed 3 plants bf16 subnormals, NaN, inf and products that overflow; seed -1 the
+        timing shape, w in `layout` ("plain" or "packed")."""
+        g = torch.Generator().manual_seed(1000 + seed)
+        H, V = (100, 77) if seed >= 0 else (512, 2048)
+        a = (torch.randn(rows, H, generator=g) * 3).to(torch.bfloat16)  # [rows, H]
+        w = (torch.randn(H, V, generator=g) * 0.05).to(torch.bfloat16)  # [H, V]
+        if seed == 3:
+            tiny = torch.tensor([1e-39, -3e-40], dtype=torch.float32).to(torch.bfloat16)
+            a[:, 1:3], w[4, :2] = tiny, tiny
+            a[0, 7], w[9, 5], w[11, 6], w[12, 7] = float("nan"), float("inf"), 3e38, -3e38
+        if order != "chain" and (seed == 1 or layout == "packed"):
+            w = pack_weight(w)
+        threads = torch.get_num_threads()
+        return lambda name: gemm_bf16(a, w, order=order, backend=name, threads=threads)
+    return probe
+
+
+for _order, _table in GEMM.items():
+    _table.probe(_gemm_probe(_order), layouts=("plain",) if _order == "chain" else ("plain", "packed"))
+
+
+def weight_for(w: torch.Tensor, *, order: str = DEFAULT_ORDER, rows: int = 1):
+    """The layout to keep a weight used every step in: `pack_weight(w)` when this machine's
+    fastest verified amx32 / dp32 row for `rows` rows is faster on the packed layout than
+    the fastest on the plain one (measured once per machine, kernels._verify), else w.
+    The bytes of gemm_bf16 never depend on it. w [H, V] bf16 C-contiguous."""
+    _validate(torch.empty(0, w.shape[0] if w.dim() >= 1 else 0, dtype=torch.bfloat16), w, None)
+    _validate_options(order, w, None, None)
+    table = GEMM[order]
+    if order == "chain" or not table.checked():
+        return w
+    rec, cls = table.record(), _verify_row_class(rows)
+    plain, packed = rec.times.get(cls, {}), rec.times.get(f"{cls}/packed", {})
+    ok = {n for n, s in rec.status.items() if s != "failed"}
+    best = lambda t: min((v for n, v in t.items() if n in ok), default=float("inf"))  # noqa: E731
+    return pack_weight(w) if best(packed) < best(plain) else w

@@ -261,12 +261,6 @@ def _validate(a, w, out) -> None:
                          f"strides {out.stride()}")
 
 
-@functools.lru_cache(maxsize=None)
-def _pick(backend: str | None, lib) -> _backend.Backend:
-    """GEMM_Q.pick(backend), cached per loaded library (`lib` is only the cache key)."""
-    return GEMM_Q.pick(backend)
-
-
 def gemm_q(a: torch.Tensor, w: QuantWeight, *, out: torch.Tensor | None = None,
            backend: str | None = None, threads: int | None = None) -> torch.Tensor:
     """out [M, N] fp32 = a [M, K] fp32 @ dequantize(w)^T in the declared lanes32 order.
@@ -279,10 +273,31 @@ def gemm_q(a: torch.Tensor, w: QuantWeight, *, out: torch.Tensor | None = None,
     """
     _validate(a, w, out)
     nthreads = _backend.threads(threads)  # the C kernel gives each thread enough work
-    row = _pick(backend, _library())
     M, N = a.shape[0], w.shape[0]
+    row = GEMM_Q.pick(backend, rows=M)
     if out is None:
         out = torch.empty(M, N, dtype=torch.float32)
     if M and N:
         row.run(a, w, out, nthreads)
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# the probes backends are verified and timed on (kernels._verify)
+# ---------------------------------------------------------------------------------------
+@GEMM_Q.probe
+def _gemm_q_probe(rows: int, seed: int):
+    """a [rows, K] fp32 x a Q8_0 (even seeds) or Q4_1 (odd seeds) weight [N, K]; seed 3
+    plants subnormal fp16 d and m, NaN and inf activations; seed -1: a Q4_1 timing shape."""
+    g = torch.Generator().manual_seed(2000 + seed)
+    N, K = (77, 96) if seed >= 0 else (2048, 576)
+    fmt = "Q8_0" if seed >= 0 and seed % 2 == 0 else "Q4_1"
+    a = torch.randn(rows, K, generator=g) * 2  # [rows, K]
+    w = QuantWeight.quantize(torch.randn(N, K, generator=g) * 0.1, fmt)
+    if seed == 3:
+        blk = w.data.view(N, K // QK, BLOCK_BYTES[fmt])  # [N, NB, BS]
+        blk[:3, 0, 0:2] = torch.tensor([1, 0x80], dtype=torch.uint8)  # d: fp16 subnormals
+        blk[:3, 1, 2:4] = torch.tensor([7, 0x83], dtype=torch.uint8)  # m: fp16 subnormals
+        a[0, 3], a[-1, 5] = float("nan"), float("inf")
+    threads = torch.get_num_threads()
+    return lambda name: gemm_q(a, w, backend=name, threads=threads)

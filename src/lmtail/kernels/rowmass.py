@@ -232,3 +232,27 @@ def row_mass(row: torch.Tensor, scale: torch.Tensor, *, backend: str | None = No
     _validate(row, scale)
     nthreads = _backend.threads(threads)
     return ROW_MASS.pick(backend).run(row, scale, nthreads)
+
+
+# ---------------------------------------------------------------------------------------
+# the probes backends are verified and timed on (kernels._verify)
+# ---------------------------------------------------------------------------------------
+@ROW_MASS.probe
+def _row_mass_probe(rows: int, seed: int):
+    """float64 rows [rows, V] at mixed scales (1/T); seed 3 plants -inf and subnormal lanes."""
+    g = torch.Generator().manual_seed(4000 + seed)
+    V = 1000 if seed >= 0 else 32768
+    row = torch.randn(rows, V, generator=g, dtype=torch.float64) * 4  # [rows, V]
+    if seed == 3:
+        row[:, 3], row[:, 8] = -float("inf"), 1e-41
+    scale = torch.rand(rows, generator=g, dtype=torch.float64) + 0.5  # [rows]
+    threads = torch.get_num_threads()
+    return lambda name: row_mass(row, scale, backend=name, threads=threads)
+
+
+@TERMS.probe
+def _terms_probe(rows: int, seed: int):
+    """z [64 rows] float64 <= m, some far below it (the underflow split)."""
+    g = torch.Generator().manual_seed(4100 + seed)
+    z = -torch.rand(64 * rows, generator=g, dtype=torch.float64) * (800.0 if seed == 3 else 30.0)
+    return lambda name: shifted_exp_terms(z, 0.25, backend=name)

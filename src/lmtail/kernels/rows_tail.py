@@ -257,3 +257,27 @@ def fused_unchecked(rows_bf16, k: int, sampling_params, nan_fold: bool, row: _ba
         return FusedRows(topk_values=vals, topk_indices=ids)
     return FusedRows(topk_values=vals, topk_indices=ids, tokens=tokens, logprobs=logprobs,
                      truncated=trunc, undecided=flag != 0, debug_mass=dbg)
+
+
+# ---------------------------------------------------------------------------------------
+# the probe backends are verified and timed on (kernels._verify)
+# ---------------------------------------------------------------------------------------
+@ROWS_TAIL.probe
+def _rows_tail_probe(rows: int, seed: int):
+    """bf16 rows [rows, V] with ties, sampled with mixed top_k / top_p / T / u / min_p (a
+    greedy row among them); seed 3 plants NaN (nan_fold), inf and subnormal lanes."""
+    g = torch.Generator().manual_seed(3000 + seed)
+    V, k = (300, 20) if seed >= 0 else (32768, 64)
+    x = (torch.randn(rows, V, generator=g) * 3).to(torch.bfloat16)  # [rows, V]
+    x[:, 5] = x[:, 9]  # a tie
+    if seed == 3:
+        x[0, 2], x[-1, 4], x[:, 6] = float("nan"), float("inf"), 1e-39
+    sp = torch.stack([torch.randint(0, k + 1, (rows,), generator=g).float(),
+                      torch.rand(rows, generator=g) * 0.9 + 0.1,
+                      torch.rand(rows, generator=g) * 1.5 + 0.25,
+                      torch.rand(rows, generator=g),
+                      torch.rand(rows, generator=g) * 0.2], dim=1)  # [rows, 5]
+    sp[0, 2] = 0.0  # greedy
+    threads = torch.get_num_threads()
+    return lambda name: rows_tail_fused(x, k=k, sampling_params=sp, nan_fold=seed == 3,
+                                        backend=name, threads=threads)

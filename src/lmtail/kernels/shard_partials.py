@@ -301,3 +301,22 @@ def sample_candidates(values: torch.Tensor, ids: torch.Tensor, sp: torch.Tensor,
                                        exp64_constants().data_ptr(), tokens.data_ptr(), logprobs.data_ptr(),
                                        truncated.data_ptr(), scratch.data_ptr())
     return None if bad else (tokens, logprobs, truncated)
+
+
+# ---------------------------------------------------------------------------------------
+# the probe backends are verified and timed on (kernels._verify)
+# ---------------------------------------------------------------------------------------
+@SHARD_PARTIALS.probe
+def _shard_partials_probe(rows: int, seed: int):
+    """fp32 logits [rows, V_s] in 3 chunks, keys and mass at T = 1 and T != 1 rows; seed 3
+    plants NaN (nan_fold), -inf and subnormal lanes."""
+    g = torch.Generator().manual_seed(5000 + seed)
+    vs, k1 = (500, 17) if seed >= 0 else (25136, 65)
+    logits = torch.randn(rows, vs, generator=g) * 3  # [rows, V_s]
+    if seed == 3:
+        logits[0, 2], logits[:, 7], logits[-1, 9] = float("nan"), -float("inf"), 1e-41
+    bounds = torch.tensor([0, vs // 3, vs // 2, vs], dtype=torch.int64)  # [c + 1]
+    scale_t = torch.where(torch.arange(rows) % 2 == 0, 0.0, 1.25).to(torch.float64)  # [rows]
+    threads = torch.get_num_threads()
+    return lambda name: shard_partials(logits, col0=1000, k1=k1, nan_fold=seed == 3, bounds=bounds,
+                                       scale_t=scale_t, with_mass=True, backend=name, threads=threads)

@@ -423,3 +423,46 @@ def silu_mul_bf16(gu: torch.Tensor) -> torch.Tensor:
         return silu_mul(gu).to(torch.bfloat16)
     assert gu.dtype == torch.float32 and gu.dim() == 2 and gu.shape[1] % 2 == 0
     return kbody.silu_mul_bf16(gu)
+
+
+# ---------------------------------------------------------------------------------------
+# the probes backends are verified and timed on (kernels._verify)
+# ---------------------------------------------------------------------------------------
+def _special(g: torch.Generator, n: int, seed: int) -> torch.Tensor:
+    x = torch.randn(n, generator=g) * 20  # [n]
+    if seed == 3:
+        x[:8] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-41, -0.0, 88.5, -87.0, 89.0])
+    return x
+
+
+@EXP32.probe
+def _exp32_probe(rows: int, seed: int):
+    """x [rows, 1000] fp32 (timing: [rows, 4096]); seed 3 plants NaN, inf, subnormal, the cut-offs."""
+    g = torch.Generator().manual_seed(7000 + seed)
+    n = 1000 if seed >= 0 else 4096
+    x = _special(g, rows * n, seed).reshape(rows, n)  # [rows, n]
+    return lambda name: exp32(x, backend=name)
+
+
+@SILU_MUL.probe
+def _silu_mul_probe(rows: int, seed: int):
+    """gu [rows, 2F] fp32 (F = 500; timing 1536); seed 3 plants NaN, inf, subnormal gates."""
+    g = torch.Generator().manual_seed(7100 + seed)
+    f = 500 if seed >= 0 else 1536
+    gu = _special(g, rows * 2 * f, seed).reshape(rows, 2 * f)  # [rows, 2F]
+    return lambda name: silu_mul(gu, backend=name)
+
+
+@ATTEND.probe
+def _attend_probe(rows: int, seed: int):
+    """rows queries (T = 1, B = rows) of 3 heads over a 2-head cache at s0 = 37 (timing:
+    9 / 3 heads, s0 = 500), with left padding."""
+    g = torch.Generator().manual_seed(7200 + seed)
+    nh, nkv, s0 = (4, 2, 37) if seed >= 0 else (9, 3, 500)
+    cap = s0 + 1 + SLACK
+    q = torch.randn(rows, 1, nh, HD, generator=g)  # [B, T, nh, 64]
+    kt = torch.randn(rows, nkv, HD, cap, generator=g)  # [B, nkv, 64, S_cap]
+    v = torch.randn(rows, nkv, cap, HD, generator=g)  # [B, nkv, S_cap, 64]
+    pad = torch.randint(0, 5, (rows,), generator=g)  # [B]
+    threads = torch.get_num_threads()
+    return lambda name: attend(q, kt, v, pad, s0=s0, scale=0.125, backend=name, threads=threads)

@@ -61,6 +61,7 @@ import torch
 from ..numerics import draw_u
 from ..sampler import DEFAULT_U, SamplingParams, sampling_tensor, seed_int64
 from ..config import EXCHANGES, TAIL_HEAD_INPUTS, TailConfig
+from ..kernels.gemm import weight_for
 from ..tail import decode_tail, head_shard
 from .gguf_loader import ModelBundle
 from .llama import Q32_BODY, Ops, forward, lmtail_ops, new_cache, prefill
@@ -210,10 +211,20 @@ class StepOut:
     truncated: torch.Tensor | None  # [B] bool
 
 
-def local_step(tail_fn, bundle: ModelBundle, k: int, head_input: str):
-    """tail_step(h [B, H], sp [B, 5]) -> StepOut on one rank (the full head of `head_input`)."""
+def step_head(w, pack: bool):
+    """The head a decode reads every step: a bf16 [H, V_s] head in this machine's fastest
+    layout for decode_tail's default order (kernels.gemm.weight_for: packed once here when
+    that is faster; the same bytes) when `pack`, else w as it is (a QuantWeight always)."""
+    if pack and isinstance(w, torch.Tensor):
+        return weight_for(w, order=TailConfig.gemm_order, rows=1)
+    return w
+
+
+def local_step(tail_fn, bundle: ModelBundle, k: int, head_input: str, pack: bool = False):
+    """tail_step(h [B, H], sp [B, 5]) -> StepOut on one rank (the full head of `head_input`;
+    pack: the default tail, which takes the head in any layout: step_head)."""
     cfg = bundle.config
-    head = head_weight(bundle, head_input)
+    head = step_head(head_weight(bundle, head_input), pack)
 
     def step(h, sp):
         res = tail_fn(h, bundle.final_norm, head, eps=cfg.eps, k=k, sampling_params=sp, head_input=head_input)
@@ -223,7 +234,8 @@ def local_step(tail_fn, bundle: ModelBundle, k: int, head_input: str):
     return step
 
 
-def group_step(tail_fn, bundle: ModelBundle, k: int, rank: int, n: int, head_input: str):
+def group_step(tail_fn, bundle: ModelBundle, k: int, rank: int, n: int, head_input: str,
+               pack: bool = False):
     """tail_step for rank `rank` of an n-rank world (module docstring, "Ranks"): zero-row
     padding to gbs, this rank's vocab shard of the head for `head_input`, owned rows'
     params, one all-gather after."""
@@ -232,7 +244,7 @@ def group_step(tail_fn, bundle: ModelBundle, k: int, rank: int, n: int, head_inp
     from ..layout import owned_rows
 
     cfg = bundle.config
-    w = head_shard(head_weight(bundle, head_input), rank, n)
+    w = step_head(head_shard(head_weight(bundle, head_input), rank, n), pack)
 
     def step(h, sp):
         b, hid = h.shape
@@ -305,7 +317,7 @@ def decode_loop(bundle: ModelBundle, ids: list[list[int]], params: list[Sampling
 def rank_decode(bundle: ModelBundle, rank: int, n: int, ids, params, opts: dict, *, on_step=None) -> Generation:
     """One rank of generate(ranks=n): the decode loop on this rank's tail step (group_step);
     run by lmtail.model.ranks.run_ranks in each spawned rank."""
-    step = group_step(opts["tail_fn"], bundle, opts["k"], rank, n, opts["head_input"])
+    step = group_step(opts["tail_fn"], bundle, opts["k"], rank, n, opts["head_input"], opts["pack"])
     return decode_loop(bundle, ids, params, max_new_tokens=opts["max_new_tokens"], ops=opts["ops"],
                        tail_step=step, on_step=on_step, record=opts["record"])
 
@@ -364,15 +376,16 @@ def generate(bundle: ModelBundle, prompts: list[str], *, max_new_tokens: int = 6
     ops = default_ops() if ops is None else ops
     exchange = TailConfig.exchange if exchange is None else exchange
     head_input = default_head_input(ops) if head_input is None else head_input
+    pack = tail_fn is None  # decode_tail takes a packed head; a given tail_fn gets it plain
     if tail_fn is None:
         tail_fn = functools.partial(DEFAULT_TAIL, exchange=exchange)
     if ranks == 1:
         gen = decode_loop(bundle, ids, params, max_new_tokens=max_new_tokens, ops=ops,
-                          tail_step=local_step(tail_fn, bundle, k, head_input), on_step=on_step, record=record,
-                          on_prefill=on_prefill)
+                          tail_step=local_step(tail_fn, bundle, k, head_input, pack), on_step=on_step,
+                          record=record, on_prefill=on_prefill)
     else:
         opts = dict(tail_fn=tail_fn, ops=ops, k=k, max_new_tokens=max_new_tokens, record=record,
-                    head_input=head_input)
+                    head_input=head_input, pack=pack)
         gens = run_ranks(rank_decode, bundle, (ids, params, opts), ranks=ranks, on_step=on_step,
                          timeout_s=timeout_s)
         assert all(g.token_ids == gens[0].token_ids for g in gens), "ranks decoded different tokens"
