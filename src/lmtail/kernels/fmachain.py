@@ -187,7 +187,8 @@ MOE_ROUTED = _backend.Dispatch("moe_routed", (
 
 
 def available_backends() -> tuple[str, ...]:
-    """The backends this machine runs for CPU tensors, in the fixed preference order (all
+    """The backends this machine runs for CPU tensors, in the table's order
+    (backend=None takes the fastest verified one; all
     give the same bytes)."""
     return FMA_SUM.names()
 

@@ -31,8 +31,8 @@ amx32 threads come from a per-process pool (kernels/gemm_amx32.c; a forked child
 its own); with M <= 6 a call splits the columns once w holds 2^17 elements per thread.
 
 Backends (`available_backends(order)`, all bit-equal; one `_backend.Dispatch` table per
-order, GEMM[order]; backend=None takes the first available in this FIXED order, not a
-measurement: on some CPUs a later one is faster for few rows):
+order, GEMM[order]; backend=None takes the fastest verified row for the call's rows and
+the weight's layout, measured once per machine: kernels._verify, docs/backends.md):
   chain : "avx512", "c" (kernels/gemm_chain.c), "numba" (when the optional numba is
           installed; imported only when used; the fallback without a C compiler)
   amx32 : "amx" (tile instructions; CPUs with AMX-BF16), "avx512", "avx2" (vector fmas
@@ -296,7 +296,8 @@ GEMM = {
 
 
 def available_backends(order: str = DEFAULT_ORDER) -> tuple[str, ...]:
-    """The backends this machine runs for `order`, in the fixed preference order (all give
+    """The backends this machine runs for `order`, in the table's order
+    (backend=None takes the fastest verified one; all give
     the same bytes). amx32 / dp32 without a C compiler: () (gemm_bf16 then raises
     RuntimeError)."""
     if order not in GEMM:

@@ -230,8 +230,8 @@ GEMM_Q = _backend.Dispatch("gemm_q", (
 
 
 def available_backends() -> tuple[str, ...]:
-    """The backends this machine runs, in the fixed preference order (widest vector ISA
-    first; all give the same bytes)."""
+    """The backends this machine runs, in the table's order
+    (backend=None takes the fastest verified one; all give the same bytes)."""
     return GEMM_Q.names()
 
 

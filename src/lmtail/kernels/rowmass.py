@@ -29,7 +29,8 @@ without signed-zero ties) and cost one torch pass over those rows.
 same bits; the torch ops where a NaN or z > m appears): the candidates sampler's terms.
 
 Backends (all bit-equal; tests/test_rowmass.py proves it), one `_backend.Dispatch` table
-in this fixed preference order: "avx512" (8 lanes per vector op; AVX-512F), "c" (plain C),
+in the table's order (backend=None: the fastest verified, kernels._verify): "avx512" (8
+lanes per vector op; AVX-512F), "c" (plain C),
 "torch" (the declared ops as torch float64 tensor ops; the only one when no C compiler is
 found).
 """
@@ -178,7 +179,8 @@ TERMS = _backend.Dispatch("shifted_exp_terms", (
 
 
 def available_backends() -> tuple[str, ...]:
-    """The backends this machine runs, in the fixed preference order (all give the same bytes)."""
+    """The backends this machine runs, in the table's order
+    (backend=None takes the fastest verified one; all give the same bytes)."""
     return ROW_MASS.names()
 
 

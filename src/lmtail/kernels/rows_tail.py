@@ -47,8 +47,8 @@ on R, the thread count, the backend or repeats. The kernel has no staged top-k t
 belong to the staged reference algorithm; lmtail.tail.rows_tail takes them from exact_topk).
 
 Backends (all bit-equal; tests/test_rows_tail.py proves it on this CPU), one
-`_backend.Dispatch` table in this fixed preference order: "avx512" (AVX-512 F+BW), "avx2",
-"c" (plain C, any CPU); none when no C compiler is found.
+`_backend.Dispatch` table (backend=None: the fastest verified, kernels._verify): "avx512"
+(AVX-512 F+BW), "avx2", "c" (plain C, any CPU); none when no C compiler is found.
 
 Debug export: `debug_mass=True` also returns each sampled row's float64 full-row normalizer
 S (at T = 1), its log-normalizer lse1 = vmax + log64(S) and its massive-lane count nz, as the
@@ -136,8 +136,8 @@ ROWS_TAIL = _backend.Dispatch("rows_tail_fused", (
 
 
 def available_backends() -> tuple[str, ...]:
-    """The kernel's backends on this machine, in the fixed preference order (all give the
-    same bytes); () when no C compiler built it (lmtail.tail.rows_tail then runs its
+    """The kernel's backends on this machine, in the table's order (backend=None takes the
+    fastest verified one; all give the same bytes); () when no C compiler built it (lmtail.tail.rows_tail then runs its
     reference path)."""
     return ROWS_TAIL.names()
 

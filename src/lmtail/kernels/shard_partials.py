@@ -25,8 +25,8 @@ has (m, S) = (-inf, its lane count). Without nan_fold a NaN lane leaves its chun
 undefined (the tail raises on such rows before they are sampled).
 
 Backends (all bit-equal; tests/test_shard_partials.py proves it on this CPU), one
-`_backend.Dispatch` table in this fixed preference order: "avx512" (AVX-512F), "avx2", "c"
-(plain C, any CPU) -- the C kernel shard_partials.c, one thread per row from first op to
+`_backend.Dispatch` table (backend=None: the fastest verified, kernels._verify): "avx512"
+(AVX-512F), "avx2", "c" (plain C, any CPU) -- the C kernel shard_partials.c, one thread per row from first op to
 last -- and "torch" (the declared ops as torch ops; always there, the only one without a C
 compiler). The C kernel leaves a row to the torch backend (recomputed here, that row only)
 when with_mass and it has a NaN lane without nan_fold, or its T scale is not finite and > 0.
@@ -181,7 +181,8 @@ SHARD_PARTIALS = _backend.Dispatch("shard_partials", (
 
 
 def available_backends() -> tuple[str, ...]:
-    """The backends this machine runs, in the fixed preference order (all give the same bytes)."""
+    """The backends this machine runs, in the table's order
+    (backend=None takes the fastest verified one; all give the same bytes)."""
     return SHARD_PARTIALS.names()
 
 
