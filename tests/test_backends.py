@@ -135,7 +135,7 @@ def test_row_class(rows, cls):
 
 TABLES = [*gemm.GEMM.values(), quant.GEMM_Q, rows_tail.ROWS_TAIL, rowmass.ROW_MASS, rowmass.TERMS,
           shard_partials.SHARD_PARTIALS, fmachain.FMA_SUM, fmachain.MOE_ROUTED, body.EXP32,
-          body.SILU_MUL, body.ATTEND]
+          body.SILU_MUL, body.SILU_MUL_BF16, body.ATTEND]
 
 
 @pytest.mark.parametrize("table", TABLES, ids=lambda t: t.op)

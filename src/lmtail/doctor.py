@@ -28,7 +28,7 @@ def tables() -> list:
 
     return [*gemm.GEMM.values(), quant.GEMM_Q, rows_tail.ROWS_TAIL, rowmass.ROW_MASS,
             rowmass.TERMS, shard_partials.SHARD_PARTIALS, fmachain.FMA_SUM, fmachain.MOE_ROUTED,
-            body.EXP32, body.SILU_MUL, body.ATTEND]
+            body.EXP32, body.SILU_MUL, body.SILU_MUL_BF16, body.ATTEND]
 
 
 def table_report(table) -> dict:

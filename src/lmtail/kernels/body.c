@@ -934,10 +934,11 @@ static __attribute__((target("avx512f,avx512bw,avx512vl"))) void silu_rows_bf16_
 }
 #endif
 
-void lmtail_silu_mul_bf16(const float *gu, uint16_t *out, int64_t M, int64_t F, int64_t ld) {
+/* cap as pick_isa's: 0 lets the AVX-512 rows run where the CPU has them, else portable. */
+void lmtail_silu_mul_bf16(const float *gu, uint16_t *out, int64_t M, int64_t F, int64_t ld, int cap) {
     unsigned old = pin_mxcsr();
 #if defined(__x86_64__)
-    if (lmtail_cpu_has(LMTAIL_CPU_AVX512F | LMTAIL_CPU_AVX512BW | LMTAIL_CPU_AVX512VL)) {
+    if (cap <= 0 && lmtail_cpu_has(LMTAIL_CPU_AVX512F | LMTAIL_CPU_AVX512BW | LMTAIL_CPU_AVX512VL)) {
         silu_rows_bf16_512(gu, out, M, F, ld);
         restore_mxcsr(old);
         return;

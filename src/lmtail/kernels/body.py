@@ -33,7 +33,7 @@ _library = kernel_library("body.c", {
     "lmtail_add_rms_rows": ([_P, _I64, _INT, _P, _P, _I64, _I64, _F32, _I64, _P, _P], _INT),
     "lmtail_add_rms_rows32": ([_P, _I64, _P, _P, _I64, _I64, _F32, _I64, _P, _P], _INT),
     "lmtail_rope_qkv": ([_P, _I64, _P, _P, _P, _P, _P, _P] + [_I64] * 6, None),
-    "lmtail_silu_mul_bf16": ([_P, _P, _I64, _I64, _I64], None),
+    "lmtail_silu_mul_bf16": ([_P, _P, _I64, _I64, _I64, _INT], None),
     "lmtail_body_constants": ([_P], _INT),
 }, what="model body", fallback="the torch emulation (same bytes, slow)")
 
@@ -128,12 +128,13 @@ def rope_qkv(qkv, cos_t, sin_t, pos, kc, vc, s0: int, nh: int) -> torch.Tensor:
     return q
 
 
-def silu_mul_bf16(gu: torch.Tensor) -> torch.Tensor:
-    """gu [M, 2F] fp32 -> bf16(silu_mul(gu)) [M, F]."""
+def silu_mul_bf16(gu: torch.Tensor, isa: str = "avx512") -> torch.Tensor:
+    """gu [M, 2F] fp32 -> bf16(silu_mul(gu)) [M, F]; isa caps the rows body.c may pick."""
     if gu.stride(1) != 1:
         gu = gu.contiguous()
     M, F = gu.shape[0], gu.shape[1] // 2
     out = torch.empty(M, F, dtype=torch.bfloat16)  # [M, F]
     if M:
-        _library().lmtail_silu_mul_bf16(gu.data_ptr(), out.data_ptr(), M, F, gu.stride(0) if M > 1 else 2 * F)
+        _library().lmtail_silu_mul_bf16(gu.data_ptr(), out.data_ptr(), M, F, gu.stride(0) if M > 1 else 2 * F,
+                                        ISA_CAP[isa])
     return out

@@ -41,7 +41,7 @@ typedef void (*rope_fn)(const float *qkv, int64_t ld, const float *cs, const flo
 typedef int (*attend_fn)(const float *q, const float *kt, const float *v, float *out, const int64_t *pad,
                          int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t S_cap, int64_t s0, float scale,
                          int threads, int isa_cap);
-typedef void (*silu_fn)(const float *gu, float *out, int64_t M, int64_t F, int64_t ld);
+typedef void (*silu_fn)(const float *gu, float *out, int64_t M, int64_t F, int64_t ld, int cap);
 
 /* One linear: a QuantWeight's blocks (fmt: gemm_q's code), N outputs of K inputs. */
 typedef struct {
@@ -68,6 +68,7 @@ typedef struct {
     int64_t L, H, nh, nkv, F, lanes;
     float eps, scale;
     int64_t gemm_isa, attend_isa; /* gemm_q's isa code; body.c's attend cap */
+    int64_t silu_isa;             /* body.c's silu_mul cap */
 } model_t;
 
 /* The caller's buffers for up to n_max rows (kernels/step.py StepBuffers). */
@@ -141,7 +142,7 @@ static int layers(const model_t *m, const buffers_t *bf, const attn_t *at, float
         if (linear(m, &ly->lin[LIN_O], 1, bf->att, qd, bf->a, H, N, gemm_threads)) return (int)(code - 3);
         if (m->norm(bf->a, H, h, ly->ffn_norm, N, H, m->eps, m->lanes, h, y)) return (int)(code - 4);
         if (linear(m, &ly->lin[LIN_GATE], 2, y, H, bf->gu, 2 * F, N, gemm_threads)) return (int)(code - 5);
-        m->silu(bf->gu, bf->s, N, F, 2 * F);
+        m->silu(bf->gu, bf->s, N, F, 2 * F, (int)m->silu_isa);
         if (linear(m, &ly->lin[LIN_DOWN], 1, bf->s, F, bf->a, H, N, gemm_threads)) return (int)(code - 6);
         const float *next = l + 1 < m->L ? m->layers[l + 1].attn_norm : m->final_norm;
         if (m->norm(bf->a, H, h, next, N, H, m->eps, m->lanes, h, y)) return (int)(code - 7);

@@ -44,7 +44,8 @@ class _Model(ctypes.Structure):
     _fields_ = [("gemm_q", _P), ("norm", _P), ("rope", _P), ("attend", _P), ("silu", _P),
                 ("layers", ctypes.POINTER(_Layer)), ("final_norm", _P), ("cos_t", _P), ("sin_t", _P),
                 ("L", _I64), ("H", _I64), ("nh", _I64), ("nkv", _I64), ("F", _I64), ("lanes", _I64),
-                ("eps", _F32), ("scale", _F32), ("gemm_isa", _I64), ("attend_isa", _I64)]
+                ("eps", _F32), ("scale", _F32), ("gemm_isa", _I64), ("attend_isa", _I64),
+                ("silu_isa", _I64)]
 
 
 class _Buffers(ctypes.Structure):
@@ -77,10 +78,13 @@ class Q32Model:
     QuantWeights (q, k, v, o, gate, up, down), `attn_norms` / `ffn_norms` L x [H] fp32,
     `final_norm` [H] fp32, rope tables cos_t, sin_t [P, 32] fp32, the norm's lane count, eps,
     the attention scale, the gemm_q backend ("avx512" | "avx2" | "c") and the attend backend
-    ("avx512" | "avx2" | "c": the micro-kernels body.c's attend may pick; the same bytes). Keeps every tensor it points into alive."""
+    ("avx512" | "avx2" | "c": the micro-kernels body.c's attend may pick; the same bytes) and
+    the silu_mul backend (the same caps; another name: "c"). Keeps every tensor it points into
+    alive."""
 
     def __init__(self, shape: StepShape, linears, attn_norms, ffn_norms, final_norm, cos_t, sin_t, *,
-                 lanes: int, eps: float, scale: float, gemm_backend: str, attend_backend: str):
+                 lanes: int, eps: float, scale: float, gemm_backend: str, attend_backend: str,
+                 silu_backend: str = "c"):
         keep = [t.contiguous() for t in (*attn_norms, *ffn_norms, final_norm, cos_t, sin_t)]
         self._keep = (keep, linears)
         an, fn_, (fin, cs, sn) = keep[:shape.L], keep[shape.L:2 * shape.L], keep[2 * shape.L:]
@@ -94,10 +98,11 @@ class Q32Model:
         blib, qlib = kbody._library(), kquant._library()
         self.struct = _Model(
             gemm_q=_fn(qlib, "lmtail_gemm_q_cat"), norm=_fn(blib, "lmtail_add_rms_rows32"),
-            rope=_fn(blib, "lmtail_rope_qkv"), attend=_fn(blib, "lmtail_attend"), silu=_fn(blib, "lmtail_silu_mul"),
+            rope=_fn(blib, "lmtail_rope_qkv"), attend=_fn(blib, "lmtail_attend"), silu=_fn(blib, "lmtail_silu_mul_isa"),
             layers=ctypes.cast(layers, ctypes.POINTER(_Layer)), final_norm=fin.data_ptr(), cos_t=cs.data_ptr(),
             sin_t=sn.data_ptr(), L=shape.L, H=shape.H, nh=shape.nh, nkv=shape.nkv, F=shape.F, lanes=lanes,
-            eps=eps, scale=scale, gemm_isa=kquant._ISA[gemm_backend], attend_isa=kbody.ISA_CAP[attend_backend])
+            eps=eps, scale=scale, gemm_isa=kquant._ISA[gemm_backend], attend_isa=kbody.ISA_CAP[attend_backend],
+            silu_isa=kbody.ISA_CAP.get(silu_backend, kbody.ISA_CAP["c"]))
         self.shape = shape
 
 

@@ -416,13 +416,21 @@ def rope_qkv(qkv: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor, pos: t
     return kbody.rope_qkv(qkv, cos_t, sin_t, pos, kc, vc, s0, nh)
 
 
-def silu_mul_bf16(gu: torch.Tensor) -> torch.Tensor:
+SILU_MUL_BF16 = _backend.Dispatch("silu_mul_bf16", (
+    _backend.Backend("avx512", functools.partial(kbody.silu_mul_bf16, isa="avx512"), _c_avx512),
+    _backend.Backend("c", functools.partial(kbody.silu_mul_bf16, isa="c"), kbody.available),
+))
+
+
+def silu_mul_bf16(gu: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     """bf16(silu_mul(gu)): gu [M, 2F] fp32 -> [M, F] bf16, the GEMM input of the down
-    projection; the same bytes as `silu_mul(gu).to(torch.bfloat16)` (NaN payload aside)."""
+    projection; the same bytes as `silu_mul(gu).to(torch.bfloat16)` (NaN payload aside:
+    the C rows store 0x7FC0). backend: one of SILU_MUL_BF16.names() (None: the fastest
+    verified; without body.c the torch spelling)."""
     if not kbody.available():
         return silu_mul(gu).to(torch.bfloat16)
     assert gu.dtype == torch.float32 and gu.dim() == 2 and gu.shape[1] % 2 == 0
-    return kbody.silu_mul_bf16(gu)
+    return SILU_MUL_BF16.pick(backend, rows=gu.shape[0]).run(gu)
 
 
 # ---------------------------------------------------------------------------------------
@@ -451,6 +459,15 @@ def _silu_mul_probe(rows: int, seed: int):
     f = 500 if seed >= 0 else 1536
     gu = _special(g, rows * 2 * f, seed).reshape(rows, 2 * f)  # [rows, 2F]
     return lambda name: silu_mul(gu, backend=name)
+
+
+@SILU_MUL_BF16.probe
+def _silu_mul_bf16_probe(rows: int, seed: int):
+    """gu [rows, 2F] fp32 (F = 500; timing 1536); seed 3 plants NaN, inf, subnormal gates."""
+    g = torch.Generator().manual_seed(7150 + seed)
+    f = 500 if seed >= 0 else 1536
+    gu = _special(g, rows * 2 * f, seed).reshape(rows, 2 * f)  # [rows, 2F]
+    return lambda name: silu_mul_bf16(gu, backend=name)
 
 
 @ATTEND.probe

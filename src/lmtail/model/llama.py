@@ -394,7 +394,7 @@ def declared_kernels(ops: Ops, eps: float, B: int, T: int, nh: int, s0: int) -> 
         attend_threads=decl.attend_threads(None, B, T, nh, s0), norm=norm_fn(ops, eps),
         rope_qkv=kbody.rope_qkv if c else
         (lambda qkv, cos_t, sin_t, pos, kc, vc, s0, nh: decl.rope_qkv(qkv, cos_t, sin_t, pos, kc, vc, s0=s0, nh=nh)),
-        silu_mul_bf16=kbody.silu_mul_bf16 if c else decl.silu_mul_bf16)
+        silu_mul_bf16=decl.silu_mul_bf16)
 
 
 def attention_declared(y, l16: Linears16 | Packed16 | QuantLinears, cfg: LlamaConfig, kc, vc, *, s0, cos_t,
@@ -482,7 +482,7 @@ def q32_model(bundle: ModelBundle, lanes: int, gemm_backend: str, attend_backend
     shape = kstep.StepShape(L=cfg.n_layers, H=cfg.hidden, nh=cfg.n_heads, nkv=cfg.n_kv_heads, F=cfg.ffn)
     return kstep.Q32Model(shape, lins, an, fn_, fin, cos_t, sin_t, lanes=lanes, eps=cfg.eps,
                           scale=1.0 / math.sqrt(cfg.head_dim), gemm_backend=gemm_backend,
-                          attend_backend=attend_backend)
+                          attend_backend=attend_backend, silu_backend=decl.SILU_MUL.pick(None, rows=1).name)
 
 
 def embed_rows(bundle: ModelBundle, ids: torch.Tensor) -> torch.Tensor:
