@@ -98,7 +98,9 @@ def test_verdicts_are_cached_and_read_without_a_child(planted, monkeypatch):
     def no_child(*a, **k):
         raise AssertionError("a cached verdict started a child")
     monkeypatch.setattr(_verify, "_run_child", no_child)
-    assert fresh.record().status == first.status and fresh.pick(None).name == planted.FAULTY.pick(None).name
+    assert fresh.record().status == first.status
+    with pytest.warns(RuntimeWarning, match="'fault' .* failed its check"):  # once per table
+        assert fresh.pick(None).name == planted.FAULTY.pick(None).name
 
 
 def test_the_fastest_verified_row_is_chosen_and_backend_still_forces(planted):
