@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve setup test test-all test-install demo demo-synthetic contract bench bench-quick bench-peers fuzz soak receipt-quick clean
+.PHONY: serve setup test test-all test-install test-wheel demo demo-synthetic contract bench bench-quick bench-peers fuzz soak receipt-quick clean
 
 $(STAMP): requirements.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -26,6 +26,10 @@ test-all: setup
 # A fresh venv with torch first, then `pip install .`: torch is kept (tests/test_install.py).
 test-install: setup
 	$(PY) -m pytest -q -m slow tests/test_install.py
+
+# The wheel with its compiled kernels, installed next to torch with no compiler on PATH.
+test-wheel: setup
+	$(PY) -m pytest -q -s -m slow tests/test_wheel.py
 
 demo: setup
 	$(VENV)/bin/lmtail demo

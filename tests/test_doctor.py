@@ -24,7 +24,7 @@ def test_doctor_json_lists_every_op_and_a_chosen_row_per_class(capsys):
 
 def test_doctor_screen_names_a_failed_row_and_why():
     rep = {"machine": {"date": "d", "cpu": "Some CPU", "machine": "x86_64", "features": ["avx2"],
-                       "compiler": "gcc 12", "torch": "2.13", "threads": 2, "python": "3.11", "cache": "/c"},
+                       "compiler": "gcc 12", "kernels": "compiled here", "torch": "2.13", "threads": 2, "python": "3.11", "cache": "/c"},
            "ops": [{"op": "gemm_bf16 amx32", "cache": "", "backends": [
                {"name": "amx", "status": "failed", "reason": "killed by SIGSEGV while checked",
                 "times": {}, "chosen": []},
@@ -37,3 +37,16 @@ def test_doctor_screen_names_a_failed_row_and_why():
     assert any("avx512" in ln and "2 ms" in ln and "1 row, 2-16 rows, >16 rows" in ln for ln in lines)
     assert "1 backend(s) failed their check and are not used: gemm_bf16 amx32 amx" in text
     assert len(lines) <= 60
+
+
+def test_recheck_makes_the_record_anew(monkeypatch):
+    """--recheck drops a table's cached record; the next record() asks the children again."""
+    from lmtail.kernels import _verify
+
+    table = next(t for t in doctor.tables() if t.checked())
+    before = table.record()
+    calls = []
+    real = _verify._verify_in_children
+    monkeypatch.setattr(_verify, "_verify_in_children", lambda t, **k: calls.append(t.op) or real(t, **k))
+    doctor.recheck(table)
+    assert table.record().status == before.status and calls == [table.op]

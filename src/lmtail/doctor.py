@@ -7,7 +7,7 @@ verified; failed and why; unavailable: this CPU lacks the ISA or the kernel is n
 emulated: a SIMDe / AMX-model build, for tests), its measured time per shape class (rows 1 /
 2-16 / more, on the op's probe) and the classes it is chosen for. The first run on a
 machine makes the verdicts (one child process per op, ~2-5 s each); later runs read them.
-`--json`: the same as one JSON object, for a bug report.
+`--json`: the same as one JSON object, for a bug report; `--recheck`: check again.
 
 Shape legend: none (a report).
 """
@@ -56,18 +56,25 @@ def table_report(table) -> dict:
     return {"op": table.op, "cache": rec.path if rec else "", "backends": rows}
 
 
+def recheck(table) -> None:
+    """Drop the table's cached record (disk and process), so the next look makes it anew."""
+    from lmtail.kernels import _verify
+
+    _verify.cache_file(table, table.cache_dir).unlink(missing_ok=True)
+    table._record = None
+
+
 def machine_report() -> dict:
     import torch
 
     from lmtail.kernels import _cc, _verify, cpu
 
-    try:
-        compiler = " ".join(_cc._compiler())
-    except RuntimeError as e:
-        compiler = f"none ({e})"
+    compiler = _cc.compiler_line()
+    built = (f"prebuilt with the package ({_cc.PREBUILT})" if _cc.prebuilt_manifest()
+             else "compiled here at first use")
     return {"cpu": _verify.cpu_model(), "machine": platform.machine(),
             "features": sorted(cpu.features()), "compiler": compiler,
-            "cache": str(_cc._cache_dir()), "torch": torch.__version__,
+            "cache": str(_cc._cache_dir()), "kernels": built, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
@@ -85,6 +92,7 @@ def render(report: dict) -> str:
     lines = [f"lmtail doctor, {m['date']}",
              f"CPU       {m['cpu']} ({m['machine']}): {' '.join(m['features']) or 'no vector ISA used'}",
              f"compiler  {m['compiler']}",
+             f"kernels   {m['kernels']}",
              f"torch     {m['torch']}, {m['threads']} threads; Python {m['python']}",
              f"cache     {m['cache']} (compiled kernels; verdicts/ holds each op's record)",
              "",
@@ -107,6 +115,9 @@ def render(report: dict) -> str:
 def configure(parser) -> None:
     parser.description = __doc__.split("\n\n")[1].replace("\n", " ")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    parser.add_argument("--recheck", action="store_true",
+                        help="forget this machine's cached verdicts and check every backend again "
+                             "(e.g. after a check was killed by something outside lmtail)")
 
 
 def check(args) -> None:
@@ -116,6 +127,8 @@ def check(args) -> None:
 def run(args) -> int:
     report = {"machine": machine_report(), "ops": []}
     for table in tables():
+        if args.recheck:
+            recheck(table)
         if not args.json:
             print(f"checking {table.op} ...", file=sys.stderr, flush=True)
         report["ops"].append(table_report(table))

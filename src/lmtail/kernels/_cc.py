@@ -1,6 +1,12 @@
-"""Build a small C source into a shared library once, cache it, load it with ctypes.
+"""Load a kernel's shared library with ctypes: the one the package was built with, or one
+built here once and cached.
 
-No torch headers, no ninja: one `cc -O3 -shared` call (about a second), keyed by the
+Prebuilt: an installed lmtail (wheel or sdist: setup.py) carries every kernel compiled in
+kernels/_prebuilt/ with a manifest of each library's `source_key` (the source's and the
+shared header's bytes); a library whose key matches the installed source is loaded as it
+is, with no compiler on the machine. Built here (a developer's checkout, an edited source,
+the emulated test builds): no torch headers, no ninja: one `cc -O3 -shared` call (about a
+second), keyed by the
 source bytes, the shared header's bytes (lmtail_kernels.h, #included by every kernel and
 found by -I), the flags, the compiler's version line and the machine, written to a temp
 name and renamed into place, so concurrent first calls (pytest workers, torchrun ranks)
@@ -12,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import os
 import platform
 import shutil
@@ -50,6 +57,46 @@ def _compiler() -> tuple[str, str]:
     return cc, (ver.stdout.splitlines() or ["?"])[0]
 
 
+PREBUILT = Path(__file__).with_name("_prebuilt")  # setup.py's output in an installed package
+
+
+def source_key(source: Path) -> str:
+    """sha256 of a kernel source's bytes and the shared header's: what a prebuilt library
+    must have been built from to be loaded for it."""
+    return hashlib.sha256(Path(source).read_bytes() + b"\0" + HEADER.read_bytes()).hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def prebuilt_manifest() -> dict:
+    """kernels/_prebuilt/manifest.json ({} when the package was not built with its kernels)."""
+    try:
+        return json.loads((PREBUILT / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def prebuilt(source: Path) -> Path | None:
+    """The package's own library for `source` when it was built from these exact bytes."""
+    entry = prebuilt_manifest().get("libraries", {}).get(Path(source).stem)
+    lib = PREBUILT / f"{Path(source).stem}.so"
+    if entry and entry.get("source_key") == source_key(source) and lib.exists():
+        return lib
+    return None
+
+
+def compiler_line() -> str:
+    """The compiler the loaded kernels come from: the prebuilt manifest's, else the one on
+    PATH, else "no compiler" (the verdict cache keys on it)."""
+    parts = []
+    if prebuilt_manifest():
+        parts.append(f"prebuilt: {prebuilt_manifest().get('compiler', '?')}")
+    try:
+        parts.append(_compiler()[1])
+    except (RuntimeError, OSError, subprocess.SubprocessError):
+        parts.append("no compiler on PATH")
+    return "; ".join(parts)
+
+
 def library_path(source: Path, cc: str, version: str) -> Path:
     """The cache file of `source` built by compiler `cc` (version line `version`): named by a
     hash of the source's bytes, the shared header's bytes, the flags and the machine."""
@@ -59,8 +106,12 @@ def library_path(source: Path, cc: str, version: str) -> Path:
 
 
 def load_c_library(source: Path) -> ctypes.CDLL:
-    """Compile `source` (cached) and return the loaded library. Raises RuntimeError
-    with the compiler's message when there is no compiler or the build fails."""
+    """The package's prebuilt library for `source` when its bytes match, else compile
+    `source` (cached) and return the loaded library. Raises RuntimeError with the
+    compiler's message when there is no compiler or the build fails."""
+    lib = prebuilt(source)
+    if lib is not None:
+        return ctypes.CDLL(str(lib))
     cc, version = _compiler()
     lib = library_path(source, cc, version)
     if not lib.exists():

@@ -108,11 +108,7 @@ def cache_key(table) -> str:
     mod = sys.modules.get(table.module or "")
     if mod is not None and getattr(mod, "__file__", None):
         h.update(Path(mod.__file__).read_bytes())
-    try:
-        compiler = _cc._compiler()[1]
-    except RuntimeError:
-        compiler = "no compiler"
-    h.update(repr((table.op, compiler, _cc.FLAGS, cpu_model(), sorted(cpu.features()),
+    h.update(repr((table.op, _cc.compiler_line(), _cc.FLAGS, cpu_model(), sorted(cpu.features()),
                    platform.machine())).encode())
     return h.hexdigest()[:16]
 
