@@ -199,6 +199,7 @@ _amx32_lib = kernel_library("gemm_amx32.c", {
     "lmtail_amx32_has": ([_INT], _INT),
     "lmtail_amx32_pack": ([_P, _I64, _I64, _I64, _P], None),
     "lmtail_amx32_pool_helpers": ((), _INT),
+    "lmtail_amx32_vnni_tile": ([_P, _I64, _I64, _I64, _I64, _P], _INT),
     "lmtail_amx32_gemm": ([_P, _I64, _P, _I64, _INT, _P] + [_I64] * 4 + [_INT] * 2, _INT),
 }, what="gemm amx32", fallback="no amx32 backend")
 _dp32_lib = kernel_library("gemm_dp32.c", {
