@@ -171,3 +171,25 @@ def test_weight_for_packs_exactly_when_the_record_says_packed_is_faster(order, m
         assert isinstance(got, gemm.PackedWeight) is packed_faster
         assert torch.equal(gemm.gemm_bf16(a, got, order=order).view(torch.int32),
                            gemm.gemm_bf16(a, w, order=order).view(torch.int32))
+
+
+def test_every_table_names_existing_sources_and_its_key_follows_only_them(tmp_path, monkeypatch):
+    """Each table's verdict keys on its own kernel sources: they exist; an edit of another
+    kernel leaves the key as it is (one kernel's change re-checks only its ops), an edit of
+    its own source or of the shared header changes it."""
+    import shutil
+
+    kernels = _verify.Path(_verify._cc.__file__).parent
+    for t in TABLES:
+        assert t.sources and all((kernels / s).exists() for s in t.sources), t.op
+    copy = tmp_path / "kernels"
+    shutil.copytree(kernels, copy, ignore=shutil.ignore_patterns("*.py", "__pycache__", "_prebuilt"))
+    monkeypatch.setattr(_verify._cc, "__file__", str(copy / "_cc.py"))
+    table = quant.GEMM_Q
+    key = _verify.cache_key(table)
+    (copy / "rows_tail.c").write_text((copy / "rows_tail.c").read_text() + "\n/* edit */\n")
+    assert _verify.cache_key(table) == key
+    for edited in ("gemm_q.c", "lmtail_kernels.h"):
+        (copy / edited).write_text((copy / edited).read_text() + "\n/* edit */\n")
+        assert _verify.cache_key(table) != key, edited
+        key = _verify.cache_key(table)

@@ -46,7 +46,7 @@ def table_report(table) -> dict:
             else:
                 entry["status"] = rec.status.get(r.name, "not timed")
                 entry["reason"] = rec.reason.get(r.name, "")
-                entry["times"] = {c: rec.times.get(c, {}).get(r.name) for c in CLASS_TITLES}
+                entry["times"] = {c: t[r.name] for c, t in rec.times.items() if r.name in t}
                 entry["chosen"] = [c for c, n in rec.chosen.items() if n == r.name]
             if rec is None and r.name == have[0]:
                 entry["chosen"] = list(CLASS_TITLES)
@@ -79,6 +79,12 @@ def machine_report() -> dict:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
+def _title(key: str) -> str:
+    """"16" -> "2-16 rows"; "16/packed" -> "2-16 rows packed"."""
+    cls, _, layout = key.partition("/")
+    return CLASS_TITLES[cls] + (f" {layout}" if layout else "")
+
+
 def _ms(s) -> str:
     if s is None:
         return ""
@@ -101,8 +107,11 @@ def render(report: dict) -> str:
     for op in report["ops"]:
         for i, b in enumerate(op["backends"]):
             times = " ".join(f"{_ms(b['times'].get(c)):>10}" for c in CLASS_TITLES)
-            chosen = ", ".join(CLASS_TITLES[c] for c in b["chosen"])
+            chosen = ", ".join(_title(c) for c in b["chosen"])
             lines.append(f"{op['op'] if i == 0 else '':<20} {b['name']:<11} {b['status']:<11} {times}  {chosen}")
+            packed = " ".join(f"{_ms(b['times'].get(c + '/packed')):>10}" for c in CLASS_TITLES)
+            if packed.strip():
+                lines.append(f"{'':<20} {'':<11} {'  packed w':<11} {packed}")
             if b["reason"]:
                 lines.append(f"{'':<20} {'':<11} ^ {b['reason']}")
     failed = [(o["op"], b["name"]) for o in report["ops"] for b in o["backends"] if b["status"] == "failed"]

@@ -66,14 +66,19 @@ class Dispatch:
         self.module: str | None = None          # where the probe (and the table) live
         self.verifying = False                  # True in _verify's child: rows as they are
         self.layouts: tuple[str, ...] = ("plain",)  # weight layouts timed (_verify)
+        self.sources: tuple[str, ...] = ()          # the kernel sources its verdict keys on
         self._record: _verify.Record | None = None
         self._warned = False
 
-    def probe(self, fn: Callable | None = None, *, layouts: tuple[str, ...] = ("plain",)):
+    def probe(self, fn: Callable | None = None, *, layouts: tuple[str, ...] = ("plain",),
+              sources: tuple[str, ...] = ()):
         """Register the table's probe (a decorator; `_verify` module docstring); layouts:
-        the weight layouts the op takes, each timed (the probe then takes layout=)."""
+        the weight layouts the op takes, each timed (the probe then takes layout=);
+        sources: the kernels/*.c its rows run (the verdict is redone when they change;
+        () : every kernel source)."""
         def register(f: Callable) -> Callable:
             self.probe_fn, self.module, self.layouts = f, f.__module__, tuple(layouts)
+            self.sources = tuple(sources)
             return f
         return register if fn is None else register(fn)
 

@@ -17,7 +17,8 @@ backend on a machine, this module checks the table in a CHILD process:
 The record (`Record`) holds each row's status (reference / verified / failed with its
 reason), the measured seconds per class and the chosen (fastest verified) row per class.
 It is cached as JSON next to the compiled kernels (`_cc` cache dir, verdicts/), keyed by
-the op, the bytes of every kernel source and header, the Python module defining the table,
+the op, the bytes of its kernel sources (Dispatch.probe's sources=), the CPU probe's and
+every header, the Python module defining the table,
 the compiler's version line, the CPU's model name and feature bits. A failed row is never
 used on that machine; `Dispatch.pick` warns once per process, naming it and the row used.
 
@@ -103,7 +104,8 @@ def cache_key(table) -> str:
 
     kernels = Path(_cc.__file__).parent
     h = hashlib.sha256()
-    for p in sorted([*kernels.glob("*.c"), *kernels.glob("*.h")]):
+    own = [kernels / s for s in getattr(table, "sources", ())] or list(kernels.glob("*.c"))
+    for p in sorted({*own, kernels / "cpu.c", *kernels.glob("*.h")}):
         h.update(p.name.encode() + b"\0" + p.read_bytes())
     mod = sys.modules.get(table.module or "")
     if mod is not None and getattr(mod, "__file__", None):

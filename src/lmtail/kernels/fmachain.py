@@ -252,7 +252,7 @@ def moe_routed(slots: torch.Tensor, weights: torch.Tensor, *, nslots: int,
 # ---------------------------------------------------------------------------------------
 # the probes backends are verified and timed on (kernels._verify)
 # ---------------------------------------------------------------------------------------
-@FMA_SUM.probe
+@FMA_SUM.probe(sources=("fmachain.c",))
 def _fma_sum_probe(rows: int, seed: int):
     """a [rows, N] * b [N] fp32 in a 64-lane, vec-4, reversed order (N odd); seed 3 plants
     subnormals, inf and NaN."""
@@ -266,7 +266,7 @@ def _fma_sum_probe(rows: int, seed: int):
                                      threads=threads)
 
 
-@MOE_ROUTED.probe
+@MOE_ROUTED.probe(sources=("fmachain.c",))
 def _moe_routed_probe(rows: int, seed: int):
     """slots [4, rows, H] (bf16 for odd seeds) and weights [rows, 4], 3 slots routed."""
     g = torch.Generator().manual_seed(6100 + seed)

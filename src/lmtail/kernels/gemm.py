@@ -403,7 +403,8 @@ def _gemm_probe(order: str):
 
 
 for _order, _table in GEMM.items():
-    _table.probe(_gemm_probe(_order), layouts=("plain",) if _order == "chain" else ("plain", "packed"))
+    _table.probe(_gemm_probe(_order), layouts=("plain",) if _order == "chain" else ("plain", "packed"),
+                 sources=({"chain": "gemm_chain.c", "amx32": "gemm_amx32.c", "dp32": "gemm_dp32.c"}[_order],))
 
 
 def weight_for(w: torch.Tensor, *, order: str = DEFAULT_ORDER, rows: int = 1):

@@ -285,7 +285,7 @@ def gemm_q(a: torch.Tensor, w: QuantWeight, *, out: torch.Tensor | None = None,
 # ---------------------------------------------------------------------------------------
 # the probes backends are verified and timed on (kernels._verify)
 # ---------------------------------------------------------------------------------------
-@GEMM_Q.probe
+@GEMM_Q.probe(sources=("gemm_q.c",))
 def _gemm_q_probe(rows: int, seed: int):
     """a [rows, K] fp32 x a Q8_0 (even seeds) or Q4_1 (odd seeds) weight [N, K]; seed 3
     plants subnormal fp16 d and m, NaN and inf activations; seed -1: a Q4_1 timing shape."""

@@ -239,7 +239,7 @@ def row_mass(row: torch.Tensor, scale: torch.Tensor, *, backend: str | None = No
 # ---------------------------------------------------------------------------------------
 # the probes backends are verified and timed on (kernels._verify)
 # ---------------------------------------------------------------------------------------
-@ROW_MASS.probe
+@ROW_MASS.probe(sources=("rowmass.c",))
 def _row_mass_probe(rows: int, seed: int):
     """float64 rows [rows, V] at mixed scales (1/T); seed 3 plants -inf and subnormal lanes."""
     g = torch.Generator().manual_seed(4000 + seed)
@@ -252,7 +252,7 @@ def _row_mass_probe(rows: int, seed: int):
     return lambda name: row_mass(row, scale, backend=name, threads=threads)
 
 
-@TERMS.probe
+@TERMS.probe(sources=("rowmass.c",))
 def _terms_probe(rows: int, seed: int):
     """z [64 rows] float64 <= m, some far below it (the underflow split)."""
     g = torch.Generator().manual_seed(4100 + seed)

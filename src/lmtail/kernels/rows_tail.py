@@ -262,7 +262,7 @@ def fused_unchecked(rows_bf16, k: int, sampling_params, nan_fold: bool, row: _ba
 # ---------------------------------------------------------------------------------------
 # the probe backends are verified and timed on (kernels._verify)
 # ---------------------------------------------------------------------------------------
-@ROWS_TAIL.probe
+@ROWS_TAIL.probe(sources=("rows_tail.c",))
 def _rows_tail_probe(rows: int, seed: int):
     """bf16 rows [rows, V] with ties, sampled with mixed top_k / top_p / T / u / min_p (a
     greedy row among them); seed 3 plants NaN (nan_fold), inf and subnormal lanes."""

@@ -307,7 +307,7 @@ def sample_candidates(values: torch.Tensor, ids: torch.Tensor, sp: torch.Tensor,
 # ---------------------------------------------------------------------------------------
 # the probe backends are verified and timed on (kernels._verify)
 # ---------------------------------------------------------------------------------------
-@SHARD_PARTIALS.probe
+@SHARD_PARTIALS.probe(sources=("shard_partials.c",))
 def _shard_partials_probe(rows: int, seed: int):
     """fp32 logits [rows, V_s] in 3 chunks, keys and mass at T = 1 and T != 1 rows; seed 3
     plants NaN (nan_fold), -inf and subnormal lanes."""

@@ -443,7 +443,7 @@ def _special(g: torch.Generator, n: int, seed: int) -> torch.Tensor:
     return x
 
 
-@EXP32.probe
+@EXP32.probe(sources=("body.c",))
 def _exp32_probe(rows: int, seed: int):
     """x [rows, 1000] fp32 (timing: [rows, 4096]); seed 3 plants NaN, inf, subnormal, the cut-offs."""
     g = torch.Generator().manual_seed(7000 + seed)
@@ -452,7 +452,7 @@ def _exp32_probe(rows: int, seed: int):
     return lambda name: exp32(x, backend=name)
 
 
-@SILU_MUL.probe
+@SILU_MUL.probe(sources=("body.c",))
 def _silu_mul_probe(rows: int, seed: int):
     """gu [rows, 2F] fp32 (F = 500; timing 1536); seed 3 plants NaN, inf, subnormal gates."""
     g = torch.Generator().manual_seed(7100 + seed)
@@ -461,7 +461,7 @@ def _silu_mul_probe(rows: int, seed: int):
     return lambda name: silu_mul(gu, backend=name)
 
 
-@SILU_MUL_BF16.probe
+@SILU_MUL_BF16.probe(sources=("body.c",))
 def _silu_mul_bf16_probe(rows: int, seed: int):
     """gu [rows, 2F] fp32 (F = 500; timing 1536); seed 3 plants NaN, inf, subnormal gates."""
     g = torch.Generator().manual_seed(7150 + seed)
@@ -470,7 +470,7 @@ def _silu_mul_bf16_probe(rows: int, seed: int):
     return lambda name: silu_mul_bf16(gu, backend=name)
 
 
-@ATTEND.probe
+@ATTEND.probe(sources=("body.c",))
 def _attend_probe(rows: int, seed: int):
     """rows queries (T = 1, B = rows) of 3 heads over a 2-head cache at s0 = 37 (timing:
     9 / 3 heads, s0 = 500), with left padding."""
