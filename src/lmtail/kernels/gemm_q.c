@@ -475,12 +475,15 @@ static AI AVX512 void deq_512(const uint8_t *blk, int fmt, __m512 *v) {
  * dequantized once (deq_512) for the R rows; R*C*2 accumulators, lane j of acc[r][c][j/16]
  * is the declared l[j] of element (m0+r, n+c): l[j] = fma(a[32b+j], w[32b+j], l[j]) for the
  * blocks in order, then the halving tree (tree_512). pf: the prefetch distance in bytes.
- * llvm-mca-14 estimate of the block loop (an estimate, not a measurement; Q4_1 / Q8_0, cycles
- * per block iteration, block throughput reciprocal from the tool's summary):
- *   R = 1, C = 4 (M = 1):   sapphirerapids 7.5 / 8.0,  znver4 13.6 / 14.0
- *   R = 4, C = 2:           sapphirerapids 8.0 / 8.0,  znver4 16.0 / 16.1
- *   R = 8, C = 1:           sapphirerapids 8.1 / 8.0,  znver4 16.0 / 16.1
- * (see docs/quant.md: the AVX-512 paths). */
+ * ESTIMATE (llvm-mca, not a measurement) of the block loop `for b` as gcc 12 -O3 compiles it,
+ * cycles per iteration (one block of each of the C columns for the R rows), Q4_1 / Q8_0:
+ *                     mca-14 sapphirerapids   mca-19 sapphirerapids   mca-19 znver4
+ *   R = 1, C = 2            14.1 / 13.1             12.1 / 12.1          12.1 / 12.2
+ *   R = 4, C = 2            21.3 / 19.6             20.1 / 24.1          24.1 / 21.4
+ *   R = 8, C = 1            16.1 / 15.7             24.1 / 26.1          19.1 / 19.1
+ * (llvm-mca-14 has no znver4 model: Debian's llvm-19 has. The M = 1 loop before the table,
+ * Q4_1 with C = 2: 20.1 / 14.1 / 16.4.) On SPR the table's vpermps and vpmovzxbd share
+ * port 5 with the second zmm FMA; on Zen 4 the model puts 3 cycles on vpmovzxbd zmm. */
 static AI AVX512 void rows_512(const job_t *j, int64_t m0, const int R, const int C, int64_t n, int fmt,
                                const int pf) {
     __m512 acc[8][4][2];
