@@ -424,9 +424,12 @@ static BF16 void dp_panel(const job_t *j, int64_t k0, int64_t kc, int64_t c0, ui
             _mm_prefetch(x + 2 * ldw, _MM_HINT_T0);
             _mm_prefetch(x + 2 * ldw + 64, _MM_HINT_T0);
         }
+        const int inside = i + 1 < j->H && cm[1] == 0xFFFFFFFFu; /* plain loads, no mask */
         for (int g = 0; g < 2; ++g) {
-            const __m512i x0 = _mm512_maskz_loadu_epi16(i < j->H ? cm[g] : 0, p + 32 * g);
-            const __m512i x1 = _mm512_maskz_loadu_epi16(i + 1 < j->H ? cm[g] : 0, p + ldw + 32 * g);
+            const __m512i x0 = inside ? _mm512_loadu_si512((const void *)(p + 32 * g))
+                                      : _mm512_maskz_loadu_epi16(i < j->H ? cm[g] : 0, p + 32 * g);
+            const __m512i x1 = inside ? _mm512_loadu_si512((const void *)(p + ldw + 32 * g))
+                                      : _mm512_maskz_loadu_epi16(i + 1 < j->H ? cm[g] : 0, p + ldw + 32 * g);
             _mm512_store_si512((void *)(q + 64 * g), _mm512_unpacklo_epi16(x0, x1));
             _mm512_store_si512((void *)(q + 64 * g + 32), _mm512_unpackhi_epi16(x0, x1));
         }
