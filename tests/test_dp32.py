@@ -367,3 +367,19 @@ def test_bad_options_write_nothing(kw, msg):
     with pytest.raises(ValueError, match=msg):
         gemm_bf16(a, w, out=out, **kw)
     assert bool((out == 7).all())
+
+
+def test_c_entry_with_no_rows_writes_nothing():
+    """lmtail_dp32_gemm with M = 0 returns 0 on every C backend and writes nothing (without
+    the entry's check the VDPBF16PS path looped on an empty row tile and the AVX2 decode
+    path called a null entry)."""
+    lib = G._dp32_library()
+    if lib is None:
+        pytest.skip("no C compiler: dp32 has no backend")
+    a, w = rand_data(1, 64, 40, 0)
+    out = torch.full((1, 40), 7.0)
+    for isa, name in ((3, "avx512bf16"), (2, "avx512"), (1, "avx2"), (0, "c")):
+        if name not in DP32:
+            continue
+        rc = lib.lmtail_dp32_gemm(a.data_ptr(), 64, w.data_ptr(), 40, 0, out.data_ptr(), 0, 64, 40, 40, 2, isa)
+        assert rc == 0 and bool((out == 7).all()), name

@@ -558,6 +558,7 @@ int lmtail_dp32_gemm(const uint16_t *a, int64_t lda, const uint16_t *w, int64_t 
                      float *out, int64_t M, int64_t H, int64_t V, int64_t ldc, int nthreads,
                      int isa) {
     if (!lmtail_dp32_has(isa)) return -1;
+    if (M <= 0 || V <= 0) return 0; /* nothing to write (the decode paths index by M) */
     const int64_t Kp = (H + 31) / 32 * 32;
     job_t j;
     memset(&j, 0, sizeof j);
