@@ -31,17 +31,17 @@
 
 enum { FMT_Q8_0 = 0, FMT_Q4_1 = 1 };
 enum { ISA_C = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
-/* Blocking: a unit is a chunk of columns taken by one thread. M == 1 reads the blocks
- * directly (two columns at a time; AVX-512: 2 zmm per block). M >= 2 runs AVX2 code on both
- * vector paths: below the lanes path each column's blocks are read directly, ROWS_COLS
- * columns at a time, in passes of rows that share each dequantized part of a block
- * (rows_cols_avx2): QUARTER_MIN_R..8 rows a quarter block at a time when K <= QUARTER_MAX_K
- * (8 rows of a stay in L1), 3-4 rows half a block at a time, 1-2 rows a whole block.
- * M >= LANES_MIN_M, or M >= 8 with K > QUARTER_MAX_K, takes the lanes path (lanes_unit).
- * Threads: each gets at least MIN_WEIGHT weights (or MIN_WORK multiply-adds).
+/* Blocking: a unit is a chunk of columns taken by one thread. AVX2: M == 1 reads the blocks
+ * directly (two columns at a time); 2 <= M below the lanes path reads each column's blocks
+ * directly, ROWS_COLS columns at a time, in passes of rows that share each dequantized part
+ * of a block (rows_cols_avx2): QUARTER_MIN_R..8 rows a quarter block at a time when K <=
+ * QUARTER_MAX_K (8 rows of a stay in L1), 3-4 rows half a block at a time, 1-2 rows a whole
+ * block; M >= LANES_MIN_M, or M >= 8 with K > QUARTER_MAX_K, takes the lanes path
+ * (lanes_unit). AVX-512: M < LANES_MIN_M in passes of R rows x C columns over whole blocks
+ * (2 zmm; unit_512, rows_512), M >= LANES_MIN_M the AVX2 lanes path. Threads: each gets at least MIN_WEIGHT weights (or MIN_WORK multiply-adds).
  * PREFETCH: the direct paths and the lanes path's panels prefetch each weight row this many
  * bytes ahead (the head at M = 1, read from DRAM, ran about 2x faster with it on Zen 3; cached
- * sizes: no change). M == 1 (direct_avx2, direct_512) prefetches PREFETCH_M1 ahead: on Zen 3,
+ * sizes: no change). M == 1 (direct_avx2, rows_512) prefetches PREFETCH_M1 ahead: on Zen 3,
  * alternating, medians of 15, 1024 bytes vs 256 read the 30 layers' linears 5% and the Q8_0
  * head 6-9% faster on 1 and 2 threads (768: the head 1.5x slower; 2048: the head slower); at
  * M = 4 it lost 2-5%. */
@@ -432,7 +432,7 @@ static AI AVX2 void unit_avx2_fmt(const job_t *j, int64_t c0, int64_t c1, int fm
 }
 
 static AVX2 void unit_avx2(const job_t *j, int64_t c0, int64_t c1, float *panel) {
-    if (j->lanes) lanes_unit(j, c0, c1, panel, j->fmt); /* M >= 8: lmtail_gemm_q picks */
+    if (j->lanes) lanes_unit(j, c0, c1, panel, j->fmt); /* lmtail_gemm_q_cat picks */
     else if (j->fmt == FMT_Q8_0) unit_avx2_fmt(j, c0, c1, FMT_Q8_0);
     else unit_avx2_fmt(j, c0, c1, FMT_Q4_1);
 }
@@ -533,7 +533,7 @@ typedef void (*pass512_fn)(const job_t *, int64_t, int64_t, int64_t, int);
 static const pass512_fn PASS512[9] = {0, pass512_1_2, pass512_2_4, pass512_3_2, pass512_4_2,
                                       pass512_5_2, pass512_6_2, pass512_7_1, pass512_8_1};
 
-/* Rows 0 .. M-1 of columns c0 .. c1-1 (M <= 16 or below the lanes path): the columns in groups
+/* Rows 0 .. M-1 of columns c0 .. c1-1 (M < LANES_MIN_M; else the lanes path): the columns in groups
  * of ROWS_COLS (M == 1: the whole unit), each group's rows in passes of up to ROWS512 rows
  * (the pass's rows of a stay in L1: ROWS512 rows when K <= QUARTER_MAX_K, else 4). Only which
  * rows and columns share a dequantized block changes with M: each element's chains and tree
@@ -625,7 +625,7 @@ int lmtail_gemm_q_cat(const float *a, int64_t lda, const uint8_t *const *ws, con
     /* about 4 units per thread (even widths); the lanes path: multiples of 24 columns, a
      * panel of at most LANES_PANEL floats, about LANES_UNITS units per thread or more */
     j.chunk = ((N + 4 * nthreads - 1) / (4 * nthreads) + 1) / 2 * 2;
-    /* the lanes path, or rows_cols_avx2 (M >= 2) */
+    /* the lanes path, or below it rows_cols_avx2 / unit_512's passes */
     j.lanes = isa != ISA_C && (M >= LANES_MIN_M || (isa == ISA_AVX2 && M >= 8 && K > QUARTER_MAX_K));
     float *at = NULL;
     if (j.lanes) {
