@@ -126,6 +126,39 @@ def test_vdpbf16ps_matches_emulation():
                 assert same_bits(got, want), (shape, t)
 
 
+# gemm_dp32.c's VDPBF16PS paths (dp_strip): M <= 2 one row tile (strips of 192 / 96 columns,
+# tiles of 960), 3..6 one tile of 64-column strips, M > 6 row tiles of 3..6 over a pair panel
+# built once per strip and chunk of 128 lanes (dp_panel); H not a multiple of 32 or 128 (the
+# masked chunk), V cutting a strip, a group or a tile; both layouts; 1..3 threads.
+VDP_SHAPES = [(1, 61, 961), (1, 288, 193), (2, 130, 97), (2, 32, 1000), (3, 200, 65), (6, 96, 130),
+              (7, 61, 33), (8, 257, 200), (13, 130, 64), (33, 160, 95), (40, 32, 17), (1, 33, 1),
+              (9, 576, 1001), (1, 576, 2000)]
+
+
+def _swap_halves(out: torch.Tensor) -> torch.Tensor:
+    """Planted lane map: each 32-column group's two 16-lane halves swapped (V a multiple of 32)."""
+    M, V = out.shape
+    return out.reshape(M, V // 32, 2, 16).flip(2).reshape(M, V)
+
+
+def test_vdpbf16ps_blocking_paths():
+    """Every VDPBF16PS blocking path == the emulation, both layouts, 1..3 threads; special
+    values on two shapes. Planted: a lane map with the halves of a group swapped differs."""
+    if "avx512bf16" not in DP32:
+        pytest.skip(NO_BF16)
+    for i, shape in enumerate(VDP_SHAPES):
+        maker = special_data if i % 4 == 3 else rand_data
+        a, w = maker(*shape, 60 + i)
+        want = R.gemm_dp32_emulation(a, w)
+        for ww in (w, pack_weight(w)):
+            for t in (1, 2, 3):
+                got = gemm_bf16(a, ww, order="dp32", backend="avx512bf16", threads=t)
+                assert same_bits(got, want), (shape, t, isinstance(ww, torch.Tensor))
+    a, w = rand_data(3, 64, 64, 70)
+    want = R.gemm_dp32_emulation(a, w)
+    assert not same_bits(_swap_halves(want), want)
+
+
 # ---------------------------------------------------------------------------------------
 # invariance: threads, rows, column split, repeats
 # ---------------------------------------------------------------------------------------
@@ -334,3 +367,19 @@ def test_bad_options_write_nothing(kw, msg):
     with pytest.raises(ValueError, match=msg):
         gemm_bf16(a, w, out=out, **kw)
     assert bool((out == 7).all())
+
+
+def test_c_entry_with_no_rows_writes_nothing():
+    """lmtail_dp32_gemm with M = 0 returns 0 on every C backend and writes nothing (without
+    the entry's check the VDPBF16PS path looped on an empty row tile and the AVX2 decode
+    path called a null entry)."""
+    lib = G._dp32_library()
+    if lib is None:
+        pytest.skip("no C compiler: dp32 has no backend")
+    a, w = rand_data(1, 64, 40, 0)
+    out = torch.full((1, 40), 7.0)
+    for isa, name in ((3, "avx512bf16"), (2, "avx512"), (1, "avx2"), (0, "c")):
+        if name not in DP32:
+            continue
+        rc = lib.lmtail_dp32_gemm(a.data_ptr(), 64, w.data_ptr(), 40, 0, out.data_ptr(), 0, 64, 40, 40, 2, isa)
+        assert rc == 0 and bool((out == 7).all()), name

@@ -449,3 +449,142 @@ def test_torch_fallback_without_c_kernel(monkeypatch):
     assert Q.available_backends() == ("torch",)
     w, a = rand_weight(9, 64, "Q4_1", 14), rand_a(2, 64, 14)
     assert same_bits(gemm_q(a, w), lanes_emulation(a, dequantize(w)))
+
+
+# ---------------------------------------------------------------------------------------
+# the format's edge values: blocks whose fp16 d and m are subnormal (exact: mant * 2^-24)
+# ---------------------------------------------------------------------------------------
+SUB_HALVES = [0x0001, 0x8001, 0x03FF, 0x83FF, 0x0200, 0x0155, 0x8000, 0x0000, 0x0400, 0x8400]
+
+
+def subnormal_weight(N, K, fmt, seed) -> QuantWeight:
+    """rand_weight with the fp16 d (and m, Q4_1) of about half the blocks replaced by subnormal
+    halves (smallest and largest, both signs, zeros, the smallest normals beside them), and
+    rows 0 and 1 made of such blocks only (their results are then tiny, so a wrong subnormal
+    scale cannot hide under the other blocks' rounding)."""
+    w = rand_weight(N, K, fmt, seed)
+    g = torch.Generator().manual_seed(seed + 77)
+    blk = w.data.clone().view(N, K // 32, Q.BLOCK_BYTES[fmt])  # [N, NB, BS]
+    pick = torch.tensor(SUB_HALVES, dtype=torch.int32)
+    sub = torch.rand(N, K // 32, generator=g) < 0.5
+    sub[:2] = True
+    for off in ((0, 2) if fmt == "Q4_1" else (0,)):
+        half = pick[torch.randint(len(SUB_HALVES), (N, K // 32), generator=g)]
+        rnd = torch.randint(1, 0x400, (N, K // 32), generator=g) | (torch.randint(2, (N, K // 32), generator=g) << 15)
+        half = torch.where(torch.rand(N, K // 32, generator=g) < 0.5, half, rnd)  # any subnormal, both signs
+        for byte in (0, 1):
+            val = ((half >> (8 * byte)) & 0xFF).to(torch.uint8)
+            blk[..., off + byte] = torch.where(sub, val, blk[..., off + byte])
+    return QuantWeight(fmt, (N, K), blk.reshape(N, -1).contiguous())
+
+
+def dequantize_subnormal_halved(w: QuantWeight) -> torch.Tensor:
+    """Planted: a half_to_f32 that scales every subnormal d and m by one half too much."""
+    N, K = w.shape
+    blk = w.data.view(N, K // 32, Q.BLOCK_BYTES[w.fmt])
+
+    def half(off):
+        h = blk[..., off:off + 2].contiguous().view(torch.int16)
+        v = h.view(torch.float16).float()
+        return torch.where((h & 0x7C00) == 0, v * 0.5, v)
+    d, _, q = Q._fields(w)
+    d = half(0)
+    if w.fmt == "Q8_0":
+        return (d * q).reshape(N, K)
+    return (d * q + half(2)).reshape(N, K)
+
+
+def test_subnormal_halves_are_exact():
+    """dequantize reads a subnormal fp16 d / m as mant * 2^-24 exactly (== gguf's values and
+    float64's), and the planted halving changes the values."""
+    for fmt in Q.FORMATS:
+        w = subnormal_weight(7, 96, fmt, 30)
+        N, K = w.shape
+        blk = w.data.view(N, K // 32, Q.BLOCK_BYTES[fmt]).numpy()
+        h = blk[..., 0:2].copy().view(np.uint16)[..., 0]
+        sub = (h & 0x7C00) == 0
+        assert sub.mean() > 0.4 and sub[:2].all()
+        want_d = np.where(h & 0x8000, -1.0, 1.0) * (h & 0x3FF) * 2.0**-24
+        assert np.array_equal(blk[..., 0:2].copy().view(np.float16)[..., 0][sub].astype(np.float64), want_d[sub])
+        got = dequantize(w)
+        want = gguf.quants.dequantize(w.data.numpy(), gguf.GGMLQuantizationType[fmt]).reshape(N, K)
+        assert np.array_equal(got.numpy().view(np.int32), want.view(np.int32)), fmt
+        assert np.array_equal(dequantize_f64(w), want.astype(np.float64)), fmt
+        assert not same_bits(dequantize_subnormal_halved(w), got), fmt
+
+
+@pytest.mark.parametrize("fmt", Q.FORMATS)
+def test_subnormal_scales_bit_equal_on_every_path(fmt):
+    """Blocks with subnormal fp16 d and m: every C backend == the emulation on the format's
+    values, on each blocking path (M = 1; 2..16 the rows passes; 17 and 40 the lanes path; K
+    576 and 1536) and 1..3 threads. Planted: the halved subnormals give other bytes."""
+    for i, (M, N, K) in enumerate([(1, 67, 576), (3, 33, 576), (8, 21, 1536), (16, 19, 576),
+                                   (17, 25, 576), (40, 27, 1536), (5, 9, 96)]):
+        w, a = subnormal_weight(N, K, fmt, 31 + i), rand_a(M, K, 31 + i)
+        want = lanes_emulation(a, dequantize(w))
+        for be in C_BACKENDS:
+            for th in (1, 2, 3):
+                assert same_bits(gemm_q(a, w, backend=be, threads=th), want), (M, N, K, be, th)
+        wrong = lanes_emulation(a, dequantize_subnormal_halved(w))
+        assert not same_bits(wrong[:, :2], want[:, :2]), (M, N, K)  # the all-subnormal rows
+
+
+# ---------------------------------------------------------------------------------------
+# the avx512 Q4_1 table T[q] = fl32(d*q + m): planted tables built another way
+# ---------------------------------------------------------------------------------------
+def dequantize_table_by_adds(w: QuantWeight) -> torch.Tensor:
+    """Planted: T[0] = m, T[q] = fl32(T[q-1] + d) (the table by running additions)."""
+    N, K = w.shape
+    d, m, q = Q._fields(w)  # [N, NB, 1], [N, NB, 1], [N, NB, 32]
+    tab = [m]
+    for _ in range(15):
+        tab.append(tab[-1] + d)
+    tab = torch.cat(tab, dim=-1)  # [N, NB, 16]
+    return torch.gather(tab, -1, q.long()).reshape(N, K)
+
+
+def dequantize_table_toward_zero(w: QuantWeight) -> torch.Tensor:
+    """Planted: T[q] = d*q + m rounded toward zero (not to nearest)."""
+    N, K = w.shape
+    d, m, q = Q._fields(w)
+    x = d.double() * q.double() + m.double()  # exact
+    f = x.float()
+    over = f.double().abs() > x.abs()
+    f = torch.where(over, torch.nextafter(f, torch.zeros_like(f)), f)
+    return f.reshape(N, K)
+
+
+def rounding_q4_1_weight(N, K, seed) -> QuantWeight:
+    """Q4_1 blocks where fl32(d*q + m) rounds: m's exponent 10..14 above d's (d*q + m then
+    needs more than fp32's 24 bits; quantized weights rarely do: their d*q + m is mostly exact),
+    random mantissas, both signs of m; random nibbles."""
+    g = torch.Generator().manual_seed(seed)
+    nb = K // 32
+    ed = torch.randint(5, 16, (N, nb), generator=g)
+    em = ed + torch.randint(10, 15, (N, nb), generator=g)
+    d = (ed << 10) | torch.randint(0, 0x400, (N, nb), generator=g)
+    m = (em << 10) | torch.randint(0, 0x400, (N, nb), generator=g) | (torch.randint(2, (N, nb), generator=g) << 15)
+    blk = torch.zeros(N, nb, 20, dtype=torch.uint8)
+    for off, h in ((0, d), (2, m)):
+        blk[..., off], blk[..., off + 1] = (h & 0xFF).to(torch.uint8), ((h >> 8) & 0xFF).to(torch.uint8)
+    blk[..., 4:] = torch.randint(0, 256, (N, nb, 16), generator=g).to(torch.uint8)
+    return QuantWeight("Q4_1", (N, K), blk.reshape(N, -1).contiguous())
+
+
+def test_q4_1_table_planted_variants_are_told_apart():
+    """The avx512 kernel's table values are the declared fl32(d*q + m) (one rounding, to
+    nearest): on blocks where that rounding happens, on the rows passes (M = 1, 4, 16) and
+    the lanes path (M = 17), every backend == the declared emulation, and tables built by
+    running additions or rounded toward zero, or with the nibbles swapped, each differ."""
+    w = rounding_q4_1_weight(53, 576, 33)
+    exact = dequantize_f64(w)  # the values from the exact d*q + m, rounded once
+    assert np.array_equal(dequantize(w).double().numpy(), exact)
+    for M in (1, 4, 16, 17):
+        a = rand_a(M, 576, 33 + M)
+        want = lanes_emulation(a, dequantize(w))
+        for be in C_BACKENDS:
+            assert same_bits(gemm_q(a, w, backend=be), want), (M, be)
+        for wrong in (dequantize_table_by_adds, dequantize_table_toward_zero, dequantize_nibbles_swapped):
+            assert not same_bits(lanes_emulation(a, wrong(w)), want), (M, wrong.__name__)
+    assert not same_bits(dequantize_table_by_adds(w), dequantize(w))
+    assert not same_bits(dequantize_table_toward_zero(w), dequantize(w))

@@ -24,6 +24,8 @@ over the weight's bytes: the read bandwidth at that size, cache included).
     .venv/bin/python benchmarks/bench_gemm.py --quick         # a smoke run
     .venv/bin/python benchmarks/bench_gemm.py --gbs 128 --rounds 9 --no-full-vocab
     .venv/bin/python benchmarks/bench_gemm.py --model-shapes --threads 1   # the model's shapes
+    .venv/bin/python benchmarks/bench_gemm.py --threads 2 --no-full-vocab --base "torch bf16" \
+        --only "dp32 avx512bf16"        # VDPBF16PS (plain and packed) against torch's bf16 matmul
 """
 from __future__ import annotations
 
@@ -217,6 +219,9 @@ def main() -> None:
                    help="the SmolLM2 body's linears at M = --model-m (default 1 4 256)")
     p.add_argument("--model-m", type=int, nargs="+", default=[1, 4, 256])
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads first")
+    p.add_argument("--base", default="torch fp32", help="the arm every ratio divides by")
+    p.add_argument("--only", nargs="+", default=None, metavar="PREFIX",
+                   help="time only the arms whose names start with one of these (and the base)")
     args = p.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -237,9 +242,14 @@ def main() -> None:
     for gbs in args.gbs:
         a, w = make_data(gbs, args.h, args.v)
         arms = gemm_arms(a, w, with_c=gbs == 1)
-        results[f"gbs={gbs}"] = abba(arms, base="torch fp32", rounds=args.rounds,
+        if args.only:
+            arms = {n: f for n, f in arms.items() if n == args.base or n.startswith(tuple(args.only))}
+        if args.base not in arms:
+            raise SystemExit(f"--base {args.base!r} is not an arm here: {sorted(arms)}")
+        results[f"gbs={gbs}"] = abba(arms, base=args.base, rounds=args.rounds,
                                      check=make_check(a, w))
-        print(format_table({f"gbs={gbs}": results[f"gbs={gbs}"]}, title=f"gbs={gbs} (base: torch fp32)"), flush=True)
+        print(format_table({f"gbs={gbs}": results[f"gbs={gbs}"]}, title=f"gbs={gbs} (base: {args.base})"),
+              flush=True)
     if not args.no_full_vocab:
         res, nbytes = bandwidth_case(args.h, FULL_VOCAB, max(3, args.rounds))
         results[f"gbs=1 V={FULL_VOCAB}"] = res

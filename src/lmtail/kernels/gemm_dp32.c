@@ -39,6 +39,9 @@ enum { MR = 4, NT = 256, KC = 256, MAXT = LMTAIL_MAXT };
  * [1, 2880] x [2880, 25136] on 2 Zen 3 threads (bench_tail --stages): 11.9 ms through the
  * panel, 9.2 ms direct at 256 columns, 8.9 ms at 1024 (amx32's stream path: 7.0 ms). */
 enum { NT_DIRECT = 1024 };
+/* VDPBF16PS (dp_strip): at most DP_GMAX groups of 32 columns per strip, chunks of DP_KC lanes,
+ * tiles of DP_NT1 columns for M <= 2 (a multiple of the strip widths 192 and 96), else NT. */
+enum { DP_GMAX = 6, DP_KC = 128, DP_NT1 = 960 };
 /* Threads per call: each thread gets at least MIN_WEIGHT weight elements (256 KiB) */
 enum { MIN_WEIGHT = 1 << 17 };
 
@@ -285,40 +288,191 @@ tile_512(const int ROWS, const float *a, int64_t lda, const float *p, int64_t kc
 TILE512_N(1) TILE512_N(2) TILE512_N(3) TILE512_N(4)
 static const tile_fn TILE512[MR + 1] = {0, tile512_1, tile512_2, tile512_3, tile512_4};
 
-/* The pair panel of strip [c0, c0+16) for VDPBF16PS: pp[(k/2)*32 + 2c + k%2] = w[k, c0+c]
- * (DAZ, 0 padded): one 64-byte row of 16 (even, odd) dwords per lane pair. */
-static void panel_pairs(const job_t *j, int64_t k0, int64_t kc, int64_t c0, uint16_t *pp) {
-    if (j->packed) { /* already pairs, DAZ applied, zero past H and V: 64 bytes per pair */
-        for (int64_t q = 0; q < kc / 2; ++q) memcpy(pp + q * 32, j->w + (k0 / 2 + q) * 2 * j->Vp + 2 * c0, 64);
-        return;
-    }
-    for (int64_t k = 0; k < kc; ++k)
-        for (int64_t c = 0; c < 16; ++c) pp[(k >> 1) * 32 + 2 * c + (k & 1)] = w_at(j, k0 + k, c0 + c);
+/* VDPBF16PS straight from the weight (no panel). A strip is G groups of 32 columns; per lane
+ * pair i (rows i, i+1 of w) each group is loaded as two 64-byte rows and interleaved in
+ * registers into two VNNI operands (plain layout: vpunpcklwd / vpunpckhwd, the even row's
+ * bf16 in the low half of each dword; packed layout: two aligned loads, already pairs). The
+ * lanes of the operands are a fixed permutation of the group's columns (dp_col), so t and
+ * the parked acc hold the columns in that order and the tile's last copy puts them back.
+ * Per block, for each of the R rows: t = +0, 16 VDPBF16PS over pairs i = 0, 2, .., 30 (odd
+ * lane then even, DAZ, FTZ: the instruction), then acc = acc + t (vaddps under MXCSR
+ * FTZ|DAZ): the declared steps. EDGE: masked loads, zero for a row at or past H or a column
+ * at or past V (the tile's last strip, the chunk that holds H). */
+
+/* The column (0..31 within the group) that lane p (0..31: lanes 0..15 of the first operand,
+ * 16..31 of the second) of a group holds. */
+static inline int dp_col(int packed, int p) {
+    if (packed) return p;
+    const int x = p & 15; /* unpack lo/hi: lane 4L + i of 128-bit lane L is column 8L + i (+4 for hi) */
+    return 8 * (x >> 2) + 4 * (p >> 4) + (x & 3);
 }
 
-/* ROWS rows x 16 columns: per block t = 0, 16 VDPBF16PS (pair j: odd then even, DAZ, FTZ),
- * then acc = acc + t (vaddps under MXCSR FTZ|DAZ); acc parked in c (ldc-strided buffer). */
-static BF16 void tile_bf16(int rows, const uint16_t *a, int64_t lda, const uint16_t *pp,
-                           int64_t kc, float *c, int64_t ldc, int first) {
-    for (int64_t b = 0; b < kc; b += 32) {
-        __m512 t[MR];
-        for (int r = 0; r < rows; ++r) t[r] = _mm512_setzero_ps();
+/* ESTIMATE (llvm-mca, not a measurement) of the pair loop `for i` as gcc 12 -O3 compiles it
+ * (one lane pair, all R x G x 2 chains; the prefetch taken), cycles per iteration:
+ *                           VDPBF16PS  mca-14 sapphirerapids  mca-19 sapphirerapids  mca-19 znver4
+ *   R = 1, G = 6 plain          12            19.1                   36.1                 36.1
+ *   R = 2, G = 3 plain          12            12.1                   30.1                 36.1
+ *   R = 6, G = 2 plain          24            14.6                   52.1                 72.1
+ *   R = 6, G = 2 pair panel     24            12.1                   48.1                 72.1
+ *   R = 6, G = 2 packed         24            12.4                   48.1                 72.1
+ * The models disagree on VDPBF16PS zmm itself (mca-14 SPR: 2 per cycle; mca-19: 1 per 2
+ * cycles on SPR, 1 per 3 on Zen 4; llvm-mca-14 has no znver4 model). Measured on a Zen 4
+ * (2 shared, loaded cores, 1 thread, M = 128, alternated with a bare loop of 24 independent
+ * VDPBF16PS): 0.49-0.86 ns per VDPBF16PS in the kernel, 0.58-1.30 ns in the bare loop. */
+static inline __attribute__((always_inline)) BF16 void
+dp_strip(const int R, const int G, const int EDGE, const int PACKED, const job_t *j, const uint16_t *a,
+         int64_t lda, int64_t k0, int64_t kc, int64_t c0, float *c, int64_t ldc, int first) {
+    const int64_t ldw = PACKED == 1 ? 2 * j->Vp : j->ldw, H = j->H;
+    __mmask32 cm[DP_GMAX], cl[DP_GMAX], ch[DP_GMAX]; /* EDGE: columns < V; packed: each half */
+    for (int g = 0; g < G; ++g) {
+        const int64_t left = j->V - (c0 + 32 * g);
+        cm[g] = left >= 32 ? 0xFFFFFFFFu : left <= 0 ? 0 : (__mmask32)((1u << left) - 1);
+        cl[g] = left > 0 ? 0xFFFFFFFFu : 0;  /* packed: zero past V up to Vp, no read past Vp */
+        ch[g] = left > 16 ? 0xFFFFFFFFu : 0;
+    }
+    for (int64_t b = k0; b < k0 + kc; b += 32) {
+        __m512 t[6][DP_GMAX][2];
+        for (int r = 0; r < R; ++r)
+            for (int g = 0; g < G; ++g) t[r][g][0] = t[r][g][1] = _mm512_setzero_ps();
         for (int64_t i = b; i < b + 32; i += 2) {
-            const __m512i wv = _mm512_load_si512((const void *)(pp + (i >> 1) * 32));
-            /* a's lanes i, i+1 as one dword: the low half (even lane) is VDPBF16PS's 2nd term */
-            for (int r = 0; r < rows; ++r) {
+            /* plain: rows i, i+1 at p, p + ldw; packed: the pair row i/2 (32 columns = 64 words) */
+            const uint16_t *p = PACKED == 2 ? j->w + ((i - k0) >> 1) * 64 * G
+                                : PACKED ? j->w + (i >> 1) * ldw + 2 * c0 : j->w + i * ldw + c0;
+            __m512i wl[DP_GMAX], wh[DP_GMAX];
+            for (int g = 0; g < G; ++g) {
+                if (PACKED == 2) { /* dp_panel's pairs, in the plain layout's lane order */
+                    wl[g] = _mm512_load_si512((const void *)(p + 64 * g));
+                    wh[g] = _mm512_load_si512((const void *)(p + 64 * g + 32));
+                    continue;
+                }
+                if (PACKED) {
+                    wl[g] = EDGE ? _mm512_maskz_loadu_epi16(cl[g], p + 64 * g) : _mm512_loadu_si512((const void *)(p + 64 * g));
+                    wh[g] = EDGE ? _mm512_maskz_loadu_epi16(ch[g], p + 64 * g + 32)
+                                 : _mm512_loadu_si512((const void *)(p + 64 * g + 32));
+                    continue;
+                }
+                if (!EDGE && i + DP_KC + 1 < H) { /* M <= 6 (no panel): the next chunk's rows, these columns */
+                    _mm_prefetch((const char *)(p + DP_KC * ldw + 32 * g), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(p + (DP_KC + 1) * ldw + 32 * g), _MM_HINT_T0);
+                }
+                const __m512i x0 = EDGE ? _mm512_maskz_loadu_epi16(i < H ? cm[g] : 0, p + 32 * g)
+                                        : _mm512_loadu_si512((const void *)(p + 32 * g));
+                const __m512i x1 = EDGE ? _mm512_maskz_loadu_epi16(i + 1 < H ? cm[g] : 0, p + ldw + 32 * g)
+                                        : _mm512_loadu_si512((const void *)(p + ldw + 32 * g));
+                wl[g] = _mm512_unpacklo_epi16(x0, x1); /* dword = (w[i, col], w[i+1, col]) */
+                wh[g] = _mm512_unpackhi_epi16(x0, x1);
+            }
+            for (int r = 0; r < R; ++r) {
                 uint32_t pair;
-                memcpy(&pair, a + r * lda + i, 4); /* (a[i], a[i+1]) as one dword */
-                const __m512i av = _mm512_set1_epi32((int)pair);
-                t[r] = _mm512_dpbf16_ps(t[r], (__m512bh)av, (__m512bh)wv);
+                memcpy(&pair, a + r * lda + (i - k0), 4); /* (a[i], a[i+1]): a[i+1] is the odd lane */
+                const __m512bh av = (__m512bh)_mm512_set1_epi32((int)pair);
+                for (int g = 0; g < G; ++g) {
+                    t[r][g][0] = _mm512_dpbf16_ps(t[r][g][0], av, (__m512bh)wl[g]);
+                    t[r][g][1] = _mm512_dpbf16_ps(t[r][g][1], av, (__m512bh)wh[g]);
+                }
             }
         }
-        for (int r = 0; r < rows; ++r) {
-            float *cr = c + r * ldc;
-            const __m512 acc = first && b == 0 ? _mm512_setzero_ps() : _mm512_load_ps(cr);
-            _mm512_store_ps(cr, _mm512_add_ps(acc, t[r]));
+        for (int r = 0; r < R; ++r)
+            for (int g = 0; g < G; ++g)
+                for (int h = 0; h < 2; ++h) {
+                    float *cq = c + r * ldc + 32 * g + 16 * h;
+                    const __m512 acc = first && b == 0 ? _mm512_setzero_ps() : _mm512_load_ps(cq);
+                    _mm512_store_ps(cq, _mm512_add_ps(acc, t[r][g][h]));
+                }
+    }
+}
+
+typedef void (*dp_fn)(const job_t *, const uint16_t *, int64_t, int64_t, int64_t, int64_t, float *, int64_t, int);
+#define DP_N(R, G, E, P)                                                                                     \
+    static BF16 __attribute__((noinline)) void dp_##R##_##E##P(const job_t *j, const uint16_t *a, int64_t lda, \
+                                                                int64_t k0, int64_t kc, int64_t c0, float *c, \
+                                                                int64_t ldc, int first) {                  \
+        dp_strip(R, G, E, P, j, a, lda, k0, kc, c0, c, ldc, first);                                        \
+    }
+#define DP_ROWS(E, P) DP_N(1, 6, E, P) DP_N(2, 3, E, P) DP_N(3, 2, E, P) DP_N(4, 2, E, P) DP_N(5, 2, E, P) \
+    DP_N(6, 2, E, P)
+/* rows x groups of 32 columns: 1 x 6, 2 x 3, 3..6 x 2 (12 to 24 chains of t) */
+DP_ROWS(0, 0) DP_ROWS(1, 0) DP_ROWS(0, 1) DP_ROWS(1, 1) DP_N(3, 2, 0, 2) DP_N(4, 2, 0, 2) DP_N(5, 2, 0, 2)
+DP_N(6, 2, 0, 2)
+#define DP_TAB(E, P) {0, dp_1_##E##P, dp_2_##E##P, dp_3_##E##P, dp_4_##E##P, dp_5_##E##P, dp_6_##E##P}
+static const dp_fn DP[2][2][7] = {{DP_TAB(0, 0), DP_TAB(0, 1)}, {DP_TAB(1, 0), DP_TAB(1, 1)}}; /* [edge][packed][R] */
+static const dp_fn DP_PANEL[7] = {0, 0, 0, dp_3_02, dp_4_02, dp_5_02, dp_6_02}; /* R >= 3, G = 2 */
+static const int DP_G[7] = {0, 6, 3, 2, 2, 2, 2};
+
+/* The plain weight's lanes [k0, k0+kc) x columns [c0, c0+64) as VNNI pairs, once for all row
+ * tiles (M > 6): pp[((i-k0)/2)*128 + 64g + 32h + ..] = the operand dp_strip builds for pair i,
+ * group g, half h (vpunpcklwd / vpunpckhwd, zero for a row at or past H or a column at or past
+ * V): the same words in the same lanes, so the same steps. The rows [pk0, pk0+kc) x columns
+ * [pc0, pc0+64) of the next panel are prefetched meanwhile (pk0 < 0: none): the row tiles'
+ * compute then overlaps the next panel's reads. ESTIMATE (llvm-mca, not a measurement) of the
+ * pair loop, whole rows and the prefetch taken: 7.1 cycles per pair (mca-14 sapphirerapids),
+ * 6.1 (mca-19 sapphirerapids), 5.4 (mca-19 znver4), against 16-24 VDPBF16PS per pair for
+ * each of the 2-22 row tiles that read the panel. */
+static BF16 void dp_panel(const job_t *j, int64_t k0, int64_t kc, int64_t c0, uint16_t *pp, int64_t pk0,
+                          int64_t pc0) {
+    const int64_t ldw = j->ldw;
+    __mmask32 cm[2];
+    for (int g = 0; g < 2; ++g) {
+        const int64_t left = j->V - (c0 + 32 * g);
+        cm[g] = left >= 32 ? 0xFFFFFFFFu : left <= 0 ? 0 : (__mmask32)((1u << left) - 1);
+    }
+    for (int64_t i = k0; i < k0 + kc; i += 2) {
+        const uint16_t *p = j->w + i * ldw + c0;
+        uint16_t *q = pp + ((i - k0) >> 1) * 128;
+        const int64_t pk = pk0 + (i - k0);
+        if (pk0 >= 0 && pk + 1 < j->H && pc0 + 64 <= j->V) {
+            const char *x = (const char *)(j->w + pk * ldw + pc0);
+            _mm_prefetch(x, _MM_HINT_T0);
+            _mm_prefetch(x + 64, _MM_HINT_T0);
+            _mm_prefetch(x + 2 * ldw, _MM_HINT_T0);
+            _mm_prefetch(x + 2 * ldw + 64, _MM_HINT_T0);
+        }
+        const int inside = i + 1 < j->H && cm[1] == 0xFFFFFFFFu; /* plain loads, no mask */
+        for (int g = 0; g < 2; ++g) {
+            const __m512i x0 = inside ? _mm512_loadu_si512((const void *)(p + 32 * g))
+                                      : _mm512_maskz_loadu_epi16(i < j->H ? cm[g] : 0, p + 32 * g);
+            const __m512i x1 = inside ? _mm512_loadu_si512((const void *)(p + ldw + 32 * g))
+                                      : _mm512_maskz_loadu_epi16(i + 1 < j->H ? cm[g] : 0, p + ldw + 32 * g);
+            _mm512_store_si512((void *)(q + 64 * g), _mm512_unpacklo_epi16(x0, x1));
+            _mm512_store_si512((void *)(q + 64 * g + 32), _mm512_unpackhi_epi16(x0, x1));
         }
     }
+}
+
+/* Tile t on VDPBF16PS: rows in tiles of R (M <= 2: one; else 3..6 rows, as even as can be),
+ * per chunk of DP_KC lanes: strips of 32*G columns, row tiles inside (a strip's chunk of w
+ * stays in L1 over the row tiles); acc [M, ldacc] in dp_col order, copied to out at the end. */
+static void tile_dp(const job_t *j, int64_t t, float *acc, int64_t ldacc, uint16_t *pp) {
+    const int64_t nt = j->nt, c0 = t * nt, nc = j->V - c0 < nt ? j->V - c0 : nt;
+    const int64_t M = j->M, tiles = M <= 2 ? 1 : (M + 5) / 6;
+    const int G = DP_G[M <= 2 ? M : 3];
+    for (int64_t k0 = 0; k0 < j->Kp; k0 += DP_KC) {
+        const int64_t kc = j->Kp - k0 < DP_KC ? j->Kp - k0 : DP_KC;
+        const int kedge = k0 + kc > j->H;
+        for (int64_t s = 0; s < nc; s += 32 * G) {
+            const int edge = kedge || c0 + s + 32 * G > j->V;
+            const int panel = tiles > 1 && !j->packed; /* M > 6: the pairs built once */
+            job_t jp;
+            if (panel) {
+                const int last = s + 32 * G >= nc; /* the next panel: next strip, or the next chunk's first */
+                dp_panel(j, k0, kc, c0 + s, pp, last ? (k0 + DP_KC < j->Kp ? k0 + DP_KC : -1) : k0,
+                         last ? c0 : c0 + s + 32 * G);
+                jp = *j;
+                jp.w = pp;
+            }
+            for (int64_t q = 0, m = 0; q < tiles; ++q) { /* rows m .. m+R-1 */
+                const int64_t R = (M - m) / (tiles - q) + ((M - m) % (tiles - q) != 0);
+                const dp_fn f = panel ? DP_PANEL[R] : DP[edge][j->packed][R];
+                f(panel ? &jp : j, j->ab + m * j->Kp + k0, j->Kp, k0, kc, c0 + s, acc + m * ldacc + s, ldacc, k0 == 0);
+                m += R;
+            }
+        }
+    }
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t p = 0; p < (nc + 31) / 32 * 32; ++p) {
+            const int64_t col = (p & ~31) + dp_col(j->packed, (int)(p & 31));
+            if (col < nc) j->out[m * j->ldc + c0 + col] = canon_nan(acc[m * ldacc + p]);
+        }
 }
 #endif
 
@@ -326,6 +480,12 @@ static BF16 void tile_bf16(int rows, const uint16_t *a, int64_t lda, const uint1
 /* Tile t: all M rows x columns [c0, c0+nc), nc <= nt. panel: KC*sw fp32 (or the bf16 pair
  * panel); acc [M, nt] fp32: the tile's acc, copied to out (NaN canonical) at the end. */
 static void tile(const job_t *j, int64_t t, void *panel, float *acc) {
+#if defined(__x86_64__)
+    if (j->isa == ISA_BF16) {
+        tile_dp(j, t, acc, j->nt + 32 * DP_GMAX, (uint16_t *)panel);
+        return;
+    }
+#endif
     const int64_t sw = j->sw, nt = j->nt, c0 = t * nt, nc = j->V - c0 < nt ? j->V - c0 : nt;
     for (int64_t k0 = 0; k0 < j->Kp; k0 += KC) {
         const int64_t kc = j->Kp - k0 < KC ? j->Kp - k0 : KC;
@@ -340,8 +500,7 @@ static void tile(const job_t *j, int64_t t, void *panel, float *acc) {
 #endif
         for (; s < nc; s += sw) {
 #if defined(__x86_64__)
-            if (j->isa == ISA_BF16) panel_pairs(j, k0, kc, c0 + s, (uint16_t *)panel);
-            else if (j->isa != ISA_C) panel_vec(j, k0, kc, c0 + s, (float *)panel);
+            if (j->isa != ISA_C) panel_vec(j, k0, kc, c0 + s, (float *)panel);
             else
 #endif
                 panel_f32(j, k0, kc, c0 + s, (float *)panel);
@@ -349,9 +508,7 @@ static void tile(const job_t *j, int64_t t, void *panel, float *acc) {
                 const int rows = j->M - m < MR ? (int)(j->M - m) : MR;
                 float *c = acc + m * nt + s;
 #if defined(__x86_64__)
-                if (j->isa == ISA_BF16)
-                    tile_bf16(rows, j->ab + m * j->Kp + k0, j->Kp, (const uint16_t *)panel, kc, c, nt, first);
-                else if (j->isa == ISA_AVX512)
+                if (j->isa == ISA_AVX512)
                     TILE512[rows](j->aw + m * j->Kp + k0, j->Kp, (const float *)panel, kc, c, nt, first);
                 else if (j->isa == ISA_AVX2)
                     TILE2[rows](j->aw + m * j->Kp + k0, j->Kp, (const float *)panel, kc, c, nt, first);
@@ -374,7 +531,7 @@ static void *worker(void *arg) {
     void *panel = NULL;
     float *acc = NULL;
     int ok = !posix_memalign(&panel, 64, sizeof(float) * KC * 32) &&
-             !posix_memalign((void **)&acc, 64, sizeof(float) * j->M * j->nt);
+             !posix_memalign((void **)&acc, 64, sizeof(float) * j->M * (j->nt + 32 * DP_GMAX));
     while (ok) { /* a worker without buffers takes no tile; the others take them all */
         const int64_t t = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
         if (t >= j->ntiles) break;
@@ -404,13 +561,14 @@ int lmtail_dp32_gemm(const uint16_t *a, int64_t lda, const uint16_t *w, int64_t 
                      float *out, int64_t M, int64_t H, int64_t V, int64_t ldc, int nthreads,
                      int isa) {
     if (!lmtail_dp32_has(isa)) return -1;
+    if (M <= 0 || V <= 0) return 0; /* nothing to write (the decode paths index by M) */
     const int64_t Kp = (H + 31) / 32 * 32;
     job_t j;
     memset(&j, 0, sizeof j);
     j.w = w; j.packed = packed; j.ldw = ldw; j.Vp = (V + 31) / 32 * 32;
     j.out = out; j.M = M; j.H = H; j.Kp = Kp; j.V = V; j.ldc = ldc; j.isa = isa;
     j.sw = isa == ISA_AVX2 || isa == ISA_BF16 ? 16 : 32;
-    j.nt = isa == ISA_AVX2 && M < MR ? NT_DIRECT : NT;
+    j.nt = isa == ISA_AVX2 && M < MR ? NT_DIRECT : isa == ISA_BF16 && M <= 2 ? DP_NT1 : NT;
     j.ntiles = (V + j.nt - 1) / j.nt;
     float *aw = NULL;
     uint16_t *ab = NULL;

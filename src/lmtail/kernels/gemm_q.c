@@ -31,17 +31,17 @@
 
 enum { FMT_Q8_0 = 0, FMT_Q4_1 = 1 };
 enum { ISA_C = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
-/* Blocking: a unit is a chunk of columns taken by one thread. M == 1 reads the blocks
- * directly (two columns at a time; AVX-512: 2 zmm per block). M >= 2 runs AVX2 code on both
- * vector paths: below the lanes path each column's blocks are read directly, ROWS_COLS
- * columns at a time, in passes of rows that share each dequantized part of a block
- * (rows_cols_avx2): QUARTER_MIN_R..8 rows a quarter block at a time when K <= QUARTER_MAX_K
- * (8 rows of a stay in L1), 3-4 rows half a block at a time, 1-2 rows a whole block.
- * M >= LANES_MIN_M, or M >= 8 with K > QUARTER_MAX_K, takes the lanes path (lanes_unit).
- * Threads: each gets at least MIN_WEIGHT weights (or MIN_WORK multiply-adds).
+/* Blocking: a unit is a chunk of columns taken by one thread. AVX2: M == 1 reads the blocks
+ * directly (two columns at a time); 2 <= M below the lanes path reads each column's blocks
+ * directly, ROWS_COLS columns at a time, in passes of rows that share each dequantized part
+ * of a block (rows_cols_avx2): QUARTER_MIN_R..8 rows a quarter block at a time when K <=
+ * QUARTER_MAX_K (8 rows of a stay in L1), 3-4 rows half a block at a time, 1-2 rows a whole
+ * block; M >= LANES_MIN_M, or M >= 8 with K > QUARTER_MAX_K, takes the lanes path
+ * (lanes_unit). AVX-512: M < LANES_MIN_M in passes of R rows x C columns over whole blocks
+ * (2 zmm; unit_512, rows_512), M >= LANES_MIN_M the AVX2 lanes path. Threads: each gets at least MIN_WEIGHT weights (or MIN_WORK multiply-adds).
  * PREFETCH: the direct paths and the lanes path's panels prefetch each weight row this many
  * bytes ahead (the head at M = 1, read from DRAM, ran about 2x faster with it on Zen 3; cached
- * sizes: no change). M == 1 (direct_avx2, direct_512) prefetches PREFETCH_M1 ahead: on Zen 3,
+ * sizes: no change). M == 1 (direct_avx2, rows_512) prefetches PREFETCH_M1 ahead: on Zen 3,
  * alternating, medians of 15, 1024 bytes vs 256 read the 30 layers' linears 5% and the Q8_0
  * head 6-9% faster on 1 and 2 threads (768: the head 1.5x slower; 2048: the head slower); at
  * M = 4 it lost 2-5%. */
@@ -52,6 +52,8 @@ enum { QK = 32, LANES_PANEL = 1 << 16, MIN_WEIGHT = 1 << 16, MIN_WORK = 1 << 20 
 enum { LANES_UNITS = 4 };
 /* Weights one lmtail_gemm_q_cat call takes. */
 enum { CAT_MAX = 4 };
+/* AVX-512 below the lanes path: rows per pass when K <= QUARTER_MAX_K (unit_512). */
+enum { ROWS512 = 8 };
 
 typedef struct {
     const float *a;
@@ -430,7 +432,7 @@ static AI AVX2 void unit_avx2_fmt(const job_t *j, int64_t c0, int64_t c1, int fm
 }
 
 static AVX2 void unit_avx2(const job_t *j, int64_t c0, int64_t c1, float *panel) {
-    if (j->lanes) lanes_unit(j, c0, c1, panel, j->fmt); /* M >= 8: lmtail_gemm_q picks */
+    if (j->lanes) lanes_unit(j, c0, c1, panel, j->fmt); /* lmtail_gemm_q_cat picks */
     else if (j->fmt == FMT_Q8_0) unit_avx2_fmt(j, c0, c1, FMT_Q8_0);
     else unit_avx2_fmt(j, c0, c1, FMT_Q4_1);
 }
@@ -444,53 +446,112 @@ static AI AVX512 float tree_512(const __m512 *acc) {
     return tree8(_mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1)));
 }
 
+/* The block's 32 values in 2 zmm (lanes 0..15 in v[0], 16..31 in v[1]), the format's exact
+ * values. Q8_0: fp32(d) * q (sign-extended, converted: exact). Q4_1: a 16-entry table of the
+ * block's possible values T[q] = fl32(d*q + m), q = 0..15 (one fma: d*q exact, one rounding,
+ * the declared value), then lane j's value is T[q[j]] (vpermps reads the low 4 bits of each
+ * dword index: qs[j] itself for the low nibble, qs[j] >> 4 for the high one). */
 static AI AVX512 void deq_512(const uint8_t *blk, int fmt, __m512 *v) {
-    const __m512 d = _mm512_set1_ps(_cvtsh_ss(ld16(blk)));
     if (fmt == FMT_Q8_0) {
+        const __m512 d = _mm512_set1_ps(_cvtsh_ss(ld16(blk)));
         for (int i = 0; i < 2; ++i) {
             const __m128i q = _mm_loadu_si128((const __m128i *)(blk + 2 + 16 * i));
             v[i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
         }
         return;
     }
-    const __m512 m = _mm512_set1_ps(_cvtsh_ss(ld16(blk + 2)));
-    const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 4)), f = _mm_set1_epi8(15);
-    const __m128i q[2] = {_mm_and_si128(qs, f), _mm_and_si128(_mm_srli_epi16(qs, 4), f)};
-    for (int i = 0; i < 2; ++i) v[i] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q[i])), m);
+    int32_t dm;
+    memcpy(&dm, blk, 4);
+    const __m128 h = _mm_cvtph_ps(_mm_cvtsi32_si128(dm)); /* [d, m, 0, 0], exact */
+    const __m512 d = _mm512_broadcastss_ps(h), m = _mm512_broadcastss_ps(_mm_movehdup_ps(h));
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 tab = _mm512_fmadd_ps(d, iota, m); /* T[q] = fl32(d*q + m) */
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 4))); /* qs[0..15] */
+    v[0] = _mm512_permutexvar_ps(x, tab);                      /* T[qs & 15] */
+    v[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), tab); /* T[qs >> 4] */
 }
 
-static AI AVX512 void direct_512(const job_t *j, int64_t n, int C, int fmt) {
-    __m512 acc[2][2], v[2];
-    for (int c = 0; c < 2; ++c) acc[c][0] = acc[c][1] = _mm512_setzero_ps();
-    const uint8_t *row[2] = {col_w(j, n), C > 1 ? col_w(j, n + 1) : NULL};
-    for (int64_t b = 0; b < j->nb; ++b) {
-        const float *ab = j->a + QK * b;
+/* Rows m0 .. m0+R-1 x columns n .. n+C-1 straight from the blocks: each block of each column
+ * dequantized once (deq_512) for the R rows; R*C*2 accumulators, lane j of acc[r][c][j/16]
+ * is the declared l[j] of element (m0+r, n+c): l[j] = fma(a[32b+j], w[32b+j], l[j]) for the
+ * blocks in order, then the halving tree (tree_512). pf: the prefetch distance in bytes.
+ * ESTIMATE (llvm-mca, not a measurement) of the block loop `for b` as gcc 12 -O3 compiles it,
+ * cycles per iteration (one block of each of the C columns for the R rows), Q4_1 / Q8_0:
+ *                     mca-14 sapphirerapids   mca-19 sapphirerapids   mca-19 znver4
+ *   R = 1, C = 2            14.1 / 13.1             12.1 / 12.1          12.1 / 12.2
+ *   R = 4, C = 2            21.3 / 19.6             20.1 / 24.1          24.1 / 21.4
+ *   R = 8, C = 1            16.1 / 15.7             24.1 / 26.1          19.1 / 19.1
+ * (llvm-mca-14 has no znver4 model: Debian's llvm-19 has. The M = 1 loop before the table,
+ * Q4_1 with C = 2: 20.1 / 14.1 / 16.4.) On SPR the table's vpermps and vpmovzxbd share
+ * port 5 with the second zmm FMA; on Zen 4 the model puts 3 cycles on vpmovzxbd zmm. */
+static AI AVX512 void rows_512(const job_t *j, int64_t m0, const int R, const int C, int64_t n, int fmt,
+                               const int pf) {
+    __m512 acc[8][4][2];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = _mm512_setzero_ps();
+    const uint8_t *row[4];
+    for (int c = 0; c < C; ++c) row[c] = col_w(j, n + c);
+    const int64_t nb = j->nb, bs = j->bs, lda = j->lda;
+    const float *a = j->a + m0 * lda;
+    for (int64_t b = 0; b < nb; ++b, a += QK) {
+        __m512 v[4][2];
         for (int c = 0; c < C; ++c) {
-            const uint8_t *blk = row[c] + b * j->bs;
-            _mm_prefetch((const char *)blk + PREFETCH_M1, _MM_HINT_T0);
-            deq_512(blk, fmt, v);
-            for (int i = 0; i < 2; ++i)
-                acc[c][i] = _mm512_fmadd_ps(_mm512_loadu_ps(ab + 16 * i), v[i], acc[c][i]);
+            const uint8_t *blk = row[c] + b * bs;
+            _mm_prefetch((const char *)blk + pf, _MM_HINT_T0);
+            deq_512(blk, fmt, v[c]);
+        }
+        for (int r = 0; r < R; ++r) {
+            const __m512 a0 = _mm512_loadu_ps(a + r * lda), a1 = _mm512_loadu_ps(a + r * lda + 16);
+            for (int c = 0; c < C; ++c) {
+                acc[r][c][0] = _mm512_fmadd_ps(a0, v[c][0], acc[r][c][0]);
+                acc[r][c][1] = _mm512_fmadd_ps(a1, v[c][1], acc[r][c][1]);
+            }
         }
     }
-    for (int c = 0; c < C; ++c) j->out[n + c] = canon_nan(tree_512(acc[c]));
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) j->out[(m0 + r) * j->ldc + n + c] = canon_nan(tree_512(acc[r][c]));
 }
 
-/* AVX-512 reads the blocks directly at M == 1 (2 zmm per block); more rows run the AVX2
- * code (an AVX-512 CPU has AVX2, FMA and F16C: lmtail_gemm_q_has checks). */
+/* One pass: rows m0 .. m0+R-1 over columns n0 .. n1-1, C at a time (the last 1..C-1 one at a
+ * time). R, C, fmt constant after inlining: the accumulators stay in registers. */
+static AI AVX512 void pass_512(const job_t *j, int64_t m0, const int R, const int C, int64_t n0, int64_t n1,
+                               int fmt, const int pf) {
+    int64_t n = n0;
+    for (; n + C <= n1; n += C) rows_512(j, m0, R, C, n, fmt, pf);
+    for (; n < n1; ++n) rows_512(j, m0, R, 1, n, fmt, pf);
+}
+
+#define PASS512_N(R, C)                                                                            \
+    static AVX512 __attribute__((noinline)) void pass512_##R##_##C(const job_t *j, int64_t m0,     \
+                                                                  int64_t n0, int64_t n1, int fmt) { \
+        if (fmt == FMT_Q8_0) pass_512(j, m0, R, C, n0, n1, FMT_Q8_0, R == 1 ? PREFETCH_M1 : PREFETCH); \
+        else pass_512(j, m0, R, C, n0, n1, FMT_Q4_1, R == 1 ? PREFETCH_M1 : PREFETCH);             \
+    }
+PASS512_N(1, 2) PASS512_N(2, 4) PASS512_N(3, 2) PASS512_N(4, 2) PASS512_N(5, 2) PASS512_N(6, 2)
+PASS512_N(7, 1) PASS512_N(8, 1)
+typedef void (*pass512_fn)(const job_t *, int64_t, int64_t, int64_t, int);
+static const pass512_fn PASS512[9] = {0, pass512_1_2, pass512_2_4, pass512_3_2, pass512_4_2,
+                                      pass512_5_2, pass512_6_2, pass512_7_1, pass512_8_1};
+
+/* Rows 0 .. M-1 of columns c0 .. c1-1 (M < LANES_MIN_M; else the lanes path): the columns in groups
+ * of ROWS_COLS (M == 1: the whole unit), each group's rows in passes of up to ROWS512 rows
+ * (the pass's rows of a stay in L1: ROWS512 rows when K <= QUARTER_MAX_K, else 4). Only which
+ * rows and columns share a dequantized block changes with M: each element's chains and tree
+ * are the declared ones. */
 static AVX512 void unit_512(const job_t *j, int64_t c0, int64_t c1, float *panel) {
-    if (j->M > 1) {
+    if (j->lanes) { /* M >= LANES_MIN_M: the AVX2 lanes path (lmtail_gemm_q picks) */
         unit_avx2(j, c0, c1, panel);
         return;
     }
-    for (int64_t n = c0; n < c1; n += 2) { /* C and fmt constant: registers, no branches */
-        const int two = c1 - n >= 2;
-        if (j->fmt == FMT_Q8_0) {
-            if (two) direct_512(j, n, 2, FMT_Q8_0);
-            else direct_512(j, n, 1, FMT_Q8_0);
-        } else {
-            if (two) direct_512(j, n, 2, FMT_Q4_1);
-            else direct_512(j, n, 1, FMT_Q4_1);
+    const int most = j->K <= QUARTER_MAX_K ? ROWS512 : 4;
+    const int64_t group = j->M == 1 ? c1 - c0 : ROWS_COLS;
+    for (int64_t n = c0; n < c1; n += group) {
+        const int64_t n1 = c1 - n < group ? c1 : n + group;
+        for (int64_t m = 0; m < j->M;) {
+            int R = j->M - m < most ? (int)(j->M - m) : most;
+            if (R == most && j->M - m < 2 * most && j->M - m > most) R = (int)((j->M - m + 1) / 2); /* even passes */
+            PASS512[R](j, m, n, n1, j->fmt);
+            m += R;
         }
     }
 }
@@ -564,8 +625,8 @@ int lmtail_gemm_q_cat(const float *a, int64_t lda, const uint8_t *const *ws, con
     /* about 4 units per thread (even widths); the lanes path: multiples of 24 columns, a
      * panel of at most LANES_PANEL floats, about LANES_UNITS units per thread or more */
     j.chunk = ((N + 4 * nthreads - 1) / (4 * nthreads) + 1) / 2 * 2;
-    /* the lanes path, or rows_cols_avx2 (M >= 2) */
-    j.lanes = isa != ISA_C && (M >= LANES_MIN_M || (M >= 8 && K > QUARTER_MAX_K));
+    /* the lanes path, or below it rows_cols_avx2 / unit_512's passes */
+    j.lanes = isa != ISA_C && (M >= LANES_MIN_M || (isa == ISA_AVX2 && M >= 8 && K > QUARTER_MAX_K));
     float *at = NULL;
     if (j.lanes) {
         const int64_t most = LANES_PANEL / K / 24 * 24;
