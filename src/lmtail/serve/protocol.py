@@ -421,7 +421,7 @@ def _prompt_ids(kind: str, value, raw, tokenizer, context: int, max_token_bytes:
         if max_token_bytes is not None and size > max_token_bytes * (context - 1):
             raise ApiError(400, f"{need} must be shorter than the context ({context} tokens); got {size} UTF-8 "
                                 f"bytes, at least {-(-size // max_token_bytes)} tokens", param=need)
-        ids = tokenizer.encode(text)
+        ids = encode(tokenizer, text)
     else:
         text = tokenizer.decode(ids, skip_special=False)
     if not ids:
@@ -430,6 +430,14 @@ def _prompt_ids(kind: str, value, raw, tokenizer, context: int, max_token_bytes:
         raise ApiError(400, f"{need} must be shorter than the context ({context} tokens); got {len(ids)} tokens",
                        param=need)
     return text, ids
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """tokenizer.encode(text) (model.tokenizer.ChatTokenizer: no special tokens added), the
+    same ids, through the backend's batch call, which releases the GIL while it runs (the
+    single-text call holds it: a 600 KB prompt would stall the event loop's thread for
+    half a second). tests/test_serve_hardening.py checks the ids equal."""
+    return tokenizer.backend.encode_batch([text], add_special_tokens=False)[0].ids
 
 
 def max_token_bytes(tokenizer) -> int:
