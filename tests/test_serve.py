@@ -511,16 +511,11 @@ def test_sigterm_stops_within_bound(tmp_path):
                 next(it)
                 t0 = time.monotonic()
                 proc.send_signal(signal.SIGTERM)
-                lines = []
-                try:
-                    for line in it:
-                        lines.append(line)
-                except httpx.HTTPError:
-                    pass  # the connection was cut after the grace period: expected
-                # 2000 tokens cannot finish in the grace period: cut, or ended by an error event
+                lines = [x for x in it if x]
+                # 2000 tokens cannot finish in the grace period: an error event, then [DONE]
                 assert not any('"finish_reason": "length"' in x for x in lines)
-                assert "data: [DONE]" not in lines or any("shutting down" in x for x in lines)
-        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after its shutdown
+                assert lines[-1] == "data: [DONE]" and "shutting down" in lines[-2], lines[-3:]
+        assert proc.wait(timeout=30) == 0  # the signal is handled (docs/serve.md), not re-raised
         assert time.monotonic() - t0 < 20
         log = proc.stdout.read().decode()
         assert "lmtail engine closed" in log and "Finished server process" in log, log[-2000:]
@@ -689,7 +684,7 @@ def test_sigterm_ranks2_leaves_no_rank(tmp_path):
         assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 4, r.text
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
         assert time.monotonic() - t0 < 20
         assert not children_alive(ranks), ranks
         # the rank at once; the rest (multiprocessing's resource tracker, which exits on its

@@ -146,7 +146,7 @@ class _State:
                                                          "owned_by": "lmtail", "max_model_len": self.context}]})
 
     async def openapi(self, request: HttpRequest):
-        return JSONResponse(openapi_document(self.model, self.context, self.engine.k))
+        return JSONResponse(openapi_document(self.model, self.context, self.engine.k, self.tok.vocab_size))
 
     async def health(self, request: HttpRequest):
         load = self.engine.load()

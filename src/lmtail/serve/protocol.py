@@ -251,9 +251,19 @@ def _tool_choice(name, v):
 
 
 def _functions(name, v):
-    if v is None or v == [] or v == "none":
+    if v is None or v == []:
         return v
+    if not isinstance(v, list):
+        raise bad(name, "a list of functions", v)
     raise not_yet(name, "function calling", v)
+
+
+def _function_call(name, v):
+    if v is None or v == "none":
+        return v
+    if not isinstance(v, (str, dict)):
+        raise bad(name, '"none", "auto" or an object', v)
+    raise not_yet(name, "function calling (only \"none\" is)", v)
 
 
 def _metadata(name, v):
@@ -346,7 +356,7 @@ FIELDS = {
     "tool_choice": (CHAT, _tool_choice),
     "parallel_tool_calls": (CHAT, _bool),
     "functions": (CHAT, _functions),
-    "function_call": (CHAT, _functions),
+    "function_call": (CHAT, _function_call),
     "store": (BOTH, _bool),
     "metadata": (BOTH, _metadata),
     "logprobs": (BOTH, None),  # bool (chat) or int (completions)
