@@ -312,8 +312,9 @@ class Engine:
             return {"active": len(self._rows), "waiting": len(self._pending) + self._admitting, "steps": self.steps}
 
     def close(self, timeout: float = 10.0) -> bool:
-        """Stop: waiting and active jobs get Failed("server shutting down", 503); the thread
-        is joined for at most `timeout` s. True when it ended."""
+        """Stop: waiting and active jobs get Failed("server shutting down", 503) (from the
+        engine thread, or here when that thread is not running); the thread is joined for
+        at most `timeout` s. True when it ended."""
         with self._cv:
             self._closing = True
             self._cv.notify()
@@ -322,6 +323,13 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
             ended = not self._thread.is_alive()
+        if ended:  # the thread never ran, or ended before it saw _closing: no job may wait forever
+            with self._cv:
+                left = list(self._pending) + [r.job for r in self._rows]
+                self._pending.clear()
+                self._rows = []
+            for job in left:
+                _emit(job, Failed("server shutting down", 503))
         if self._ranks is not None:  # after the thread: no step is using them any more (when it ended)
             ended = self._ranks.close(max(1.0, t_end - time.monotonic())) and ended
         return ended
