@@ -795,3 +795,25 @@ def test_schemathesis_fuzz_from_openapi(bundle, examples):
           f"{sorted(set(st for _, _, st in seen))}, 0 server errors; {engine.jobs} jobs submitted")
     assert not any(st >= 500 for _, _, st in seen)
     assert ok >= examples // 2 and engine.jobs >= ok  # the positive cases reach the engine
+
+
+@pytest.mark.slow
+def test_http_prompt_of_context_minus_one_is_served(bundle):
+    """Over HTTP on the real engine: a token-id prompt of context - 1 tokens is served (one
+    token, finish "length"; ~2-3 min of prefill on 2 cores), context tokens is a 400 naming
+    the prompt."""
+    ctx = bundle.config.context_length
+    ids = (bundle.tokenizer.encode("The quick brown fox jumps over the lazy dog. ") * 1000)[:ctx]
+    engine = Engine(bundle, max_batch=2, k=K)
+    srv = ThreadServer(create_app(engine, model_name=MODEL)).start()
+    try:
+        with httpx.Client(timeout=600) as h:
+            shape(h.post(base(srv) + "/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 1}), 400,
+                  "prompt")
+            r = h.post(base(srv) + "/v1/completions", json={"model": MODEL, "prompt": ids[:-1], "temperature": 0})
+        assert r.status_code == 200, r.text
+        ch = r.json()["choices"][0]
+        assert (len(ch["token_ids"]), ch["finish_reason"], r.json()["usage"]["prompt_tokens"]) == (1, "length", ctx - 1)
+    finally:
+        assert srv.stop(30)
+        assert engine.close(10)
