@@ -817,3 +817,69 @@ def test_http_prompt_of_context_minus_one_is_served(bundle):
     finally:
         assert srv.stop(30)
         assert engine.close(10)
+
+
+@pytest.mark.slow
+def test_load_16_clients_with_failures_disconnects_and_a_long_prompt(bundle):
+    """16 concurrent clients, shuffled with staggered starts: mixed requests (test_serve's
+    load mix), planted failing ones (plain and streamed, failing in the body mid-decode),
+    streams whose clients leave after two chunks, and a ~600-token prompt. Every other
+    response equals the same request sent alone afterwards (text, ids, logprobs, finish);
+    each failing one gets its own 500 / error event and [DONE]. Prints the counts."""
+    from test_serve import _load_spec, call
+
+    engine = BodyFails(bundle, max_batch=16, max_queue=64, k=K)
+    srv = ThreadServer(create_app(engine, model_name=MODEL)).start()
+    u = base(srv) + "/v1/chat/completions"
+    long_text = "Summarize this: " + " ".join(f"item {i} is {i * 7 % 13}." for i in range(100))
+    work = [("good", _load_spec(i)) for i in range(80)]
+    work.append(("good", ("chat", dict(messages=[{"role": "user", "content": long_text}], max_tokens=4,
+                                       temperature=0.5, seed=77))))
+    work += [("poison", {"stream": i % 2 == 1, "seed": 500 + i}) for i in range(10)]
+    work += [("leave", i) for i in range(8)]
+    rng = random.Random(3)
+    order = list(range(len(work)))
+    rng.shuffle(order)
+    c = openai.OpenAI(base_url=base(srv) + "/v1", api_key="none", max_retries=0, timeout=300)
+
+    def run(j):
+        time.sleep(rng.random() * 0.5)
+        kind, spec = work[j]
+        if kind == "good":
+            return call(c, spec)
+        if kind == "poison":
+            body = chat_body("Tell me more.", max_tokens=8, temperature=POISON_T, seed=spec["seed"])
+            if not spec["stream"]:
+                r = httpx.post(u, json=body, timeout=300)
+                return r.status_code, r.json()["error"]["message"]
+            with httpx.stream("POST", u, json={**body, "stream": True}, timeout=300) as r:
+                lines = [x for x in r.iter_lines() if x]
+            return lines[-1], json.loads(lines[-2][6:])["error"]["message"]
+        with httpx.stream("POST", u, json=chat_body("Write a long story.", max_tokens=300, stream=True,
+                                                     temperature=0.0), timeout=300) as r:
+            it = r.iter_lines()
+            return [next(it) for _ in range(4)] and "left"
+
+    t0 = time.monotonic()
+    try:
+        with cf.ThreadPoolExecutor(16) as ex:
+            got = dict(zip(order, ex.map(run, order)))
+        t_conc = time.monotonic() - t0
+        alone = {j: call(c, spec) for j, (kind, spec) in enumerate(work) if kind == "good"}
+        t_end = time.monotonic() + 30
+        while engine.load()["active"] and time.monotonic() < t_end:
+            time.sleep(0.1)
+        idle = engine.load()["active"] == 0
+    finally:
+        assert srv.stop(30) and engine.close(10)
+    good = [j for j in alone]
+    equal = sum(got[j] == alone[j] for j in good)
+    poison = [j for j, (k, _) in enumerate(work) if k == "poison"]
+    own = sum(got[j][0] in (500, "data: [DONE]") and "planted body failure" in got[j][1] for j in poison)
+    left = sum(got[j] == "left" for j, (k, _) in enumerate(work) if k == "leave")
+    n_long = len(bundle.tokenizer.encode(bundle.tokenizer.apply_chat_template([{"role": "user", "content": long_text}])))
+    print(f"\nload with failures: {len(work)} requests, 16 clients, {t_conc:.1f} s; {equal}/{len(good)} byte-equal "
+          f"to solo (incl. a {n_long}-token prompt); {own}/{len(poison)} planted failures answered with their own "
+          f"error; {left}/8 clients left mid-stream; engine idle after: {idle}; max rows in a step "
+          f"{engine.max_rows_seen}")
+    assert equal == len(good) and own == len(poison) and left == 8 and idle
