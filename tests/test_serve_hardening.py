@@ -162,6 +162,21 @@ def test_noop_values_of_client_fields_accepted(bundle):
     assert dev_r.prompt_ids == sys_r.prompt_ids != plain.prompt_ids
 
 
+def test_cli_max_body_bytes_rule():
+    import argparse
+
+    from lmtail.serve import cli
+
+    ap = argparse.ArgumentParser()
+    cli.configure(ap)
+    assert ap.parse_args([]).max_body_bytes == app_mod.DEFAULT_MAX_BODY == 1 << 20
+    cli.check(ap.parse_args(["--max-body-bytes", "1"]))
+    with pytest.raises(ValueError, match=r"^--max-body-bytes must be >= 1; got 0$"):
+        cli.check(ap.parse_args(["--max-body-bytes", "0"]))
+    with pytest.raises(ValueError, match="max_body_bytes must be >= 1; got 0"):
+        create_app(FakeEngine(None), model_name=MODEL, max_body_bytes=0)
+
+
 # ---------------------------------------------------------------------------------------
 # issue 30 item 8: each rule with the variant that flips it
 # ---------------------------------------------------------------------------------------

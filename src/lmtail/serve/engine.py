@@ -13,8 +13,8 @@ requests join the running batch after their own prefill and leave when done.
                ranks, serve/ranks.py, with the same bytes; the body stays here)
 
 A row's tokens and logprobs are therefore the bytes of the same request served alone,
-whatever joins or leaves around it (or fails beside it: isolation below) (tests/test_serve.py: bit for bit, with joins and
-leaves, against llama.forward + decode_tail on one row). Events go to the job's `sink`
+whatever joins, leaves or fails around it (tests/test_serve.py: bit for bit, with joins
+and leaves, against llama.forward + decode_tail on one row; failures: isolation below). Events go to the job's `sink`
 (called on the engine thread; the HTTP layer hands them to its event loop):
 Prompt (echo logprobs), Token (one generated token, its text delta), Done, Failed.
 
@@ -277,7 +277,6 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.steps = 0  # decode steps run (a counter for /health and the tests)
         self.max_rows_seen = 0
-        self.admitted = 0  # jobs that joined the batch
 
     # ---- the public side ----------------------------------------------------------------
     @property
@@ -396,7 +395,6 @@ class Engine:
         with self._cv:
             self._rows.append(row)
             self.max_rows_seen = max(self.max_rows_seen, len(self._rows))
-            self.admitted += 1
 
     def _prefill(self, ids: list[int], cache: KVCache, echo_n: int | None):
         """llama.forward over ids in chunks; returns (h of the last position [H], Prompt or None)."""

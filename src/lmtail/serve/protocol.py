@@ -375,7 +375,7 @@ def parse(kind: str, body, *, tokenizer, model: str, context: int, k: int,
         raise ApiError(400, f"the request body must be a JSON object; got {type(body).__name__}")
     for name in body:
         if name not in FIELDS or kind not in FIELDS[name][0]:
-            raise ApiError(400, f"Unrecognized request argument supplied: {_short(name)}", param=name)
+            raise ApiError(400, f"Unrecognized request argument supplied: {name[:200]}", param=name[:200])
     v = {}
     for name, (_, check) in FIELDS.items():
         if check is not None and kind in FIELDS[name][0]:
