@@ -504,9 +504,10 @@ def test_sigterm_stops_within_bound(tmp_path):
 
     proc, base = serve_process("--shutdown-timeout", "3")
     try:
-        body = {"model": MODEL, "prompt": "Tell me", "max_tokens": 2000, "stream": True}
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 2000,
+                "stream": True, "temperature": 0}  # greedy: runs past the grace period (no early stop token)
         with httpx.Client(timeout=60) as h:
-            with h.stream("POST", base + "/v1/completions", json=body) as r:
+            with h.stream("POST", base + "/v1/chat/completions", json=body) as r:
                 it = r.iter_lines()
                 next(it)
                 t0 = time.monotonic()
