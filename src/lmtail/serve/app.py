@@ -1,13 +1,28 @@
 """The HTTP layer: a Starlette ASGI app over one Engine.
 
     POST /v1/chat/completions   POST /v1/completions   (stream: server-sent events)
-    GET  /v1/models             GET  /health
+    GET  /v1/models             GET  /health            GET /openapi.json
 
-Each request is parsed (protocol.parse: 400 naming the field), becomes an engine Job
-whose events (engine thread) reach this event loop through call_soon_threadsafe into an
-asyncio.Queue; a full engine queue is 429, a closing engine 503. A client that goes away
-(a stream whose write fails or is cancelled, a plain request whose connection reports
-http.disconnect) cancels its job: the engine drops the row at its next step.
+A generation request: the body is read up to max_body_bytes (413 past it, from the
+Content-Length header when it says so, else while reading); JSON decoding, validation
+and tokenizing (protocol.loads / protocol.parse: 400 naming the field) run on a worker
+thread, never on the event loop, so /health and live streams keep their pace while a
+large body is parsed; the request then becomes an engine Job whose events (engine
+thread) reach this event loop through call_soon_threadsafe into an asyncio.Queue. A
+full engine is 429, a closing server 503. A client that goes away cancels its job (the
+engine drops the row at its next step): a stream when its write fails or Starlette's
+disconnect listener fires, a plain request by a task that waits on the connection's
+http.disconnect beside the job's events.
+
+Every error is OpenAI's shape {"error": {"message", "type", "param", "code"}}: the
+protocol's 400s, 404 / 405 for routes, 413, 429, 503, a job's own failure (its status:
+500 for an engine error, 503 at shutdown), and any unexpected exception (500). A failed
+stream ends with an error event and `data: [DONE]`.
+
+Shutdown (begin_shutdown: `lmtail serve` calls it on SIGTERM / SIGINT): new requests get
+503 at once; jobs in flight have `shutdown_timeout` s to finish; then the engine is
+closed, so the jobs left get Failed (503): a plain request answers 503 JSON, a stream an
+error event and [DONE].
 
 Extra response fields (beyond OpenAI's): `seed` (the seed used, picked from os.urandom
 when the request had none) and choices[0].token_ids (the generated ids, a stop token
@@ -26,36 +41,49 @@ import time
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .engine import Closed, Done, Engine, Failed, Job, Prompt, QueueFull, Token
-from .protocol import ApiError, CompletionLogprobs, Request, chat_logprob, parse
+from .openapi import openapi_document
+from .protocol import ApiError, CompletionLogprobs, Request, chat_logprob, loads, max_token_bytes, parse
 
-DISCONNECT_POLL_S = 0.5  # how often a plain (non-streaming) request checks its client
+DEFAULT_MAX_BODY = 1 << 20  # bytes of a request body (413 beyond)
+_GONE = object()  # put in a plain request's queue when its client disconnects
 
 
-def create_app(engine: Engine, *, model_name: str, shutdown_timeout: float = 10.0) -> Starlette:
+def create_app(engine: Engine, *, model_name: str, shutdown_timeout: float = 10.0,
+               max_body_bytes: int = DEFAULT_MAX_BODY) -> Starlette:
     """The ASGI app. Its lifespan starts the engine (if not started) and closes it on
-    shutdown (joined for at most shutdown_timeout s)."""
-    state = _State(engine, model_name)
+    shutdown (joined for at most shutdown_timeout s). app.state.lmtail is the app's
+    state: begin_shutdown() / begin_shutdown_threadsafe() start the graceful shutdown."""
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be >= 1; got {max_body_bytes}")
+    state = _State(engine, model_name, shutdown_timeout, max_body_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        state.loop = asyncio.get_running_loop()
         if not engine.started:
             engine.start()
         yield
         state.closing = True
+        if state.expiry is not None:
+            state.expiry.cancel()
         ended = await asyncio.to_thread(engine.close, shutdown_timeout)
         logging.getLogger("uvicorn.error").info("lmtail engine %s", "closed" if ended else "did not stop in time")
 
     routes = [Route("/v1/chat/completions", state.chat, methods=["POST"]),
               Route("/v1/completions", state.completions, methods=["POST"]),
               Route("/v1/models", state.models, methods=["GET"]),
-              Route("/health", state.health, methods=["GET"])]
-    handlers = {HTTPException: _http_error, ApiError: _api_error}
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+              Route("/health", state.health, methods=["GET"]),
+              Route("/openapi.json", state.openapi, methods=["GET"])]
+    handlers = {HTTPException: _http_error, ApiError: _api_error, Exception: _internal_error}
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+    app.state.lmtail = state
+    return app
 
 
 async def _http_error(request, exc: HTTPException):
@@ -64,6 +92,11 @@ async def _http_error(request, exc: HTTPException):
 
 async def _api_error(request, exc: ApiError):
     return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _internal_error(request, exc: Exception):
+    err = ApiError(500, f"internal server error: {type(exc).__name__}", type_="server_error")
+    return JSONResponse(err.body(), status_code=500)
 
 
 class _Channel:
@@ -78,17 +111,42 @@ class _Channel:
 
 
 class _State:
-    def __init__(self, engine: Engine, model_name: str):
+    def __init__(self, engine: Engine, model_name: str, grace_s: float, max_body: int):
         self.engine, self.model = engine, model_name
         self.tok = engine.bundle.tokenizer
         self.context = engine.bundle.config.context_length
+        self.token_bytes = max_token_bytes(self.tok)
+        self.grace_s, self.max_body = grace_s, max_body
         self.closing = False
         self.created = int(time.time())
+        self.loop: asyncio.AbstractEventLoop | None = None  # set by the lifespan
+        self.expiry: asyncio.TimerHandle | None = None  # the grace period's end
+        self.closer: asyncio.Future | None = None  # engine.close at the grace period's end
+
+    # ---- shutdown -----------------------------------------------------------------------
+    def begin_shutdown_threadsafe(self) -> None:
+        """begin_shutdown on the app's loop (from a signal handler or another thread)."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.begin_shutdown)
+
+    def begin_shutdown(self) -> None:
+        """Stop admitting (503); after grace_s, close the engine: the jobs still in flight
+        get Failed (503), which their handlers answer. On the loop; idempotent."""
+        if self.closing:
+            return
+        self.closing = True
+        self.expiry = asyncio.get_running_loop().call_later(self.grace_s, self._expire)
+
+    def _expire(self) -> None:
+        self.closer = asyncio.ensure_future(asyncio.to_thread(self.engine.close, 5.0))
 
     # ---- small endpoints ----------------------------------------------------------------
     async def models(self, request: HttpRequest):
         return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model", "created": self.created,
                                                          "owned_by": "lmtail", "max_model_len": self.context}]})
+
+    async def openapi(self, request: HttpRequest):
+        return JSONResponse(openapi_document(self.model, self.context, self.engine.k, self.tok.vocab_size))
 
     async def health(self, request: HttpRequest):
         load = self.engine.load()
@@ -103,49 +161,66 @@ class _State:
         return await self._generate(request, "completions")
 
     async def _generate(self, http: HttpRequest, kind: str):
-        raw = await http.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body must be valid JSON; got {e}") from None
-        req = parse(kind, body, tokenizer=self.tok, model=self.model, context=self.context, k=self.engine.k)
+        if self.closing:
+            raise _closing()
+        raw = await self._read_body(http)
+        req = await asyncio.to_thread(self._parse, kind, raw)  # JSON, validation, tokenizing: off the loop
         chan = _Channel()
         job = Job(prompt_ids=req.prompt_ids, params=req.params, max_tokens=req.max_tokens, sink=chan,
                   stop=req.stop, logprobs=req.logprobs, echo_logprobs=req.echo and req.logprobs is not None)
         if self.closing:
-            raise ApiError(503, "the server is shutting down", type_="server_error")
+            raise _closing()
         try:
             self.engine.submit(job)
         except QueueFull as e:
             raise ApiError(429, f"too many requests in flight: {e}; retry later", type_="rate_limit_error",
                            code="rate_limit_exceeded") from None
         except Closed:
-            raise ApiError(503, "the server is shutting down", type_="server_error") from None
+            raise _closing() from None
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + os.urandom(12).hex()
         if req.stream:
             return StreamingResponse(self._stream(req, job, chan, rid), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await self._whole(http, req, job, chan, rid)
 
+    async def _read_body(self, http: HttpRequest) -> bytes:
+        """The body, at most max_body bytes (ApiError 413 past it)."""
+        declared = http.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body:
+            raise _too_large(self.max_body, f"{declared} (Content-Length)")
+        chunks, n = [], 0
+        try:
+            async for chunk in http.stream():
+                n += len(chunk)
+                if n > self.max_body:
+                    raise _too_large(self.max_body, f"more than {self.max_body}")
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ApiError(400, "the client disconnected before sending the whole body") from None
+        return b"".join(chunks)
+
+    def _parse(self, kind: str, raw: bytes) -> Request:
+        """protocol.loads + protocol.parse (a worker thread's job)."""
+        return parse(kind, loads(raw), tokenizer=self.tok, model=self.model, context=self.context,
+                     k=self.engine.k, max_token_bytes=self.token_bytes)
+
     async def _whole(self, http: HttpRequest, req: Request, job: Job, chan: _Channel, rid: str):
+        watcher = asyncio.ensure_future(_on_disconnect(http, chan))
         events = []
         try:
             while True:
-                try:
-                    ev = await asyncio.wait_for(chan.queue.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if await http.is_disconnected():
-                        job.cancel()
-                        return JSONResponse({}, status_code=499)
-                    continue
+                ev = await chan.queue.get()
+                if ev is _GONE:  # the client went away: nothing to answer
+                    return Response(status_code=499)
                 events.append(ev)
                 if isinstance(ev, (Done, Failed)):
                     break
         finally:
+            watcher.cancel()
             if not events or not isinstance(events[-1], (Done, Failed)):
                 job.cancel()
         if isinstance(events[-1], Failed):
-            raise ApiError(503, events[-1].message, type_="server_error")
+            raise _job_error(events[-1])
         return JSONResponse(self._body(req, rid, events))
 
     def _body(self, req: Request, rid: str, events: list) -> dict:
@@ -218,12 +293,34 @@ class _State:
                     break
                 else:  # Failed
                     finished = True
-                    yield f"data: {json.dumps(ApiError(503, ev.message, type_='server_error').body())}\n\n"
+                    yield f"data: {json.dumps(_job_error(ev).body())}\n\n"
                     break
             yield "data: [DONE]\n\n"
         finally:
             if not finished:
                 job.cancel()  # the client went away (or the server is cancelling us): free the slot
+
+
+async def _on_disconnect(http: HttpRequest, chan: _Channel) -> None:
+    """Wait for the connection's http.disconnect (the body is read already), then tell
+    the plain request's loop (_GONE)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+    chan.queue.put_nowait(_GONE)
+
+
+def _closing() -> ApiError:
+    return ApiError(503, "the server is shutting down", type_="server_error")
+
+
+def _too_large(limit: int, got: str) -> ApiError:
+    return ApiError(413, f"the request body must be at most {limit} bytes; got {got}",
+                    code="request_too_large")
+
+
+def _job_error(ev: Failed) -> ApiError:
+    """A job's failure as the client sees it (its status: 500 engine error, 503 shutdown)."""
+    return ApiError(ev.status, ev.message, type_="server_error")
 
 
 def _add_prompt(lp: CompletionLogprobs, req: Request, ev: Prompt) -> None:

@@ -1,12 +1,14 @@
 """`lmtail serve` (and `python -m lmtail.serve`): load SmolLM2, start the engine, serve the
 app with uvicorn on 127.0.0.1:8000 by default.
 
-SIGTERM / SIGINT (uvicorn's handlers): stop accepting, let in-flight requests finish for
-at most --shutdown-timeout s (then their connections are cancelled, which cancels their
-jobs), close the engine (waiting and active jobs fail with "server shutting down"; the
-thread joined within the same bound; logged "lmtail engine closed"), then uvicorn re-raises
-the signal, so the process ends as killed by it (status -15 / 143 for SIGTERM, the
-convention). With --ranks N > 1 the engine's close also stops its N - 1 rank processes
+SIGTERM / SIGINT (_Server: uvicorn's handlers, plus the app's begin_shutdown): stop
+accepting (the listening socket closes; a request on a kept-alive connection gets 503),
+let in-flight requests finish for at most --shutdown-timeout s, then close the engine:
+the jobs left fail with "server shutting down", answered as 503 JSON (plain requests) or
+an error event and `data: [DONE]` (streams); uvicorn's own cut (connections cancelled)
+is only a backstop, SHUTDOWN_MARGIN_S later. The lifespan then closes the engine (logged
+"lmtail engine closed") and the process exits 0 (the signal is handled, not re-raised;
+1 if the engine thread did not stop in time). With --ranks N > 1 the engine's close also stops its N - 1 rank processes
 (a stop command, a bounded join, then terminate), and each rank is SIGKILLed by the kernel
 if this process dies any other way (PR_SET_PDEATHSIG): none outlives the server.
 
@@ -15,11 +17,15 @@ Shape legend: none (a command line).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
 import threading
 import time
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MAX_BODY = 1 << 20  # app.DEFAULT_MAX_BODY (not imported: the app pulls in starlette)
+SHUTDOWN_MARGIN_S = 5.0  # uvicorn's cut comes this long after the app's grace period
 
 
 def configure(ap: argparse.ArgumentParser) -> None:
@@ -48,7 +54,9 @@ def configure(ap: argparse.ArgumentParser) -> None:
                          "q32), 'bf16' (the bf16 head; the default with --body declared) or 'bf16x2' (hi + lo "
                          "bf16 rows on the bf16 head: 16 bits, two GEMM rows per request)")
     ap.add_argument("--shutdown-timeout", type=float, default=10.0,
-                    help="seconds in-flight requests may take after SIGTERM")
+                    help="seconds in-flight requests may take after SIGTERM (then 503 / an SSE error event)")
+    ap.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY,
+                    help=f"the largest request body accepted (HTTP 413 beyond; default {DEFAULT_MAX_BODY})")
 
 
 def check(args: argparse.Namespace) -> None:
@@ -62,6 +70,7 @@ def check(args: argparse.Namespace) -> None:
         ("--threads", args.threads, args.threads >= 0, ">= 0 (0: torch's default)"),
         ("--k", args.k, 1 <= args.k <= 49152, "in [1, 49152]"),
         ("--shutdown-timeout", args.shutdown_timeout, args.shutdown_timeout >= 0, ">= 0"),
+        ("--max-body-bytes", args.max_body_bytes, args.max_body_bytes >= 1, ">= 1"),
     ]
     for flag, value, ok, expected in rules:
         if not ok:
@@ -83,7 +92,8 @@ def build(args: argparse.Namespace, bundle=None):
     bundle = load_model(weights=weights_needed(args.body, args.head_input)) if bundle is None else bundle
     engine = Engine(bundle, max_batch=args.max_batch, max_queue=args.max_queue, k=args.k, exchange=args.exchange,
                     head_input=args.head_input, ranks=args.ranks, ops=lmtail_ops(body=args.body))
-    return engine, create_app(engine, model_name=args.model_name, shutdown_timeout=args.shutdown_timeout)
+    return engine, create_app(engine, model_name=args.model_name, shutdown_timeout=args.shutdown_timeout,
+                              max_body_bytes=args.max_body_bytes)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,12 +103,41 @@ def run(args: argparse.Namespace) -> int:
     print("lmtail serve: loading SmolLM2-135M-Instruct ...", file=sys.stderr, flush=True)
     engine, app = build(args)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                            timeout_graceful_shutdown=args.shutdown_timeout)
+                            timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_MARGIN_S)
     try:
-        uvicorn.Server(config).run()
+        _server_class()(config, app.state.lmtail).run()
     finally:  # the app's lifespan has closed the engine already, unless uvicorn never started
         ok = engine.close(args.shutdown_timeout)
     return 0 if ok else 1
+
+
+def _server_class():
+    """uvicorn.Server that tells the app when a signal starts the shutdown and does not
+    re-raise the signal afterwards (the shutdown it asked for is the clean exit: 0)."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        def __init__(self, config, state):
+            super().__init__(config)
+            self.app_state = state
+
+        def handle_exit(self, sig, frame):
+            self.app_state.begin_shutdown_threadsafe()
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
+
+    return _Server
 
 
 class ThreadServer:
@@ -125,6 +164,7 @@ class ThreadServer:
         return self
 
     def stop(self, timeout: float = 30.0) -> bool:
+        """Exit at once (uvicorn's own shutdown: in-flight connections get its grace)."""
         self.server.should_exit = True
         self.thread.join(timeout)
         return not self.thread.is_alive()

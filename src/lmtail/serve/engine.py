@@ -13,10 +13,21 @@ requests join the running batch after their own prefill and leave when done.
                ranks, serve/ranks.py, with the same bytes; the body stays here)
 
 A row's tokens and logprobs are therefore the bytes of the same request served alone,
-whatever joins or leaves around it (tests/test_serve.py: bit for bit, with joins and
-leaves, against llama.forward + decode_tail on one row). Events go to the job's `sink`
+whatever joins, leaves or fails around it (tests/test_serve.py: bit for bit, with joins
+and leaves, against llama.forward + decode_tail on one row; failures: isolation below). Events go to the job's `sink`
 (called on the engine thread; the HTTP layer hands them to its event loop):
 Prompt (echo logprobs), Token (one generated token, its text delta), Done, Failed.
+
+Isolation: whatever fails for one row fails that row alone. A step whose batched tail
+or body call raises is rerun row by row (both are row-invariant, so a row's bytes alone
+are its bytes in the batch); the rows that raise alone get Failed (status 500, the
+error's words) and leave, the others go on unchanged. A cache whose body call raised is
+set back to its length before the call (its slot is written again next time). Admission
+(prefill) failures fail their own job only. tests/test_serve_hardening.py plants a row
+that raises in the tail and one that raises in the body: batchmates equal their solo runs.
+
+Capacity: at most max_batch + max_queue jobs in flight (waiting, being prefilled or
+decoding); submit() beyond is QueueFull (HTTP 429).
 
 Seeds: every job carries one (the HTTP layer picks one from os.urandom for a request
 without): the draw for the token at position p is numerics.draw_u(seed, p), p =
@@ -27,6 +38,7 @@ Shape legend: R active rows, H hidden, V vocab, k candidates, P prompt positions
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -47,6 +59,7 @@ from . import batch
 
 PREFILL_CHUNK = 256  # prompt positions per forward call (cache-invariant: no byte depends on it)
 SCORE_ROWS = 64  # positions per teacher-forced tail call
+_log = logging.getLogger("uvicorn.error")  # the server's log (a plain logger when run without uvicorn)
 
 
 class QueueFull(RuntimeError):
@@ -116,9 +129,11 @@ class Done:
 
 @dataclass(frozen=True)
 class Failed:
-    """The job was dropped: cancelled, engine closed, or an error (message)."""
+    """The job was dropped: cancelled (status 499), engine closed (503), or an error of
+    its own (500); message: the words the client gets."""
 
     message: str
+    status: int = 500
 
 
 # ---------------------------------------------------------------------------------------
@@ -211,7 +226,8 @@ class Row:
 class Engine:
     """Owns `bundle` on one thread (start()); submit() jobs from any thread.
 
-    max_batch: active rows at most; max_queue: waiting jobs at most (QueueFull beyond);
+    max_batch: active rows at most; max_queue: jobs in flight beyond max_batch at most
+    (QueueFull past max_batch + max_queue jobs waiting, prefilling or decoding);
     k: the tail's candidate count (top_k must be <= k; the same k for every request, so a
     request's bytes never depend on its neighbours' top_k); body: "batched"
     (batch.step_rows, the default) or "rows" (llama.forward per row: the reference);
@@ -255,6 +271,7 @@ class Engine:
             self._ranks = RankTail(bundle, ranks, k=k, timeout_s=rank_timeout_s, **self.tail_kw)
         self._pending: collections.deque[Job] = collections.deque()
         self._rows: list[Row] = []
+        self._admitting = 0  # jobs taken from _pending, not yet in _rows (being prefilled)
         self._cv = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -275,23 +292,28 @@ class Engine:
         return self
 
     def submit(self, job: Job) -> None:
-        """Queue a job (Closed after close(); QueueFull when max_queue jobs wait)."""
+        """Queue a job (Closed after close(); QueueFull when max_batch + max_queue jobs are
+        in flight: waiting, being prefilled or decoding)."""
         with self._cv:
             if self._closing:
                 raise Closed("the engine is shutting down")
-            if len(self._pending) >= self.max_queue:
-                raise QueueFull(f"{len(self._pending)} requests are already waiting")
+            n = len(self._pending) + self._admitting + len(self._rows)
+            if n >= self.max_batch + self.max_queue:
+                raise QueueFull(f"{n} requests are already in flight (at most {self.max_batch} decoding + "
+                                f"{self.max_queue} waiting)")
             self._pending.append(job)
             self._cv.notify()
 
     def load(self) -> dict:
-        """{"active": rows decoding, "waiting": jobs queued, "steps": decode steps so far}."""
+        """{"active": rows decoding, "waiting": jobs queued or being prefilled, "steps":
+        decode steps so far}."""
         with self._cv:
-            return {"active": len(self._rows), "waiting": len(self._pending), "steps": self.steps}
+            return {"active": len(self._rows), "waiting": len(self._pending) + self._admitting, "steps": self.steps}
 
     def close(self, timeout: float = 10.0) -> bool:
-        """Stop: waiting and active jobs get Failed("server shutting down"); the thread
-        is joined for at most `timeout` s. True when it ended."""
+        """Stop: waiting and active jobs get Failed("server shutting down", 503) (from the
+        engine thread, or here when that thread is not running); the thread is joined for
+        at most `timeout` s. True when it ended."""
         with self._cv:
             self._closing = True
             self._cv.notify()
@@ -300,6 +322,13 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
             ended = not self._thread.is_alive()
+        if ended:  # the thread never ran, or ended before it saw _closing: no job may wait forever
+            with self._cv:
+                left = list(self._pending) + [r.job for r in self._rows]
+                self._pending.clear()
+                self._rows = []
+            for job in left:
+                _emit(job, Failed("server shutting down", 503))
         if self._ranks is not None:  # after the thread: no step is using them any more (when it ended)
             ended = self._ranks.close(max(1.0, t_end - time.monotonic())) and ended
         return ended
@@ -320,31 +349,38 @@ class Engine:
                     self._rows = []
                     break
                 admit = []
-                while self._pending and len(self._rows) + len(admit) < self.max_batch:
+                while self._pending and len(admit) < self.room():
                     admit.append(self._pending.popleft())
+                self._admitting = len(admit)
             for job in admit:
                 self._guard(job, self.admit)
+                with self._cv:
+                    self._admitting -= 1
             if self._rows:
                 try:
                     self.step()
-                except Exception as e:  # a bug: fail the rows, keep serving
+                except Exception as e:  # a bug outside the per-row guards: fail the rows, keep serving
                     rows, self._rows = self._rows, []
                     for r in rows:
-                        _emit(r.job, Failed(f"engine error: {e!r}"))
+                        _emit(r.job, _failure(e))
         for job in dropped:
-            _emit(job, Failed("server shutting down"))
+            _emit(job, Failed("server shutting down", 503))
+
+    def room(self) -> int:
+        """Rows that may join the batch now: max_batch - active rows."""
+        return self.max_batch - len(self._rows)
 
     def _guard(self, job: Job, fn) -> None:
         try:
             fn(job)
         except Exception as e:
-            _emit(job, Failed(f"engine error: {e!r}"))
+            _emit(job, _failure(e))
 
     def admit(self, job: Job) -> None:
         """Prefill job alone; emit its echo logprobs; join the batch (or finish). The
         engine thread's first move (public so tests can drive a schedule without it)."""
         if job.cancelled.is_set():
-            _emit(job, Failed("cancelled"))
+            _emit(job, Failed("cancelled", 499))
             return
         cfg, ids = self.bundle.config, job.prompt_ids
         first = min(max(job.max_tokens, 1), batch.GROW_SLOTS)  # slots past the prompt; grown as needed
@@ -378,45 +414,95 @@ class Engine:
 
     def step(self) -> None:
         """One tail step over the active rows, then one body step for those still active
-        (the engine thread's second move)."""
+        (the engine thread's second move). A row that fails fails alone (module docstring)."""
         rows = [r for r in self._rows if not r.job.cancelled.is_set()]
         for r in self._rows:
             if r.job.cancelled.is_set():
-                _emit(r.job, Failed("cancelled"))
+                _emit(r.job, Failed("cancelled", 499))
         if not rows:
             with self._cv:
                 self._rows = []
             return
+        sampled = self._isolated(rows, self._sample)
+        keep = []
+        for r, (tid, lp, top) in sampled:
+            try:
+                if self._emit_token(r, tid, lp, top):
+                    keep.append((r, tid))
+            except Exception as e:
+                _emit(r.job, _failure(e))
+        self.steps += 1
+        kept = [r for r, _ in keep]
+        if keep:
+            tokens = dict((id(r), t) for r, t in keep)
+            kept = [r for r, _ in self._isolated(kept, lambda rs: self._advance(rs, [tokens[id(r)] for r in rs]))]
+        with self._cv:
+            self._rows = kept
+
+    def _isolated(self, rows: list[Row], fn) -> list[tuple[Row, object]]:
+        """fn(rows) -> one result per row, as [(row, result)]; when the batched call raises,
+        fn([row]) for each row alone: a row that raises alone gets Failed (500) and is left
+        out, the others keep their results (fn is row-invariant: the same bytes)."""
+        if not rows:
+            return []
+        try:
+            return list(zip(rows, fn(rows)))
+        except Exception as e:
+            if len(rows) == 1:
+                _emit(rows[0].job, _failure(e))
+                return []
+            _log.warning("lmtail engine: a %d-row step raised %s: %s; rerunning its rows one by one",
+                         len(rows), type(e).__name__, e)
+        out = []
+        for r in rows:
+            try:
+                out.append((r, fn([r])[0]))
+            except Exception as e:
+                _emit(r.job, _failure(e))
+        return out
+
+    def _sample(self, rows: list[Row]) -> list[tuple[int, float, list | None]]:
+        """The tail step over rows: per row (token id, logprob, top alternatives or None)."""
         x = torch.stack([r.x for r in rows])  # [R, H]
         sp = self.step_params(rows)  # [R, 5]
         want = [r.job.logprobs is not None and r.job.logprobs > 0 for r in rows]
         out, top_out, lse = self._tail(x, sp, want)
-        keep, w = [], 0
-        stop_ids = self.bundle.tokenizer.stop_ids
+        res, w = [], 0
         for i, r in enumerate(rows):
-            tid, lp = int(out.tokens[i]), float(out.logprobs[i])
             top = None
             if want[i]:
                 n = r.job.logprobs
                 vals = values_logprobs(top_out.topk_values[w:w + 1, :n], lse[w:w + 1])[0]  # [n]
                 top = list(zip(top_out.topk_indices[w, :n].tolist(), vals.tolist()))
                 w += 1
-            r.generated += 1
-            special = tid in stop_ids
-            delta, hit = ("", False) if special else r.text.feed(tid)
-            finish = "stop" if special or hit else ("length" if r.generated >= r.job.max_tokens else None)
-            if finish is not None and not hit:
-                delta += r.text.flush()
-            _emit(r.job, Token(tid, lp, top, delta, special))
-            if finish is not None:
-                _emit(r.job, Done(finish, r.generated, r.text.sent))
-            else:
-                keep.append((r, tid))
-        self.steps += 1
-        if keep:
-            self._body([r for r, _ in keep], torch.tensor([t for _, t in keep], dtype=torch.int64))
-        with self._cv:
-            self._rows = [r for r, _ in keep]
+            res.append((int(out.tokens[i]), float(out.logprobs[i]), top))
+        return res
+
+    def _emit_token(self, r: Row, tid: int, lp: float, top) -> bool:
+        """Row r's token event (and Done when it finishes); True when it goes on."""
+        r.generated += 1
+        special = tid in self.bundle.tokenizer.stop_ids
+        delta, hit = ("", False) if special else r.text.feed(tid)
+        finish = "stop" if special or hit else ("length" if r.generated >= r.job.max_tokens else None)
+        if finish is not None and not hit:
+            delta += r.text.flush()
+        _emit(r.job, Token(tid, lp, top, delta, special))
+        if finish is not None:
+            _emit(r.job, Done(finish, r.generated, r.text.sent))
+            return False
+        return True
+
+    def _advance(self, rows: list[Row], tokens: list[int]) -> list[None]:
+        """The body step for rows fed `tokens`; on an error every cache is set back to its
+        length before the call (then re-raised)."""
+        lengths = [r.cache.length for r in rows]
+        try:
+            self._body(rows, torch.tensor(tokens, dtype=torch.int64))
+        except Exception:
+            for r, n in zip(rows, lengths):
+                r.cache.length = n
+            raise
+        return [None] * len(rows)
 
     def _tail(self, x: torch.Tensor, sp: torch.Tensor, want: list[bool]):
         """The sampling step's tail over x [R, H], sp [R, 5]: (out with tokens / logprobs
@@ -478,6 +564,11 @@ class _Top:
 
     topk_values: torch.Tensor  # [R_want, k] fp32 (candidates) or bf16 (mirror)
     topk_indices: torch.Tensor  # [R_want, k] int64
+
+
+def _failure(e: Exception) -> Failed:
+    """The Failed event of a job whose own step raised e (status 500)."""
+    return Failed(f"engine error: {type(e).__name__}: {e}", 500)
 
 
 def _emit(job: Job, event) -> None:

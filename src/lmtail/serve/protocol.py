@@ -1,6 +1,11 @@
 """The OpenAI request bodies: parsing and validation into one typed Request, and the
 token / logprob formatting of the responses.
 
+`loads` decodes a body (bytes) into JSON values: malformed JSON, invalid UTF-8 and
+nesting past Python's recursion limit are ApiErrors (400); an integer literal longer than
+MAX_INT_DIGITS digits becomes a `Huge` value (no field takes it, so the field's own check
+names it; Python would refuse to convert a 5,000-digit one at all).
+
 Every field is checked by one table (FIELDS: name -> endpoint set, check); an unknown
 field, a wrong type or an out-of-range value is an ApiError (HTTP 400, OpenAI's error
 shape, `param` naming the field). Supported: model, messages | prompt, max_tokens
@@ -8,22 +13,42 @@ shape, `param` naming the field). Supported: model, messages | prompt, max_token
 1..k), min_p [0, 1], seed (int64; absent: one from os.urandom, reported back), stop
 (a string or up to 4), stream, stream_options.include_usage, n = 1, logprobs
 (chat: bool + top_logprobs 0..20; completions: int 0..20), echo (completions), user;
-presence_penalty / frequency_penalty only at 0 (not implemented otherwise).
+the `developer` role (as `system`). Accepted as no-ops: presence_penalty /
+frequency_penalty 0, repetition_penalty 1, logit_bias {}, response_format {"type":
+"text"}, tools [], tool_choice "none", parallel_tool_calls, store, metadata. Any other
+value of those (n > 1 too) is a 400 naming the field and saying it is not supported yet.
+
+Admission checks the sampling values in the terms the kernels read them: the fp32 value
+of each float (top_p 1e-50 is 0.0 in fp32: a 400 naming top_p), the seed's 64 bits (an
+int64 seed s is the uint64 s mod 2**64, the bits numerics.draw_u reads), and finally
+sampler.sampling_tensor on the request's first and last decode positions, so no value
+that passes here can fail a decode step.
+
+Every string the tokenizer or the response will see must be valid Unicode text without
+lone surrogates (JSON allows "\ud800"; UTF-8 does not): a 400 naming the field.
+
+Prompt length: a prompt of `context` tokens or more is a 400 naming it; a text prompt
+whose UTF-8 size exceeds max_token_bytes * (context - 1) (each token covers at most
+max_token_bytes bytes) is refused by its size alone, before it is tokenized.
 
 Shape legend: none (JSON values).
 """
 from __future__ import annotations
 
+import json
 import math
 import os
+import struct
 from dataclasses import dataclass
 
-from ..sampler import SamplingParams
+from ..sampler import U64, SamplingParams, sampling_tensor
 
 MAX_LOGPROBS = 20
 MAX_STOP = 4
 INT64 = (-(1 << 63), (1 << 63) - 1)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the legacy completions API's default
+MAX_INT_DIGITS = 40  # longer integer literals become Huge (int64 needs at most 19 digits)
+NOT_YET = "is not supported yet"
 
 
 class ApiError(Exception):
@@ -35,11 +60,58 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        """{"error": {...}}; lone surrogates of a client's text (a field name) escaped, so
+        the body always has a UTF-8 form."""
+        return {"error": {"message": _utf8_safe(self.message), "type": self.type,
+                          "param": None if self.param is None else _utf8_safe(self.param), "code": self.code}}
+
+
+def _utf8_safe(s: str) -> str:
+    return s if s.isascii() else s.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad(param: str, expected: str, got) -> ApiError:
-    return ApiError(400, f"{param} must be {expected}; got {got!r:.200}", param=param)
+    return ApiError(400, f"{param} must be {expected}; got {_short(got)}", param=param)
+
+
+def not_yet(param: str, what: str, got) -> ApiError:
+    """A 400 for a field clients send whose value this server does not implement."""
+    return ApiError(400, f"{param}: {what} {NOT_YET}; got {_short(got)}", param=param)
+
+
+def _short(v) -> str:
+    """repr(v) cut to 200 characters (a huge value is not repr'd whole)."""
+    if isinstance(v, (list, dict)) and len(v) > 50:
+        return f"a {type(v).__name__} of {len(v)} items"
+    if isinstance(v, str) and len(v) > 200:
+        v = v[:200]
+    return f"{v!r:.200}"
+
+
+class Huge:
+    """An integer literal of more than MAX_INT_DIGITS digits, kept as its text (not an int:
+    every integer field refuses it, naming itself)."""
+
+    def __init__(self, digits: str):
+        self.digits = digits
+
+    def __repr__(self) -> str:
+        return f"an integer of {len(self.digits.lstrip('-'))} digits"
+
+
+def _parse_int(s: str):
+    return int(s) if len(s) <= MAX_INT_DIGITS else Huge(s)
+
+
+def loads(raw: bytes):
+    """The JSON value of a request body; ApiError (400) for invalid UTF-8, malformed JSON
+    or nesting deeper than the interpreter's recursion limit."""
+    try:
+        return json.loads(raw, parse_int=_parse_int)
+    except RecursionError:
+        raise ApiError(400, "the request body must be valid JSON; got arrays / objects nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise ApiError(400, f"the request body must be valid JSON; got {str(e):.200}") from None
 
 
 @dataclass(frozen=True)
@@ -101,15 +173,102 @@ def _bool(name, v):
     return v
 
 
-def _str(name, v):
-    if v is not None and not isinstance(v, str):
-        raise bad(name, "a string", v)
+def _text(name: str, v: str) -> str:
+    """v itself if it is valid Unicode text (no lone surrogate, so it has a UTF-8 form)."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"{name} must be text without lone surrogates (UTF-8 encodable); got "
+                            f"{v[e.start]!r} at position {e.start}", param=name) from None
     return v
 
 
-def _zero(name, v):
-    if v is not None and not (_is_num(v) and v == 0):
-        raise bad(name, "0 (not supported otherwise)", v)
+def _str(name, v):
+    if v is not None and not isinstance(v, str):
+        raise bad(name, "a string", v)
+    return v if v is None else _text(name, v)
+
+
+def _penalty(neutral: float, lo: float, hi: float):
+    """A penalty clients send: `neutral` is a no-op; another value in [lo, hi] not yet."""
+    def check(name, v):
+        if v is None:
+            return None
+        if not (_is_num(v) and lo <= v <= hi):
+            raise bad(name, f"a number in [{lo}, {hi}]", v)
+        if v != neutral:
+            raise not_yet(name, f"a value other than {neutral:g}", v)
+        return v
+    return check
+
+
+def _n(name, v):
+    if v is None:
+        return None
+    if not (_is_int(v) and v >= 1):
+        raise bad(name, "an integer >= 1", v)
+    if v > 1:
+        raise not_yet(name, "n > 1 (several choices per request)", v)
+    return v
+
+
+def _logit_bias(name, v):
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise bad(name, "an object {token id: bias}", v)
+    if v:
+        raise not_yet(name, "a non-empty logit_bias", v)
+    return v
+
+
+def _response_format(name, v):
+    if v is None:
+        return None
+    if not (isinstance(v, dict) and isinstance(v.get("type"), str)):
+        raise bad(name, 'an object {"type": ...}', v)
+    if v != {"type": "text"}:
+        raise not_yet(name, f'{v["type"]!r} (only {{"type": "text"}} is)', v)
+    return v
+
+
+def _tools(name, v):
+    if v is None:
+        return None
+    if not isinstance(v, list):
+        raise bad(name, "a list of tools", v)
+    if v:
+        raise not_yet(name, "tool calling (this model's chat template has no tools)", v)
+    return v
+
+
+def _tool_choice(name, v):
+    if v is None or v == "none":
+        return v
+    if not isinstance(v, (str, dict)):
+        raise bad(name, '"none", "auto", "required" or an object', v)
+    raise not_yet(name, "tool calling (only \"none\" is)", v)
+
+
+def _functions(name, v):
+    if v is None or v == []:
+        return v
+    if not isinstance(v, list):
+        raise bad(name, "a list of functions", v)
+    raise not_yet(name, "function calling", v)
+
+
+def _function_call(name, v):
+    if v is None or v == "none":
+        return v
+    if not isinstance(v, (str, dict)):
+        raise bad(name, '"none", "auto" or an object', v)
+    raise not_yet(name, "function calling (only \"none\" is)", v)
+
+
+def _metadata(name, v):
+    if v is not None and not (isinstance(v, dict) and all(isinstance(x, str) for x in v.values())):
+        raise bad(name, "an object of strings", v)
     return v
 
 
@@ -119,7 +278,7 @@ def _stop(name, v):
     items = [v] if isinstance(v, str) else v
     if not (isinstance(items, list) and len(items) <= MAX_STOP and all(isinstance(s, str) and s for s in items)):
         raise bad(name, f"a non-empty string or a list of at most {MAX_STOP} non-empty strings", v)
-    return tuple(items)
+    return tuple(_text(name, s) for s in items)
 
 
 def _stream_options(name, v):
@@ -130,20 +289,26 @@ def _stream_options(name, v):
     return v.get("include_usage", False)
 
 
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
 def _messages(name, v):
+    """[{"role", "content"}] with the role mapped (developer -> system) and the content a
+    string (a list of text parts joined)."""
     ok = isinstance(v, list) and v
     out = []
     for i, m in enumerate(v if ok else []):
-        if (not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant")
-                or set(m) - {"role", "content", "name"}):
-            raise bad(f"{name}[{i}]", 'an object {"role": system|user|assistant, "content": ...}', m)
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in ROLES \
+                or set(m) - {"role", "content", "name"}:
+            raise bad(f"{name}[{i}]", 'an object {"role": system|developer|user|assistant, "content": ...}', m)
         c = m.get("content")
         if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                        and isinstance(p.get("text"), str) for p in c):
             c = "".join(p["text"] for p in c)
         if not isinstance(c, str):
             raise bad(f"{name}[{i}].content", "a string (or a list of text parts)", c)
-        out.append({"role": m["role"], "content": c})
+        _str(f"{name}[{i}].name", m.get("name"))
+        out.append({"role": ROLES[m["role"]], "content": _text(f"{name}[{i}].content", c)})
     if not out:
         raise bad(name, "a non-empty list of messages", v)
     return out
@@ -154,10 +319,15 @@ def _prompt(name, v):
     if isinstance(v, list) and len(v) == 1 and (isinstance(v[0], str) or isinstance(v[0], list)):
         v = v[0]
     if isinstance(v, str) and v:
-        return v
+        return _text(name, v)
     if isinstance(v, list) and v and all(_is_int(t) for t in v):
         return list(v)
     raise bad(name, "a non-empty string or a non-empty list of token ids (one prompt)", v)
+
+
+def _fp32(x: float) -> float:
+    """x rounded to fp32 (round to nearest even), as the sampler's tensor holds it."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
 
 
 BOTH, CHAT, COMP = ("chat", "completions"), ("chat",), ("completions",)
@@ -175,25 +345,37 @@ FIELDS = {
     "stop": (BOTH, _stop),
     "stream": (BOTH, _bool),
     "stream_options": (BOTH, _stream_options),
-    "n": (BOTH, _int_in(1, 1)),
+    "n": (BOTH, _n),
     "user": (BOTH, _str),
-    "presence_penalty": (BOTH, _zero),
-    "frequency_penalty": (BOTH, _zero),
+    "presence_penalty": (BOTH, _penalty(0, -2, 2)),
+    "frequency_penalty": (BOTH, _penalty(0, -2, 2)),
+    "repetition_penalty": (BOTH, _penalty(1, 0, math.inf)),
+    "logit_bias": (BOTH, _logit_bias),
+    "response_format": (BOTH, _response_format),
+    "tools": (CHAT, _tools),
+    "tool_choice": (CHAT, _tool_choice),
+    "parallel_tool_calls": (CHAT, _bool),
+    "functions": (CHAT, _functions),
+    "function_call": (CHAT, _function_call),
+    "store": (BOTH, _bool),
+    "metadata": (BOTH, _metadata),
     "logprobs": (BOTH, None),  # bool (chat) or int (completions)
     "top_logprobs": (CHAT, _int_in(0, MAX_LOGPROBS)),
     "echo": (COMP, _bool),
 }
 
 
-def parse(kind: str, body, *, tokenizer, model: str, context: int, k: int) -> Request:
+def parse(kind: str, body, *, tokenizer, model: str, context: int, k: int,
+          max_token_bytes: int | None = None) -> Request:
     """Validate a request body (already JSON-decoded) for endpoint `kind` ("chat" or
     "completions"); ApiError naming the first bad field. context: the model's context
-    length (prompt + max_tokens must fit); k: the largest top_k the server takes."""
+    length (prompt + max_tokens must fit); k: the largest top_k the server takes;
+    max_token_bytes: the most UTF-8 bytes one token covers (None: no size pre-check)."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object; got {type(body).__name__}")
     for name in body:
         if name not in FIELDS or kind not in FIELDS[name][0]:
-            raise ApiError(400, f"Unrecognized request argument supplied: {name}", param=name)
+            raise ApiError(400, f"Unrecognized request argument supplied: {name[:200]}", param=name[:200])
     v = {}
     for name, (_, check) in FIELDS.items():
         if check is not None and kind in FIELDS[name][0]:
@@ -203,38 +385,74 @@ def parse(kind: str, body, *, tokenizer, model: str, context: int, k: int) -> Re
         missing = "model" if "model" not in body or v["model"] is None else need
         raise ApiError(400, f"{missing} is required", param=missing)
     if v["model"] != model:
-        raise ApiError(404, f"The model {v['model']!r} does not exist (this server has {model!r})",
+        raise ApiError(404, f"The model {v['model']!r:.200} does not exist (this server has {model!r})",
                        param="model", code="model_not_found")
     if v["stream_options"] and not v["stream"]:
         raise bad("stream_options", "given only with stream=true", body["stream_options"])
     logprobs, echo = _logprobs(kind, body, v), bool(v.get("echo"))
-    if kind == "chat":
-        text = tokenizer.apply_chat_template(v["messages"])
-        ids = tokenizer.encode(text)
-    elif isinstance(v["prompt"], str):
-        text, ids = v["prompt"], tokenizer.encode(v["prompt"])
-    else:
-        ids = v["prompt"]
-        bad_id = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
-        if bad_id:
-            raise bad("prompt", f"token ids in [0, {tokenizer.vocab_size})", bad_id[0])
-        text = tokenizer.decode(ids, skip_special=False)
-    if not ids:
-        raise bad(need, "a prompt of at least one token", body[need])
-    if len(ids) >= context:
-        raise ApiError(400, f"{need} must be shorter than the context ({context} tokens); got {len(ids)} tokens",
-                       param=need)
-    max_tokens = _max_tokens(kind, body, len(ids), context, echo)
     top_k = body.get("top_k")
     if top_k is not None and not (_is_int(top_k) and (top_k == -1 or 0 <= top_k <= k)):
         raise bad("top_k", f"an integer in [0, {k}] or -1 (0 and -1 disable it)", top_k)
+    if v["top_p"] is not None and _fp32(v["top_p"]) <= 0:
+        raise ApiError(400, f"top_p must be in (0, 1] in fp32 (the sampler's dtype); got {body['top_p']!r}, "
+                            "which is 0.0 in fp32", param="top_p")
+    text, ids = _prompt_ids(kind, v[need], body[need], tokenizer, context, max_token_bytes)
+    max_tokens = _max_tokens(kind, body, len(ids), context, echo)
     seed = v["seed"] if v["seed"] is not None else int.from_bytes(os.urandom(8), "little") >> 1
     temperature = 1.0 if v["temperature"] is None else v["temperature"]
     params = SamplingParams(top_k=max(top_k or 0, 0), top_p=1.0 if v["top_p"] is None else v["top_p"],
-                            temperature=temperature, min_p=v["min_p"] or 0.0, seed=seed)
+                            temperature=temperature, min_p=v["min_p"] or 0.0, seed=seed % U64)
+    try:  # the tail's own rules on the fp32 rows of the first and the last decode position
+        sampling_tensor([params, params], positions=[len(ids), len(ids) + max(max_tokens - 1, 0)])
+    except ValueError as e:
+        raise ApiError(400, f"the sampling parameters are refused in fp32: {e}") from None
     return Request(kind=kind, model=model, prompt_ids=list(ids), prompt_text=text, params=params, seed=seed,
                    max_tokens=max_tokens, stop=v["stop"], stream=bool(v["stream"]),
                    include_usage=bool(v["stream_options"]), logprobs=logprobs, echo=echo)
+
+
+def _prompt_ids(kind: str, value, raw, tokenizer, context: int, max_token_bytes: int | None):
+    """(prompt text, token ids) of a checked messages / prompt value; ApiError naming the
+    field for an empty prompt or one of `context` tokens or more (a text one refused by
+    its UTF-8 size alone when that proves it, before tokenizing)."""
+    need = "messages" if kind == "chat" else "prompt"
+    if kind == "chat":
+        text = tokenizer.apply_chat_template(value)
+    elif isinstance(value, str):
+        text = value
+    else:
+        ids = value
+        bad_id = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
+        if bad_id:
+            raise bad("prompt", f"token ids in [0, {tokenizer.vocab_size})", bad_id[0])
+        text = None
+    if text is not None:
+        size = len(text.encode("utf-8"))
+        if max_token_bytes is not None and size > max_token_bytes * (context - 1):
+            raise ApiError(400, f"{need} must be shorter than the context ({context} tokens); got {size} UTF-8 "
+                                f"bytes, at least {-(-size // max_token_bytes)} tokens", param=need)
+        ids = encode(tokenizer, text)
+    else:
+        text = tokenizer.decode(ids, skip_special=False)
+    if not ids:
+        raise bad(need, "a prompt of at least one token", raw)
+    if len(ids) >= context:
+        raise ApiError(400, f"{need} must be shorter than the context ({context} tokens); got {len(ids)} tokens",
+                       param=need)
+    return text, ids
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """tokenizer.encode(text) (model.tokenizer.ChatTokenizer: no special tokens added), the
+    same ids, through the backend's batch call, which releases the GIL while it runs (the
+    single-text call holds it: a 600 KB prompt would stall the event loop's thread for
+    half a second). tests/test_serve_hardening.py checks the ids equal."""
+    return tokenizer.backend.encode_batch([text], add_special_tokens=False)[0].ids
+
+
+def max_token_bytes(tokenizer) -> int:
+    """The most UTF-8 bytes one token of the vocabulary covers (its longest token)."""
+    return max(len(token_bytes(tokenizer, t)) for t in range(tokenizer.vocab_size))
 
 
 def _logprobs(kind: str, body: dict, v: dict) -> int | None:
@@ -264,7 +482,6 @@ def _max_tokens(kind: str, body: dict, n_prompt: int, context: int, echo: bool) 
         raise ApiError(400, f"{name} must be <= {room} (context {context} - {n_prompt} prompt tokens); got {mt}",
                        param=name)
     return mt
-
 
 # ---------------------------------------------------------------------------------------
 # tokens as the API shows them
