@@ -49,7 +49,7 @@ import torch
 from ..kernels.rowmass import row_mass
 from ..model.gguf_loader import ModelBundle
 from ..kernels.step import StepBuffers, StepShape
-from ..model.generate import default_head_input, default_ops, head_weight
+from ..model.generate import default_head_input, default_ops, head_weight, step_head
 from ..model.llama import Q32_BODY, KVCache, Ops, forward
 from ..numerics import log64
 from ..sampler import SamplingParams, sampling_tensor
@@ -259,7 +259,7 @@ class Engine:
                              f"{exchange!r}, {head_input!r}")
         self.bundle, self.max_batch, self.max_queue, self.k, self.body = bundle, max_batch, max_queue, k, body
         self.tail_kw = dict(exchange=exchange, head_input=head_input)
-        self.head = head_weight(bundle, head_input)  # the full head the tail reads
+        self.head = step_head(head_weight(bundle, head_input), True)  # the full head, its fastest layout
         self._scratch = None  # the q32 native rows step's buffers (kernels.step.StepBuffers), kept across steps
         if not isinstance(ranks, int) or ranks < 1 or bundle.config.vocab % ranks:
             raise ValueError(f"ranks must be an int >= 1 dividing the vocab {bundle.config.vocab}; got {ranks!r}")

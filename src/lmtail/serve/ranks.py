@@ -47,7 +47,7 @@ from ..exchange import ExchangeError
 from ..launch import stop_processes
 from ..layout import owned_rows
 from ..kernels.quant import QuantWeight
-from ..model.generate import head_weight
+from ..model.generate import head_weight, step_head
 from ..tail import head_shard
 
 _CMD_TAIL, _CMD_STOP = 1, 0
@@ -131,6 +131,7 @@ def _worker(rank, n, port, gamma, w, opts, conn, parent_pid, threads):
         store = dist.TCPStore("127.0.0.1", port, n, False, timeout=td)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=n, timeout=td)
         hid = gamma.shape[0]
+        w = step_head(w, True)  # this rank's shard in its fastest layout, once
         while True:
             try:
                 msg = conn.recv_bytes()
@@ -191,7 +192,7 @@ class RankTail:
                          timeout=float(timeout_s))
         self.gamma = bundle.final_norm.reshape(-1).to(torch.float32).contiguous()  # [H]
         head = head_weight(bundle, head_input)  # [H, V] bf16, or the [V, H] Q8_0 QuantWeight ("fp32")
-        self.w = head_shard(head, 0, ranks)  # rank 0's shard
+        self.w = step_head(head_shard(head, 0, ranks), True)  # rank 0's shard, its fastest layout
         self.broken: str | None = None
         self.procs, self.conns = [], []
         td = timedelta(seconds=timeout_s)
