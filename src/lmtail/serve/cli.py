@@ -15,6 +15,7 @@ Shape legend: none (a command line).
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 import threading
 import time
@@ -66,6 +67,31 @@ def check(args: argparse.Namespace) -> None:
     for flag, value, ok, expected in rules:
         if not ok:
             raise ValueError(f"{flag} must be {expected}; got {value}")
+    port_free(args.host, args.port)
+
+
+def port_free(host: str, port: int) -> None:
+    """ValueError naming --port (or --host) unless a socket can bind host:port now, the way
+    uvicorn will (SO_REUSEADDR: a port only in TIME_WAIT is free); port 0 (any free port)
+    always is. The test socket is closed at once; the model loads only after this."""
+    import socket
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host: cannot resolve {host!r} ({e.strerror})") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ValueError(f"--port: {host}:{port} is in use (another server listens there); pick another "
+                                 f"--port, or stop that server") from None
+            raise ValueError(f"--port: cannot bind {host}:{port} ({e.strerror})") from None
 
 
 def build(args: argparse.Namespace, bundle=None):
