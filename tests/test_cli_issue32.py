@@ -48,7 +48,8 @@ BASE_INSTALL = [  # (argv, the line's end), issue 32 item 2
     (["demo", "--synthetic"], "rich not installed (`lmtail demo --synthetic` needs it): pip install 'lmtail[model]'"),
     (["contract", "--fast"], "rich not installed (`lmtail contract` needs it): pip install 'lmtail[contract]'"),
     (["receipt", "--quick"], "not installed (`lmtail receipt` needs them): pip install 'lmtail[model,receipts]'"),
-    (["ab", "--a", "true", "--b", "true"], "scipy not installed (`lmtail ab` needs it): pip install 'lmtail[receipts]'"),
+    (["ab", "--a", "true", "--b", "true"],
+     "scipy not installed (`lmtail ab` needs it): pip install 'lmtail[receipts]'"),
     (["serve"], "gguf, tokenizers, starlette, uvicorn not installed (`lmtail serve` needs them): "
                 "pip install 'lmtail[serve]'"),
 ]
@@ -208,3 +209,23 @@ def test_demo_max_new_tokens_past_the_context_is_one_line(capsys, model_ready):
     err = capsys.readouterr().err
     assert re.fullmatch(r"lmtail demo: error: --max-new-tokens: expected at most \d+ \(the longest demo prompt "
                         r"is \d+ tokens of the 8192-token context\), got 8191\n", err), err
+
+
+def test_port_free_leaves_the_port_bindable():
+    """The busy-port check binds and closes a test socket: a free port stays free for uvicorn
+    right after (SO_REUSEADDR as uvicorn binds), a listening one is refused, port 0 always passes."""
+    import socket
+
+    from lmtail.serve.cli import port_free
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    port_free("127.0.0.1", port)
+    with socket.socket() as again:
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        again.bind(("127.0.0.1", port))
+        again.listen()
+        with pytest.raises(ValueError, match=rf"^--port: 127.0.0.1:{port} is in use \(another server listens there\)"):
+            port_free("127.0.0.1", port)
+    port_free("127.0.0.1", 0)

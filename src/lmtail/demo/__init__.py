@@ -36,8 +36,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--max-new-tokens", type=int, default=None,
                    help=f"tokens per request at most, in [1, {SMOLLM2_CONTEXT - 1}] (default 32)")
     m.add_argument("--ranks", type=int, default=None,
-                   help=f"vocab-parallel ranks of run E (the candidates exchange): {ranks_words('candidates', mirror_hint=False)} "
-                        "(default 4)")
+                   help="vocab-parallel ranks of run E (the candidates exchange): "
+                        f"{ranks_words('candidates', mirror_hint=False)} (default 4)")
     m.add_argument("--threads", type=int, default=None,
                    help="torch threads of every run and rank, 0: torch's default (default 1)")
     s = parser.add_argument_group("synthetic demo (with --synthetic)")

@@ -297,9 +297,9 @@ WEIGHTS = ("all", "file")  # load_model(weights=...)
 def load_model(path: str | None = None, *, weights: str = "all") -> ModelBundle:
     """Read and check the GGUF; cached per (path, weights).
 
-    weights="all" (about 5 s, ~0.7 GB): every body's weights: the fp32 dequantized tensors
+    weights="all" (a few s, ~0.7 GB): every body's weights: the fp32 dequantized tensors
     (the fp32 body), their bf16 copies (the declared body's Linears16 / Packed16, the bf16
-    head), and embed_q. weights="file" (~1 s): only what the q32 body and the Q8_0 head read,
+    head), and embed_q. weights="file" (~0.2 s): only what the q32 body and the Q8_0 head read,
     the file's own blocks as views of its memory map (embed_q, quant_linears) plus the fp32
     norms; embed, lm_head_weight_t and the layers' linears are None (resident weights: the
     file's bytes as they are touched, no copy). path=None uses locate_gguf()

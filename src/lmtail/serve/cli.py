@@ -67,13 +67,13 @@ def check(args: argparse.Namespace) -> None:
     for flag, value, ok, expected in rules:
         if not ok:
             raise ValueError(f"{flag} must be {expected}; got {value}")
-    port_free(args.host, args.port)
 
 
 def port_free(host: str, port: int) -> None:
     """ValueError naming --port (or --host) unless a socket can bind host:port now, the way
     uvicorn will (SO_REUSEADDR: a port only in TIME_WAIT is free); port 0 (any free port)
-    always is. The test socket is closed at once; the model loads only after this."""
+    always is. The test socket is closed at once; run calls this before the model loads (not
+    check: a value check binds nothing)."""
     import socket
 
     if port == 0:
@@ -113,9 +113,15 @@ def build(args: argparse.Namespace, bundle=None):
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM / SIGINT (flags already passed `check`)."""
+    """Serve until SIGTERM / SIGINT (flags already passed `check`); 2 with one line, before the
+    model loads, when --host:--port cannot be bound (port_free)."""
     import uvicorn
 
+    try:  # the address first: a busy port is one line, not a model load and then uvicorn's errno 98
+        port_free(args.host, args.port)
+    except ValueError as e:
+        print(f"lmtail serve: error: {e}", file=sys.stderr)
+        return 2
     print("lmtail serve: loading SmolLM2-135M-Instruct ...", file=sys.stderr, flush=True)
     engine, app = build(args)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
