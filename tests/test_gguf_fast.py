@@ -219,6 +219,8 @@ def kv_string(key: str, value: str) -> bytes:
     (header() + struct.pack("<Q", 1) + b"k" + struct.pack("<IIQ", 9, 9, 1) + bytes(8),
      "array item type must be a number or a string; got 9"),
     (header() + struct.pack("<Q", 1) + b"k" + struct.pack("<IQ", 8, 2) + b"\xff\xfe", "k must be UTF-8"),
+    (header() + struct.pack("<Q", 1) + b"k" + struct.pack("<IIQ", 9, 8, 2**40) + bytes(64),
+     "truncated: k's 1099511627776 strings needs 8796093022208 bytes"),
 ])
 def test_bad_files_refused(tmp_path, content, match):
     p = tmp_path / "bad.gguf"

@@ -189,6 +189,7 @@ def _value(cur: _Cursor, vtype: int, what: str):
         raise ValueError(f"GGUF {what}: value type must be one of 0-12; got {vtype}")
     itype, n = cur.scalar("<I", what), cur.scalar("<Q", what)
     if itype == STRING:
+        cur.need(8 * n, f"{what}'s {n} strings")  # each at least its length prefix
         return _strings_bulk(cur, n) or _strings_stepwise(cur, n, what)
     if itype not in SCALARS:
         raise ValueError(f"GGUF {what}: array item type must be a number or a string; got {itype}")
