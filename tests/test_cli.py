@@ -80,7 +80,8 @@ def test_bad_input_exits_2_with_one_line(capsys, argv, message):
     (["demo", "--gbs", "2", "--seed", "1"], "--gbs, --seed not accepted by the model demo"),
     (["demo", "--synthetic", "--vocab", "100"], "--vocab: expected >= 256, got 100"),
     (["demo", "--synthetic", "--gbs", "0"], "--gbs: expected >= 1, got 0"),
-    (["demo", "--ranks", "5"], "--ranks: expected an int >= 1 dividing the vocab 49152, got 5"),
+    (["demo", "--ranks", "5"], "--ranks: expected a power of two in [1, 256] (the candidates exchange: dividing "
+                               "the vocab 49152 and its 256 mass chunks), got 5"),
 ])
 def test_demo_refuses_bad_options(capsys, argv, message):
     assert cli.main(argv) == 2
@@ -124,8 +125,8 @@ def test_check_runs_before_run(monkeypatch, capsys):
     import lmtail.demo as demo
 
     monkeypatch.setattr(demo, "run", lambda args: pytest.fail("run called after a refused check"))
-    assert cli.main(["demo", "--threads", "0"]) == 2
-    assert capsys.readouterr().err == "lmtail demo: error: --threads: expected >= 1, got 0\n"
+    assert cli.main(["demo", "--threads", "-1"]) == 2
+    assert capsys.readouterr().err == "lmtail demo: error: --threads: expected >= 0 (0: torch's default), got -1\n"
 
 
 # ---------------------------------------------------------------- lmtail bench

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -57,15 +58,16 @@ for argv in cases:
 """
 
 
-def cases(tmp: Path) -> list[tuple[list[str], str]]:
-    """(argv, a substring the error line must contain) for each bad flag."""
+def cases(tmp: Path, busy_port: int) -> list[tuple[list[str], str]]:
+    """(argv, a substring the error line must contain) for each bad flag (busy_port: a port a
+    socket of the test listens on)."""
     a_file = tmp / "a_file"
     a_file.write_text("not a folder\n")
     (tmp / "broken_arms.py").write_text("raise RuntimeError('this arm module is broken')\n")
     return [
-        (["demo", "--ranks", "0"], "--ranks: expected an int >= 1 dividing the vocab 49152, got 0"),
-        (["demo", "--max-new-tokens", "0"], "--max-new-tokens: expected in [1, 4096], got 0"),
-        (["demo", "--threads", "-1"], "--threads: expected >= 1, got -1"),
+        (["demo", "--ranks", "0"], "--ranks: expected a power of two in [1, 256]"),
+        (["demo", "--max-new-tokens", "0"], "--max-new-tokens: expected in [1, 8191]"),
+        (["demo", "--threads", "-1"], "--threads: expected >= 0 (0: torch's default), got -1"),
         (["demo", "--bogus"], "unrecognized arguments: --bogus"),
         (["contract", "--ranks", "3"], "--ranks: expected one of 0, 2, 4, 8"),
         (["contract", "--ranks", "-1"], "--ranks: expected one of 0, 2, 4, 8"),
@@ -88,7 +90,21 @@ def cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["bench", "--dir", "/nonexistent_lmtail_dir"], "--dir: expected a folder of bench_<name>.py scripts"),
         (["bench", "--dir", str(tmp)], "--dir: no bench_<name>.py script in"),
         (["generate", "--prompt", "", "--raw"], "--prompt: with --raw every prompt must be non-empty"),
-        (["generate", "--prompt", "hi", "--ranks", "5"], "--ranks: ranks must be an int >= 1 dividing the vocab"),
+        (["generate", "--prompt", "hi", "--ranks", "5"], "--ranks: expected a power of two in [1, 256]"),
+        (["generate", "--prompt", "hi", "--ranks", "5", "--exchange", "mirror"],
+         "--ranks: expected an int >= 1 dividing the vocab 49152, got 5"),
+        # issue 32: the candidates exchange's ranks refused up front (it was 3 spawned ranks dying)
+        (["generate", "--prompt", "Hi", "--ranks", "3"], "--ranks: expected a power of two in [1, 256] (the "
+         "candidates exchange: dividing the vocab 49152 and its 256 mass chunks; --exchange mirror"),
+        (["demo", "--ranks", "3"], "--ranks: expected a power of two in [1, 256] (the candidates exchange"),
+        # issue 32: demo and generate take the same ranges for the flags they share
+        (["generate", "--prompt", "hi", "--threads", "-1"], "--threads: expected >= 0 (0: torch's default), got -1"),
+        (["generate", "--prompt", "hi", "--max-new-tokens", "8192"], "--max-new-tokens: expected in [1, 8191]"),
+        (["demo", "--max-new-tokens", "8192"], "--max-new-tokens: expected in [1, 8191]"),
+        (["demo", "--synthetic", "--seed", str(2**64)], "--seed: expected in [0, 2**64 - 1]"),
+        (["generate", "--prompt", "hi", "--seed", str(2**64)], "--seed: expected in [0, 2**64 - 1]"),
+        # issue 32: a busy port is refused before the model loads (it was ~12 s, then uvicorn's errno 98)
+        (["serve", "--port", str(busy_port)], f"--port: 127.0.0.1:{busy_port} is in use"),
         (["generate", "--prompt", "hi", "--exchange", "bf16"], "argument --exchange: invalid choice: 'bf16'"),
         (["generate", "--prompt", "hi", "--head-input", "fp16"], "argument --head-input: invalid choice: 'fp16'"),
         (["serve", "--exchange", "all"], "argument --exchange: invalid choice: 'all'"),
@@ -122,8 +138,11 @@ def problems(argv: list[str], needle: str, r: dict, bound: float = LIMIT_S) -> l
 
 
 def test_every_bad_flag_is_one_line_exit_2_before_any_work(tmp_path):
-    todo = cases(tmp_path)
-    got, bound = run_forked([argv for argv, _ in todo], tmp_path)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        todo = cases(tmp_path, busy.getsockname()[1])
+        got, bound = run_forked([argv for argv, _ in todo], tmp_path)
     assert len(got) == len(todo)
     bad = [f"lmtail {' '.join(argv)}: {', '.join(found)}; stderr: {r['stderr'][-400:]!r}"
            for (argv, needle), r in zip(todo, got) if (found := problems(argv, needle, r, bound))]

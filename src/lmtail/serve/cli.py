@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import signal
 import sys
 import threading
@@ -77,6 +78,31 @@ def check(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must be {expected}; got {value}")
 
 
+def port_free(host: str, port: int) -> None:
+    """ValueError naming --port (or --host) unless a socket can bind host:port now, the way
+    uvicorn will (SO_REUSEADDR: a port only in TIME_WAIT is free); port 0 (any free port)
+    always is. The test socket is closed at once; run calls this before the model loads (not
+    check: a value check binds nothing)."""
+    import socket
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host: cannot resolve {host!r} ({e.strerror})") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ValueError(f"--port: {host}:{port} is in use (another server listens there); pick another "
+                                 f"--port, or stop that server") from None
+            raise ValueError(f"--port: cannot bind {host}:{port} ({e.strerror})") from None
+
+
 def build(args: argparse.Namespace, bundle=None):
     """(engine, app) for the parsed flags; bundle None loads the model."""
     import torch
@@ -97,9 +123,15 @@ def build(args: argparse.Namespace, bundle=None):
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM / SIGINT (flags already passed `check`)."""
+    """Serve until SIGTERM / SIGINT (flags already passed `check`); 2 with one line, before the
+    model loads, when --host:--port cannot be bound (port_free)."""
     import uvicorn
 
+    try:  # the address first: a busy port is one line, not a model load and then uvicorn's errno 98
+        port_free(args.host, args.port)
+    except ValueError as e:
+        print(f"lmtail serve: error: {e}", file=sys.stderr)
+        return 2
     print("lmtail serve: loading SmolLM2-135M-Instruct ...", file=sys.stderr, flush=True)
     engine, app = build(args)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
