@@ -458,3 +458,15 @@ def test_special_case_expectations_are_live():
     assert not zero.expect(zero.data, {"logits": out["logits"] + 1e-30}, kind.run, decl).ok
     err = Case("no error", cases["eps < 0"].data, raises="eps must be >= 0")
     assert not harness.run_case(kind, err, lambda d: {"logits": torch.zeros(1)}).ok
+
+
+def test_contract_list_counts_from_the_registry(capsys):
+    """`lmtail contract --list` prints the registry's counts (the README's prose points at it
+    instead of a number that goes stale)."""
+    from lmtail import cli
+    from lmtail.contract import registry
+
+    kinds, ctls = registry(kinds=None)
+    assert cli.main(["contract", "--list"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == f"{len(kinds)} kinds, {len(ctls)} planted controls"

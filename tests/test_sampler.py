@@ -390,3 +390,15 @@ def test_shifted_exp_rows_and_sum64_rows_are_the_torch_ops():
     y = torch.rand(8, 700, generator=g, dtype=torch.float64)
     plain = torch.from_numpy(np.add.accumulate(y.numpy(), axis=1)[:, -1].copy())  # one chain
     assert torch.equal(bits(sum64_rows(y)), bits(sum64(y))) and not torch.equal(bits(plain), bits(sum64(y)))
+
+
+def test_sampling_tensor_calls_greedy_what_the_tail_calls_greedy():
+    """T = 1e-5 rounds to fp32 9.99999974737875e-06 < 1e-5: the tail treats it as greedy, so
+    sampling_tensor must not demand a seed for it (a planted fp32 comparison would)."""
+    from lmtail.sampler import GREEDY_TEMPERATURE, SamplingParams, sampling_tensor
+
+    sp = sampling_tensor([SamplingParams(temperature=1e-5)])
+    assert float(sp[0, 2]) < GREEDY_TEMPERATURE  # float64 of the fp32 value
+    assert bool(sp[0, 2] >= GREEDY_TEMPERATURE)  # the planted fp32 comparison says "sampled"
+    with pytest.raises(ValueError, match="needs a seed"):
+        sampling_tensor([SamplingParams(temperature=2e-5)])

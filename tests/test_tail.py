@@ -580,3 +580,16 @@ def test_packed_head_equals_plain_head_bitwise(gemm_order, exchange):
         head_shard(pack_weight(w), 0, 2)
     with pytest.raises(ValueError, match=r"a PackedWeight head must be \[H=64, V_s\]"):
         decode_tail(x[:, :64], gamma[:64], pack_weight(w), **dict(kw, hidden_actual=None))
+
+
+def test_the_odd_width_is_the_one_named():
+    """x [4, 257] with gamma [256] and w [256, 1024]: hidden_states is named (gamma and the
+    head agree); an odd gamma or an odd weight keep their own messages."""
+    x, gamma, w = problem(4, 0, h=256, v=1024)
+    with pytest.raises(ValueError, match=r"hidden_states must be \[gbs, H=256\] \(gamma \(256,\) and "
+                                         r"lm_head_weight_t \(256, 1024\) agree on H=256\); got \(4, 257\)"):
+        decode_tail(torch.randn(4, 257), gamma, w, k=8)
+    with pytest.raises(ValueError, match=r"gamma must be \[H=256\]"):
+        decode_tail(x, gamma[:255], w, k=8)
+    with pytest.raises(ValueError, match=r"lm_head_weight_t must be \[H=256, V_s\]"):
+        decode_tail(x, gamma, w[:255].contiguous(), k=8)

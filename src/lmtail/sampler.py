@@ -119,7 +119,8 @@ def sampling_tensor(params: list[SamplingParams], positions=None) -> torch.Tenso
         if bool(bad.any()):
             i = int(torch.nonzero(bad)[0])
             raise ValueError(f"request {i}: {what}; got {params[i]}, which is {sp[i].tolist()} in fp32")
-    for i, (p, sampled) in enumerate(zip(params, (sp[:, 2] >= GREEDY_TEMPERATURE).tolist())):
+    # sampled as the tail decides it: float64(fp32 T) >= GREEDY_TEMPERATURE
+    for i, (p, sampled) in enumerate(zip(params, (sp[:, 2].double() >= GREEDY_TEMPERATURE).tolist())):
         need(not sampled or p.seed is not None or p.u is not None,
              f"request {i}: a sampled request (temperature={p.temperature!r} >= {GREEDY_TEMPERATURE}) needs "
              "a seed (+ positions) or an explicit u; got neither, which would draw the same u every "

@@ -160,6 +160,11 @@ def validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, sampling_params
     gbs, h = x.shape
     if not (gbs >= 1 and h >= 1):
         raise ValueError(f"hidden_states must be non-empty [gbs, H]; got {tuple(x.shape)}")
+    g_h = gamma.shape[-1] if isinstance(gamma, torch.Tensor) and gamma.dim() in (1, 2) else None
+    w_h = (w.shape[1] if isinstance(w, QuantWeight) else w.shape[0]) if len(getattr(w, "shape", ())) == 2 else None
+    if g_h is not None and g_h == w_h != h:  # gamma and the head agree on H: x is the odd one
+        raise ValueError(f"hidden_states must be [gbs, H={g_h}] (gamma {tuple(gamma.shape)} and lm_head_weight_t "
+                         f"{tuple(w.shape)} agree on H={g_h}); got {tuple(x.shape)}")
     if not (isinstance(gamma, torch.Tensor) and gamma.device.type == "cpu"
             and gamma.dtype in (torch.bfloat16, torch.float32) and tuple(gamma.shape) in ((h,), (1, h))):
         gamma32(gamma, h)  # raises with its words

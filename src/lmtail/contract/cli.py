@@ -35,6 +35,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help=f"world size of the ranks gate, one of {', '.join(map(str, RANKS))} "
                         "(default 4; with --fast 0: skip it)")
     p.add_argument("--decl", action="store_true", help="print each kind's declaration")
+    p.add_argument("--list", action="store_true",
+                   help="print the count and names of the kinds and controls (--kinds filters), run nothing")
 
 
 def _cell(g):
@@ -144,6 +146,11 @@ def run(args: argparse.Namespace) -> int:
     if not kinds:
         print(f"lmtail contract: error: --kinds: no kind matches {args.kinds!r}", file=sys.stderr)
         return 2
+    if args.list:
+        print(f"{len(kinds)} kinds, {len(ctls)} planted controls")
+        print("kinds: " + ", ".join(kinds))
+        print("controls: " + ", ".join(c.name for c in ctls))
+        return 0
     con = Console()
     if not con.is_terminal:
         con = Console(width=220)  # a log or a pipe: keep each table row on one line
