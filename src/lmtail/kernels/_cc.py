@@ -12,7 +12,8 @@ EMULATE_FLAGS and SIMDe's include dir, so every AVX-512 / AVX512-BF16 / AMX path
 slowly, on any x86-64 CPU with AVX2 + FMA + F16C (lmtail_emulate.h; docs/emulated.md). SIMDe
 comes from PyPI's cmeel-simde (<site-packages>/cmeel.prefix/include) or Debian's
 libsimde-dev (/usr/include); with neither the emulated variant is simply not built (its
-backend rows are unavailable, no warning). Its cache key adds the variant's flags, the
+backend rows are unavailable, no warning). It is built at first use, never by a row's
+availability check. Its cache key adds the variant's flags, the
 bytes of lmtail_emulate.h (the copy next to the source when there is one, as the compiler
 finds it) and of SIMDe's version header.
 """
@@ -39,7 +40,7 @@ BUILD_TIMEOUT_S = 120
 HEADER = Path(__file__).with_name("lmtail_kernels.h")  # the one shared header
 # the emulated variant: SIMDe for every intrinsic, lmtail_emulate.h's exact models, no ISA
 # targets (lmtail_kernels.h); -mavx2 -mfma -mf16c make SIMDe's 512-bit ops native 256-bit ones
-EMULATE_FLAGS = ("-DLMTAIL_EMULATE", "-mavx2", "-mfma", "-mf16c")
+EMULATE_FLAGS = ("-DLMTAIL_EMULATE", "-mavx2", "-mfma", "-mf16c", "-Wno-psabi")
 EMULATE_HEADER = Path(__file__).with_name("lmtail_emulate.h")
 SIMDE_VERSION_FILE = Path("simde") / "simde-common.h"  # holds SIMDE_VERSION
 
@@ -65,6 +66,7 @@ def _compiler() -> tuple[str, str]:
     return cc, (ver.stdout.splitlines() or ["?"])[0]
 
 
+@functools.lru_cache(maxsize=None)
 def simde_include() -> Path | None:
     """The include dir holding SIMDe's simde/x86/avx512.h: PyPI cmeel-simde's
     (<dir on sys.path>/cmeel.prefix/include), else Debian's /usr/include; None when neither
@@ -117,14 +119,11 @@ def load_c_library(source: Path, *, emulated: bool = False) -> ctypes.CDLL:
     return ctypes.CDLL(str(lib))
 
 
-def load_optional(source: Path, *, what: str, fallback: str, emulated: bool = False):
+def load_optional(source: Path, *, what: str, fallback: str):
     """load_c_library, or None with a RuntimeWarning naming the fallback the caller uses
-    (no compiler, a failed build): kernels degrade to a slower path with the same bytes.
-    emulated=True: the emulated variant, or None without a word when there is no SIMDe."""
-    if emulated and simde_include() is None:
-        return None
+    (no compiler, a failed build): kernels degrade to a slower path with the same bytes."""
     try:
-        return load_c_library(source, emulated=emulated)
+        return load_c_library(source)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         warnings.warn(f"lmtail {what}: C kernel unavailable, using {fallback}: {exc}",
                       RuntimeWarning, stacklevel=3)
@@ -139,15 +138,22 @@ def bind(lib: ctypes.CDLL, signatures: dict) -> ctypes.CDLL:
     return lib
 
 
-def kernel_library(source: str, signatures: dict, *, what: str, fallback: str, emulated: bool = False):
+def kernel_library(source: str, signatures: dict, *, what: str, fallback: str = "",
+                   emulated: bool = False):
     """A cached loader for the kernel `source` (a file name under kernels/): () -> the bound
     library (`bind(lib, signatures)`), or None with one RuntimeWarning naming `fallback`
-    when it cannot be built. Every kernel module gets its library from here. emulated=True:
-    the loader of its emulated variant (module docstring; None, silently, without SIMDe)."""
+    when it cannot be built. Every kernel module gets its library from here.
+    emulated=True: the loader of its emulated variant (module docstring), built at its first
+    call (an "emu-<isa>" row's first run; kernels.cpu.emulation_runs() says whether to offer
+    the rows at all, without building): None without SIMDe; a failed build raises
+    RuntimeError with the compiler's message (a bug in the emulation, not a missing tool)."""
+    path = Path(__file__).with_name(source)
+
     @functools.lru_cache(maxsize=None)
     def library():
-        lib = load_optional(Path(__file__).with_name(source), what=what, fallback=fallback,
-                            emulated=emulated)
+        if emulated:
+            return None if simde_include() is None else bind(load_c_library(path, emulated=True), signatures)
+        lib = load_optional(path, what=what, fallback=fallback)
         return None if lib is None else bind(lib, signatures)
     return library
 

@@ -11,7 +11,10 @@
  *             -mfma its 512-bit ops are two native 256-bit ops (vfmadd, vaddps, vcvtph2ps,
  *             ...), so they round as the hardware does and honour the MXCSR the kernels pin
  *             (FTZ/DAZ or IEEE). Its fallbacks that would not (an fma spelled a*b + c when
- *             FMA is not native) are ruled out below at compile time.
+ *             FMA is not native) are ruled out below at compile time. Replaced here: the
+ *             intrinsics SIMDe 0.8.2 lacks, its masked loads / stores (they touch the
+ *             masked-off lanes: a read past a buffer, zeros written over a neighbour's data),
+ *             and its _mm512_roundscale_pd (it ignores the rounding mode with NO_EXC).
  *   VDPBF16PS _mm512_dpbf16_ps (and the 256 / 128 forms): SIMDe sums both products before
  *             adding; the instruction computes per fp32 lane t = fma(a[2i+1], b[2i+1], src),
  *             then t = fma(a[2i], b[2i], t): odd pair first, DAZ on every input (the
@@ -111,6 +114,27 @@ static inline simde__m512d lmtail_emu_cvtps_pd(simde__m256 a) { /* exact (DAZ by
 static inline simde__m512d lmtail_emu_mask_cvtps_pd(simde__m512d src, simde__mmask8 k, simde__m256 a) {
     return simde_mm512_mask_mov_pd(src, k, lmtail_emu_cvtps_pd(a));
 }
+/* VRNDSCALEPD with scale M = 0 (imm8[7:4] = 0, the only one the kernels use): imm8[3:0] are
+ * ROUNDPD's (rounding mode, MXCSR.RC, suppress), so two native VROUNDPDs. SIMDe 0.8.2's own
+ * ignores the rounding mode when _MM_FROUND_NO_EXC is set (-537.5 "rounded" to -inf stays
+ * -537.5). The switch makes each immediate a constant. */
+#define LMTAIL_EMU_ROUND_CASE(I) \
+    case I: r.m256d[0] = _mm256_round_pd(x.m256d[0], I); r.m256d[1] = _mm256_round_pd(x.m256d[1], I); break;
+static inline simde__m512d lmtail_emu_roundscale_pd(simde__m512d a, int imm) {
+    const simde__m512d_private x = simde__m512d_to_private(a);
+    simde__m512d_private r;
+    switch (imm) {
+        LMTAIL_EMU_ROUND_CASE(0) LMTAIL_EMU_ROUND_CASE(1) LMTAIL_EMU_ROUND_CASE(2) LMTAIL_EMU_ROUND_CASE(3)
+        LMTAIL_EMU_ROUND_CASE(4) LMTAIL_EMU_ROUND_CASE(8) LMTAIL_EMU_ROUND_CASE(9) LMTAIL_EMU_ROUND_CASE(10)
+        LMTAIL_EMU_ROUND_CASE(11) LMTAIL_EMU_ROUND_CASE(12)
+    default:
+        fprintf(stderr, "lmtail emulated _mm512_roundscale_pd: imm8 = %d is not modelled (scale 0 only)\n", imm);
+        abort();
+    }
+    return simde__m512d_from_private(r);
+}
+#undef _mm512_roundscale_pd
+#define _mm512_roundscale_pd(a, imm) lmtail_emu_roundscale_pd((a), (imm))
 #undef _mm512_cvtps_pd
 #undef _mm512_mask_cvtps_pd
 #undef _mm512_mask_cmp_pd_mask
@@ -134,6 +158,45 @@ static inline simde__m512d lmtail_emu_mask_cvtps_pd(simde__m512d src, simde__mma
 #define _mm512_mask_i32gather_ps(src, k, idx, base, scale) \
     lmtail_emu_mask_i32gather_ps((src), (k), (idx), (base), (scale))
 #define _mm512_i32gather_pd(idx, base, scale) lmtail_emu_i32gather_pd((idx), (base), (scale))
+
+/* ---------------------------------------------------------------- masked memory */
+/* SIMDe 0.8.2's masked loads read the whole vector and its masked stores write zeros to the
+ * masked-off lanes; the instructions touch only the masked lanes (a tail past the end of a
+ * buffer, or a neighbour's columns). These touch exactly the lanes of k. */
+#define LMTAIL_EMU_MASKZ_LOAD(NAME, VT, K, N, W)                                              \
+    static inline VT NAME(K k, const void *p) {                                              \
+        uint8_t b[N * W] = {0};                                                              \
+        for (int i = 0; i < N; ++i)                                                          \
+            if (k >> i & 1) memcpy(b + W * i, (const char *)p + W * i, W);                   \
+        VT r;                                                                                \
+        memcpy(&r, b, sizeof r);                                                             \
+        return r;                                                                            \
+    }
+#define LMTAIL_EMU_MASK_STORE(NAME, VT, K, N, W)                                              \
+    static inline void NAME(void *p, K k, VT v) {                                            \
+        uint8_t b[N * W];                                                                    \
+        memcpy(b, &v, sizeof b);                                                             \
+        for (int i = 0; i < N; ++i)                                                          \
+            if (k >> i & 1) memcpy((char *)p + W * i, b + W * i, W);                         \
+    }
+LMTAIL_EMU_MASKZ_LOAD(lmtail_emu_maskz_loadu_ps, simde__m512, simde__mmask16, 16, 4)
+LMTAIL_EMU_MASKZ_LOAD(lmtail_emu_maskz_loadu_pd, simde__m512d, simde__mmask8, 8, 8)
+LMTAIL_EMU_MASKZ_LOAD(lmtail_emu_maskz_loadu_epi16_256, simde__m256i, simde__mmask16, 16, 2)
+LMTAIL_EMU_MASK_STORE(lmtail_emu_mask_storeu_ps, simde__m512, simde__mmask16, 16, 4)
+LMTAIL_EMU_MASK_STORE(lmtail_emu_mask_storeu_pd, simde__m512d, simde__mmask8, 8, 8)
+LMTAIL_EMU_MASK_STORE(lmtail_emu_mask_storeu_epi16_256, simde__m256i, simde__mmask16, 16, 2)
+#undef _mm512_maskz_loadu_ps
+#undef _mm512_maskz_loadu_pd
+#undef _mm256_maskz_loadu_epi16
+#undef _mm512_mask_storeu_ps
+#undef _mm512_mask_storeu_pd
+#undef _mm256_mask_storeu_epi16
+#define _mm512_maskz_loadu_ps(k, p) lmtail_emu_maskz_loadu_ps((k), (p))
+#define _mm512_maskz_loadu_pd(k, p) lmtail_emu_maskz_loadu_pd((k), (p))
+#define _mm256_maskz_loadu_epi16(k, p) lmtail_emu_maskz_loadu_epi16_256((k), (p))
+#define _mm512_mask_storeu_ps(p, k, v) lmtail_emu_mask_storeu_ps((p), (k), (v))
+#define _mm512_mask_storeu_pd(p, k, v) lmtail_emu_mask_storeu_pd((p), (k), (v))
+#define _mm256_mask_storeu_epi16(p, k, v) lmtail_emu_mask_storeu_epi16_256((p), (k), (v))
 
 /* lmtail_kernels.h's exact helpers, defined after this header is included */
 static inline float fma_ftz(float a, float b, float c);
