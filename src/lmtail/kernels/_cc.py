@@ -37,6 +37,7 @@ from pathlib import Path
 FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-ffp-contract=off",
          "-fno-fast-math", "-Wall")
 BUILD_TIMEOUT_S = 120
+EMULATED_BUILD_TIMEOUT_S = 900  # SIMDe's 512-bit ops are many more for -O3: gemm_amx32 takes 30-60 s
 HEADER = Path(__file__).with_name("lmtail_kernels.h")  # the one shared header
 # the emulated variant: SIMDe for every intrinsic, lmtail_emulate.h's exact models, no ISA
 # targets (lmtail_kernels.h); -mavx2 -mfma -mf16c make SIMDe's 512-bit ops native 256-bit ones
@@ -112,7 +113,8 @@ def load_c_library(source: Path, *, emulated: bool = False) -> ctypes.CDLL:
         tmp = lib.with_name(f"{lib.stem}.{os.getpid()}.tmp.so")
         extra, _ = _variant(source, emulated)
         cmd = [cc, *FLAGS, *extra, f"-I{HEADER.parent}", str(source), "-o", str(tmp), "-lm"]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        res = subprocess.run(cmd, capture_output=True, text=True,
+                             timeout=EMULATED_BUILD_TIMEOUT_S if emulated else BUILD_TIMEOUT_S)
         if res.returncode != 0:
             raise RuntimeError(f"building {source} failed: {' '.join(cmd)}\n{res.stderr}")
         os.replace(tmp, lib)

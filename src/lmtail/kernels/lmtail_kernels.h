@@ -2,6 +2,9 @@
  * under kernels/; _cc.py hashes this file into each library's cache key, so a change here
  * rebuilds them all).
  *
+ *   targets  LMTAIL_TARGET_<ISA>: each vector path's target attribute (empty in the
+ *            emulated build, -DLMTAIL_EMULATE: then lmtail_emulate.h's SIMDe and exact
+ *            models stand in for <immintrin.h>; docs/emulated.md)
  *   bits     f2u / u2f, bf16 widening, daz16 (DAZ on a bf16), canon_nan
  *   fma      fma_rn / fma_ftz / add_ftz: exact fp32 fma (round-to-odd double) without libm
  *   MXCSR    lmtail_mxcsr_pin(LMTAIL_MXCSR_IEEE | LMTAIL_MXCSR_FTZ_DAZ) / _restore: every
@@ -14,7 +17,8 @@
  *   top-k    select_top / sort_desc on uint64_t keys (rows_tail.c's and shard_partials.c's
  *            exact top-k; shard_partials.c's int64 keys go through key ^ 2**63, order kept)
  *   cpu      lmtail_cpu_features(): LMTAIL_CPU_* bits from cpuid (via the compiler's
- *            probe) and, for AMX, the OS permission (arch_prctl)
+ *            probe) and, for AMX, the OS permission (arch_prctl); every bit in the
+ *            emulated build
  *   threads  lmtail_parallel(fn, job, n): fn(job) on the caller and n-1 helpers of a
  *            per-library pool (helpers live for the process, spin SPIN_NS for the next
  *            call, then sleep); a busy pool or a failed helper start falls back to threads
