@@ -51,10 +51,6 @@ def emulated(table) -> tuple[str, ...]:
 # ---------------------------------------------------------------------------------------
 # data: edge values
 # ---------------------------------------------------------------------------------------
-def _bf16_bits(x: torch.Tensor) -> torch.Tensor:
-    return x.view(torch.int16)
-
-
 def sprinkle(x: torch.Tensor, gen, *, p=0.04, nonfinite=True) -> torch.Tensor:
     """x (bf16 or fp32) with a fraction p of lanes each made a subnormal, a signed zero, and
     (nonfinite) +-inf and NaN (rarer: p / 8)."""

@@ -41,6 +41,10 @@ measurement: on some CPUs a later one is faster for few rows):
   dp32  : "avx512bf16" (VDPBF16PS; CPUs with AVX512-BF16), "avx512", "avx2" (vector fmas
           under MXCSR FTZ|DAZ), "c" (plain C, FTZ/DAZ in software) (kernels/gemm_dp32.c);
           no fallback without a C compiler.
+  emulated rows (never chosen by backend=None; GEMM[order].names(emulated=True)): chain
+          "emu-avx512", amx32 "emu-amx", "emu-avx512", "emu-avx2", dp32 "emu-avx512bf16",
+          "emu-avx512": the same sources built against SIMDe with lmtail_emulate.h's exact
+          VDPBF16PS and AMX tile models, on any AVX2 + FMA + F16C CPU (docs/emulated.md).
 The default order is DEFAULT_ORDER = "amx32" (gemm_bf16, gemm_decl, the model body, TailConfig).
 `pack_weight(w)` makes the one-time load layout (VNNI pairs) that AMX and VDPBF16PS read
 (amx32 and dp32 take it; the chain takes the plain tensor).
