@@ -1,4 +1,5 @@
-"""Shared test helpers: the bit views every byte comparison uses, and what the body tests
+"""Shared test helpers: the bit views every byte comparison uses, the emulated stand-ins
+for a backend this CPU lacks (`stand_ins`, `native_or_emulated`), and what the body tests
 share: the real model's fixtures (`bundle`, `ids`), `last_hidden` (a left-padded batch's
 states), `cached_vs_recomputed`, `teacher_forced_logp`, `mean_kl`, `at_threads`.
 
@@ -30,6 +31,27 @@ def same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
         return a is None and b is None
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
 
+
+
+def stand_ins(table) -> tuple[str, ...]:
+    """The emulated rows ("emu-<isa>") of a kernels._backend.Dispatch `table` whose hardware
+    row this CPU lacks: a bitwise test runs them in its place, so every vector path is
+    tested on every machine (an AVX2-only CI box runs the AVX-512, AVX512-BF16 and AMX
+    code through SIMDe / lmtail_emulate.h). () where SIMDe is missing."""
+    native = table.names()
+    return tuple(n for n in table.names(emulated=True) if n.startswith("emu-") and n[4:] not in native)
+
+
+def native_or_emulated(table, backend: str, why: str = "") -> str:
+    """`backend` where this machine runs it, else its emulated row "emu-<backend>", else
+    pytest.skip naming what is missing (`why`: the CPU's lack, or no C compiler; and no SIMDe
+    for the emulated build)."""
+    if backend in table.names():
+        return backend
+    if f"emu-{backend}" in table.names(emulated=True):
+        return f"emu-{backend}"
+    pytest.skip(f"backend {backend!r}: {why or 'unavailable'}; its emulated row needs SIMDe "
+                "(pip install cmeel-simde) and a CPU with AVX2, FMA, F16C")
 
 
 def gather_rows(per_rank, maps, gbs):

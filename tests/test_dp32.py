@@ -5,8 +5,9 @@ rational arithmetic, byte invariance, the declared float64 range, and planted wr
 told apart.
 
 Shape legend: a [M, H] bf16, w [H, V] bf16 (C-contiguous), out [M, V] fp32.
-Byte equality is compared on int32 views, never allclose. This CPU's lack of AVX512-BF16
-skips the VDPBF16PS test with its reason; the emulations always run.
+Byte equality is compared on int32 views, never allclose. Where this CPU lacks AVX512-BF16
+(or AVX-512) the VDPBF16PS (and AVX-512) tests run the emulated build ("emu-<isa>": SIMDe
+and lmtail_emulate.h's exact VDPBF16PS model); they skip only without SIMDe.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from fractions import Fraction
 
 import pytest
 import torch
-from conftest import same_bits
+from conftest import native_or_emulated, same_bits, stand_ins
 
 from lmtail.kernels import cpu
 from lmtail.kernels import gemm as G
@@ -24,6 +25,8 @@ from lmtail.reference import gemm as R
 
 DP32 = G.available_backends("dp32")
 EMULATIONS = tuple(b for b in DP32 if b != "avx512bf16")
+# the bitwise equality tests also run the emulated rows of the vector paths this CPU lacks
+EQUAL = EMULATIONS + tuple(b for b in stand_ins(G.GEMM["dp32"]) if b != "emu-avx512bf16")
 NO_BF16 = (cpu.missing("avx512_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq")
            + " (VDPBF16PS; ../shared/probes/dpbf16_order_probe.c measures its order there)")
 T = 2.0**-126  # fp32's smallest normal
@@ -86,7 +89,7 @@ def test_backends_match_emulation(shape):
     """avx512 / avx2 / c == the emulation, plain and packed weight, one seed per shape."""
     a, w, ref = case(rand_data, *shape, sum(shape) % 7)
     pw = pack_weight(w)
-    for b in EMULATIONS:
+    for b in EQUAL:
         if b == "c" and shape[0] * shape[1] * shape[2] > 3e6:
             continue  # the plain C path is checked on the smaller shapes (it is slow)
         assert same_bits(gemm_bf16(a, w, order="dp32", backend=b), ref), (b, shape)
@@ -99,7 +102,7 @@ def test_special_values(maker, shape):
     """NaN, +-inf, +-0, subnormal inputs and results, overflow: every path, both layouts."""
     for seed in (0, 1):
         a, w, ref = case(maker, *shape, seed)
-        for b in EMULATIONS:
+        for b in EQUAL:
             for ww in (w, pack_weight(w)):
                 assert same_bits(gemm_bf16(a, ww, order="dp32", backend=b), ref), (b, seed)
         bits = ref.view(torch.int32)
@@ -113,16 +116,17 @@ def test_special_values(maker, shape):
 
 
 def test_vdpbf16ps_matches_emulation():
-    """The VDPBF16PS kernel == the emulation, byte for byte (random, special, underflow)."""
-    if "avx512bf16" not in DP32:
-        pytest.skip(NO_BF16)
+    """The VDPBF16PS kernel == the emulation, byte for byte (random, special, underflow):
+    the instruction where the CPU has it, else lmtail_emulate.h's exact model of it
+    ("emu-avx512bf16", the same kernel source through SIMDe)."""
+    bf16 = native_or_emulated(G.GEMM["dp32"], "avx512bf16", NO_BF16)
     for maker, shape in ((rand_data, (300, 2880, 75)), (rand_data, (7, 61, 531)),
                          (special_data, (9, 61, 101)), (underflow_data, (16, 576, 51))):
         a, w = maker(*shape, 0)
         want = R.gemm_dp32_emulation(a, w)
         for ww in (w, pack_weight(w)):
             for t in (1, 3):
-                got = gemm_bf16(a, ww, order="dp32", backend="avx512bf16", threads=t)
+                got = gemm_bf16(a, ww, order="dp32", backend=bf16, threads=t)
                 assert same_bits(got, want), (shape, t)
 
 

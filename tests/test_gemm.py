@@ -16,7 +16,7 @@ import numba
 import numpy as np
 import pytest
 import torch
-from conftest import same_bits
+from conftest import native_or_emulated, same_bits, stand_ins
 
 from lmtail.kernels import cpu
 from lmtail.kernels import gemm as G
@@ -25,7 +25,8 @@ from lmtail.numerics import U, gamma
 from lmtail.reference import gemm as R
 from lmtail.reference.gemm import gemm_chain_emulation
 
-BACKENDS = G.available_backends("chain")
+# this CPU's backends, and the emulated rows of the ones it lacks (SIMDe: the same source)
+BACKENDS = G.available_backends("chain") + stand_ins(G.GEMM["chain"])
 SEEDS = (0, 1, 2)
 
 
@@ -506,6 +507,8 @@ def test_bad_out_writes_nothing(out, msg):
 
 AMX32 = G.available_backends("amx32")
 EMULATIONS = tuple(b for b in AMX32 if b != "amx")
+# the bitwise equality tests also run the emulated rows of the vector paths this CPU lacks
+EQUAL32 = EMULATIONS + tuple(b for b in stand_ins(G.GEMM["amx32"]) if b != "emu-amx")
 NO_AMX = (cpu.missing("amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq")
           + " (amx_bf16: cpuid AMX-BF16/AMX-TILE and the OS's XTILEDATA permission)")
 
@@ -547,7 +550,7 @@ def test_amx32_backends_match_reference(shape):
     """avx512 == avx2 == c == reference (plain and packed weight), one seed per shape."""
     a, w, ref = amx32_case(rand_data, *shape, sum(shape) % 7)
     pw = pack_weight(w)
-    for b in EMULATIONS:
+    for b in EQUAL32:
         if b == "c" and shape[0] * shape[1] * shape[2] > 3e6:
             continue  # the plain C path is checked on the smaller shapes (it is slow)
         assert same_bits(gemm_bf16(a, w, order="amx32", backend=b), ref), (b, shape)
@@ -560,7 +563,7 @@ def test_amx32_special_values(maker, shape):
     """NaN, +-inf, +-0, subnormal inputs and results, overflow: every path, both layouts."""
     for seed in (0, 1):
         a, w, ref = amx32_case(maker, *shape, seed)
-        for b in EMULATIONS:
+        for b in EQUAL32:
             for ww in (w, pack_weight(w)):
                 assert same_bits(gemm_bf16(a, ww, order="amx32", backend=b), ref), (b, seed)
         bits = ref.view(torch.int32)
@@ -576,16 +579,17 @@ def test_amx32_special_values(maker, shape):
 
 
 def test_amx_matches_emulation():
-    """The AMX tile kernel == the emulation, byte for byte (random and special data)."""
-    if "amx" not in AMX32:
-        pytest.skip(NO_AMX)
+    """The AMX tile kernel == the emulation, byte for byte (random and special data): the
+    tile instructions where the CPU has them, else lmtail_emulate.h's tile model ("emu-amx":
+    the kernel's tiling, VNNI copies and tails, with the instruction's order and checks)."""
+    amx = native_or_emulated(G.GEMM["amx32"], "amx", NO_AMX)
     for maker, shape in ((rand_data, (300, 2880, 75)), (rand_data, (7, 61, 531)),
                          (rand_data, (16, 3072, 33)), (special_data, (9, 61, 101)),
                          (underflow_data_ftz, (16, 576, 50))):
         a, w = maker(*shape, 0)
         want = gemm_bf16(a, w, order="amx32", backend=EMULATIONS[0])
-        assert same_bits(gemm_bf16(a, w, order="amx32", backend="amx"), want), shape
-        assert same_bits(gemm_bf16(a, pack_weight(w), order="amx32", backend="amx"), want)
+        assert same_bits(gemm_bf16(a, w, order="amx32", backend=amx), want), shape
+        assert same_bits(gemm_bf16(a, pack_weight(w), order="amx32", backend=amx), want)
 
 
 # ---------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import bits
+from conftest import bits, native_or_emulated
 from conftest import last_hidden as shared_last_hidden
 from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -388,8 +388,8 @@ def test_body_backends_present():
     if "c" not in BACKENDS:
         pytest.skip("no C compiler: only the torch emulation of the body kernels runs here")
     assert ("avx2" in BACKENDS) == cpu.has("avx2", "fma")
-    if "avx512" not in BACKENDS:
-        pytest.skip(f"{cpu.missing('avx512f')}: the avx512 attention micro-kernels are not compared here")
+    if "avx512" not in BACKENDS:  # the avx512 micro-kernels run emulated (tests/test_emulated.py too)
+        assert need_vector("avx512") == "emu-avx512"
 
 
 def ulps(got: torch.Tensor, want64: torch.Tensor) -> torch.Tensor:
@@ -507,8 +507,8 @@ VECTOR_NEEDS = {"avx512": ("avx512f",), "avx2": ("avx2", "fma")}  # attention mi
 
 
 def need_vector(backend):
-    if backend not in decl.available_backends():
-        pytest.skip(f"backend {backend!r}: " + (cpu.missing(*VECTOR_NEEDS[backend]) or "no C compiler"))
+    """`backend`, or its emulated row where this CPU lacks it (else skip, naming why)."""
+    return native_or_emulated(decl.ATTEND, backend, cpu.missing(*VECTOR_NEEDS[backend]) or "no C compiler")
 
 
 @pytest.mark.parametrize("backend", ["avx512", "avx2"])
@@ -519,7 +519,7 @@ def test_attend_vector_softmax_extremes(seed, T, backend):
     keys (full and partial 16- / 8-lane blocks; T = 29: the multi-position kernels too) with
     wide score ranges (exp underflow to +0, e = 1 ties at the max), an inf key and a NaN key
     (NaN where the C gives NaN)."""
-    need_vector(backend)
+    backend = need_vector(backend)
     g = torch.Generator().manual_seed(seed)
     B, S = 2, 100 + T + 64
     q = torch.randn(B, T, 9, 64, generator=g) * torch.tensor([0.1, 30.0]).repeat(T)[None, :T, None, None]
@@ -543,7 +543,7 @@ def test_attend_vector_multi_position(nh, nkv, backend):
     of every residue mod 8) and 17 (a unit across the first real query), q scaled by 40 for
     some positions (exp32 clamps at -86), an inf and a NaN key in the slots some queries
     read, NaN in the slots no query reads. And == the torch emulation on one row."""
-    need_vector(backend)
+    backend = need_vector(backend)
     g = torch.Generator().manual_seed(nh * 10 + nkv)
     B, T, s0 = 8, 45, 11
     S = s0 + T + 64

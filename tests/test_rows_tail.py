@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import native_or_emulated, stand_ins
 
 from lmtail import numerics
 from lmtail.kernels import cpu
@@ -52,19 +53,17 @@ def bit_diff(out, ref) -> list[str]:
 
 
 def backend_or_skip(backend):
-    if backend not in available_backends():
-        need = {"avx512": ("avx512f", "avx512bw"), "avx2": ("avx2",)}.get(backend, ())
-        why = "no C compiler" if available_backends() == () else cpu.missing(*need)
-        pytest.skip(f"backend {backend!r} unavailable: {why}")
+    """`backend`, or its emulated row where this CPU lacks it (else skip, naming why)."""
+    need = {"avx512": ("avx512f", "avx512bw"), "avx2": ("avx2",)}.get(backend, ())
+    why = "no C compiler" if available_backends() == () else cpu.missing(*need)
+    return native_or_emulated(rt.ROWS_TAIL, backend, why)
 
 
 def assert_all_paths_equal(rows, k, sp=None, nan_fold=False):
     ref = reference(rows, k, sp, nan_fold)
     bad = bit_diff(rows_tail(rows, k=k, sampling_params=sp, nan_fold=nan_fold, path="reference"), ref)
     assert not bad, f"path reference V={rows.shape[1]} k={k}: {bad}"
-    for backend in KERNEL_BACKENDS:
-        if backend not in available_backends():
-            continue
+    for backend in available_backends() + stand_ins(rt.ROWS_TAIL):  # + emulated rows of what the CPU lacks
         for threads in (1, 2):
             out = rows_tail(rows, k=k, sampling_params=sp, nan_fold=nan_fold, path="fused",
                             backend=backend, threads=threads)
@@ -251,7 +250,7 @@ def test_debug_taps_are_the_reference_taps():
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_each_kernel_backend_is_listed_or_skipped_with_reason(backend):
-    backend_or_skip(backend)
+    backend = backend_or_skip(backend)
     gen = torch.Generator().manual_seed(11)
     rows = random_rows(3, 5000, gen)
     sp = params(3, gen)
@@ -400,10 +399,7 @@ def test_debug_mass_equals_row_mass_bitwise(backend, seed, r, v):
     the per-lane pass and the pattern-table pass, which rows of few values pick). The
     reference is row_mass's "torch" backend (numerics.exp64 and sum64 as torch ops), which
     shares no code with the C kernels; every row_mass backend must agree with it too."""
-    if backend not in rt.available_backends():
-        pytest.skip(f"backend {backend!r}: " + (cpu.missing(*{"avx512": ("avx512f", "avx512bw"),
-                                                             "avx2": ("avx2",)}.get(backend, ()))
-                                                 or "no C compiler"))
+    backend = backend_or_skip(backend)
     rows = _rows(seed, r, v)
     sp = torch.tensor([[0.0, 1.0, 0.7, 0.5, 0.0]] * r, dtype=torch.float32)  # sampled, top-k off
     out = rt.rows_tail_fused(rows, k=1, sampling_params=sp, backend=backend, debug_mass=True)

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import native_or_emulated
 
 from lmtail.kernels import cpu
 from lmtail.kernels import shard_partials as SP
@@ -91,10 +92,9 @@ def bit_diff(out, ref) -> list[str]:
 
 
 def backend_or_skip(backend):
-    if backend not in SP.available_backends():
-        need = {"avx512": ("avx512f",), "avx2": ("avx2",)}.get(backend, ())
-        why = cpu.missing(*need) or "no C compiler"
-        pytest.skip(f"backend {backend!r} unavailable: {why}")
+    """`backend`, or its emulated row where this CPU lacks it (else skip, naming why)."""
+    need = {"avx512": ("avx512f",), "avx2": ("avx2",)}.get(backend, ())
+    return native_or_emulated(SP.SHARD_PARTIALS, backend, cpu.missing(*need) or "no C compiler")
 
 
 def scales(n, gen):
@@ -118,7 +118,7 @@ def assert_equal_all_threads(backend, x, bounds, col0, *, k1, nan_fold, scale_t,
 @pytest.mark.parametrize("backend", C_BACKENDS)
 @pytest.mark.parametrize("vs", [1, 7, 255, 257, 1000, pytest.param(4099, marks=pytest.mark.slow)])
 def test_backend_equals_torch(backend, vs):
-    backend_or_skip(backend)
+    backend = backend_or_skip(backend)
     for seed in range(3):
         gen = torch.Generator().manual_seed(1000 * vs + seed)
         n = 8
@@ -134,7 +134,7 @@ def test_backend_equals_torch(backend, vs):
 @pytest.mark.parametrize("backend", C_BACKENDS)
 def test_narrow_chunks_widths_zero_and_one(backend):
     """V = 104 over 8 ranks: each rank's 32 chunks are 0 or 1 lanes wide."""
-    backend_or_skip(backend)
+    backend = backend_or_skip(backend)
     gen = torch.Generator().manual_seed(5)
     for rank in range(8):
         bounds, col0, vs = bounds_of(104, 8, rank)
@@ -149,7 +149,7 @@ def test_narrow_chunks_widths_zero_and_one(backend):
 @pytest.mark.parametrize("backend", C_BACKENDS)
 def test_wide_and_uneven_chunks(backend):
     """Hand-cut bounds: chunks wider than 256 lanes starting off a multiple of 256, empty ones."""
-    backend_or_skip(backend)
+    backend = backend_or_skip(backend)
     gen = torch.Generator().manual_seed(6)
     bounds = torch.tensor([0, 0, 3, 700, 700, 1999, 2000, 4099], dtype=torch.int64)
     x = edge_rows(8, 4099, gen, nan=True)
@@ -162,7 +162,7 @@ def test_wide_and_uneven_chunks(backend):
 def test_vector_block_edge_widths(backend):
     """Chunk widths around the vector paths' blocks (AVX2: 16 lanes, AVX-512: 32) and the
     256 chains: 1, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 255, 256, 257, 288, 300."""
-    backend_or_skip(backend)
+    backend = backend_or_skip(backend)
     gen = torch.Generator().manual_seed(8)
     widths = [1, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 255, 256, 257, 288, 300]
     bounds = torch.tensor([0] + np.cumsum(widths).tolist(), dtype=torch.int64)
@@ -175,7 +175,7 @@ def test_vector_block_edge_widths(backend):
 def test_signed_zero_max_rows(backend):
     """A chunk max of 0 reached by both +0 and -0: row_mass leaves such rows to torch; the
     kernel decides them itself (m + 0.0, and S does not see the sign) and must agree."""
-    backend_or_skip(backend)
+    backend = backend_or_skip(backend)
     gen = torch.Generator().manual_seed(7)
     x = -torch.rand(6, 2000, generator=gen) - 1.0
     x[:, ::2] = 0.0
@@ -192,7 +192,7 @@ def test_signed_zero_max_rows(backend):
 
 @pytest.mark.parametrize("backend", C_BACKENDS)
 def test_keys_only_and_scale_none(backend):
-    backend_or_skip(backend)
+    backend = backend_or_skip(backend)
     gen = torch.Generator().manual_seed(8)
     x = edge_rows(8, 1000, gen, nan=True)
     bounds, col0, _ = bounds_of(8000, 8, 3)
@@ -210,7 +210,7 @@ def test_keys_only_and_scale_none(backend):
 @pytest.mark.parametrize("backend", C_BACKENDS)
 def test_bad_scales_go_to_torch(backend):
     """T scales the kernel does not take (inf, NaN, negative) are decided by torch: same bits."""
-    backend_or_skip(backend)
+    backend = backend_or_skip(backend)
     gen = torch.Generator().manual_seed(9)
     x = edge_rows(8, 300, gen, nan=False)
     st = torch.tensor([INF, NAN, -0.7, 1.0, -INF, 0.0, 5e-324, 1e300], dtype=torch.float64)

@@ -3,7 +3,9 @@ every backend of an op gives the same bytes), and the one backend layer they sha
 
 The layer (every kernel module uses it; a new kernel or backend plugs in here):
   _cc               the one loader: builds a kernels/*.c once (cached by the bytes of the
-                    source AND of lmtail_kernels.h), `kernel_library(source, signatures)`
+                    source AND of lmtail_kernels.h), `kernel_library(source, signatures)`;
+                    `emulated=True` builds its emulated variant (SIMDe + lmtail_emulate.h:
+                    every AVX-512 / AVX512-BF16 / AMX path on any AVX2 CPU; docs/emulated.md)
   lmtail_kernels.h  the one C header: bit helpers, DAZ/FTZ and NaN canonicalisation, the
                     MXCSR pin, exp64's shifted term (scalar + AVX-512), the CPU probe, the
                     thread pool (`lmtail_parallel`)
@@ -12,7 +14,8 @@ The layer (every kernel module uses it; a new kernel or backend plugs in here):
                     `backend=` (None: the first available row, a fixed order, not a measurement)
                     and `threads=` (None: torch.get_num_threads(), capped by work) resolved once
 Calling convention of the ops: keyword-only `backend=` and `threads=`; backend names "amx",
-"avx512", "avx2", "c", "torch" (and "numba").
+"avx512", "avx2", "c", "torch" (and "numba"); the emulated rows "emu-<isa>" (never the
+default; `Dispatch.names(emulated=True)`) run the emulated builds.
 
 The kernels:
   gemm       the lm_head / body GEMM `gemm_bf16` in two declared orders: "amx32" (AMX's

@@ -12,6 +12,16 @@ found by -I), the flags, the compiler's version line and the machine, written to
 name and renamed into place, so concurrent first calls (pytest workers, torchrun ranks)
 never load a half-written file. The cache lives in $XDG_CACHE_HOME/lmtail (default
 ~/.cache/lmtail), or in the temp dir when that is not writable.
+
+The emulated variant of a kernel (`emulated=True`): the same source and FLAGS plus
+EMULATE_FLAGS and SIMDe's include dir, so every AVX-512 / AVX512-BF16 / AMX path of it runs,
+slowly, on any x86-64 CPU with AVX2 + FMA + F16C (lmtail_emulate.h; docs/emulated.md). SIMDe
+comes from PyPI's cmeel-simde (<site-packages>/cmeel.prefix/include) or Debian's
+libsimde-dev (/usr/include); with neither the emulated variant is simply not built (its
+backend rows are unavailable, no warning). It is built at first use, never by a row's
+availability check. Its cache key adds the variant's flags, the
+bytes of lmtail_emulate.h (the copy next to the source when there is one, as the compiler
+finds it) and of SIMDe's version header.
 """
 from __future__ import annotations
 
@@ -23,6 +33,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -33,7 +44,13 @@ from pathlib import Path
 FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-ffp-contract=off",
          "-fno-fast-math", "-Wall")
 BUILD_TIMEOUT_S = 120
+EMULATED_BUILD_TIMEOUT_S = 900  # SIMDe's 512-bit ops are many more for -O3: gemm_amx32 takes 30-60 s
 HEADER = Path(__file__).with_name("lmtail_kernels.h")  # the one shared header
+# the emulated variant: SIMDe for every intrinsic, lmtail_emulate.h's exact models, no ISA
+# targets (lmtail_kernels.h); -mavx2 -mfma -mf16c make SIMDe's 512-bit ops native 256-bit ones
+EMULATE_FLAGS = ("-DLMTAIL_EMULATE", "-mavx2", "-mfma", "-mf16c", "-Wno-psabi")
+EMULATE_HEADER = Path(__file__).with_name("lmtail_emulate.h")
+SIMDE_VERSION_FILE = Path("simde") / "simde-common.h"  # holds SIMDE_VERSION
 
 
 def _cache_dir() -> Path:
@@ -97,27 +114,58 @@ def compiler_line() -> str:
     return "; ".join(parts)
 
 
-def library_path(source: Path, cc: str, version: str) -> Path:
+@functools.lru_cache(maxsize=None)
+def simde_include() -> Path | None:
+    """The include dir holding SIMDe's simde/x86/avx512.h: PyPI cmeel-simde's
+    (<dir on sys.path>/cmeel.prefix/include), else Debian's /usr/include; None when neither
+    has it, or on a machine that is not x86-64 (no emulated variant then)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    dirs = [Path(p) / "cmeel.prefix" / "include" for p in sys.path if p] + [Path("/usr/include")]
+    return next((d for d in dirs if (d / "simde" / "x86" / "avx512.h").is_file()), None)
+
+
+def _variant(source: Path, emulated: bool) -> tuple[tuple[str, ...], bytes]:
+    """The extra flags and extra key bytes of a variant: () and b"" for the native build."""
+    if not emulated:
+        return (), b""
+    simde = simde_include()
+    if simde is None:
+        raise RuntimeError("no SIMDe headers (pip install cmeel-simde, or apt install libsimde-dev)")
+    local = Path(source).with_name(EMULATE_HEADER.name)  # the copy the compiler finds first
+    header = local if local.is_file() else EMULATE_HEADER
+    version = (simde / SIMDE_VERSION_FILE).read_bytes() if (simde / SIMDE_VERSION_FILE).is_file() else b""
+    return (*EMULATE_FLAGS, f"-I{simde}"), b"\0".join((b"emulated", header.read_bytes(), version))
+
+
+def library_path(source: Path, cc: str, version: str, *, emulated: bool = False) -> Path:
     """The cache file of `source` built by compiler `cc` (version line `version`): named by a
-    hash of the source's bytes, the shared header's bytes, the flags and the machine."""
+    hash of the source's bytes, the shared header's bytes, the flags and the machine (and,
+    emulated, the variant's flags, lmtail_emulate.h's and SIMDe's version header's bytes).
+    Raises RuntimeError for emulated=True without SIMDe."""
+    extra, extra_key = _variant(source, emulated)
     key = hashlib.sha256(Path(source).read_bytes() + b"\0" + HEADER.read_bytes()
-                         + repr((version, cc, FLAGS, platform.machine())).encode())
-    return _cache_dir() / f"{Path(source).stem}-{key.hexdigest()[:16]}.so"
+                         + repr((version, cc, FLAGS + extra, platform.machine())).encode() + extra_key)
+    stem = Path(source).stem + ("-emu" if emulated else "")
+    return _cache_dir() / f"{stem}-{key.hexdigest()[:16]}.so"
 
 
-def load_c_library(source: Path) -> ctypes.CDLL:
-    """The package's prebuilt library for `source` when its bytes match, else compile
-    `source` (cached) and return the loaded library. Raises RuntimeError with the
-    compiler's message when there is no compiler or the build fails."""
-    lib = prebuilt(source)
+def load_c_library(source: Path, *, emulated: bool = False) -> ctypes.CDLL:
+    """The package's prebuilt library for `source` when its bytes match (native builds),
+    else compile `source` (cached) and return the loaded library; emulated=True builds its
+    emulated variant (module docstring). Raises RuntimeError with the compiler's message when
+    there is no compiler or the build fails (emulated: or there is no SIMDe)."""
+    lib = None if emulated else prebuilt(source)
     if lib is not None:
         return ctypes.CDLL(str(lib))
     cc, version = _compiler()
-    lib = library_path(source, cc, version)
+    lib = library_path(source, cc, version, emulated=emulated)
     if not lib.exists():
         tmp = lib.with_name(f"{lib.stem}.{os.getpid()}.tmp.so")
-        cmd = [cc, *FLAGS, f"-I{HEADER.parent}", str(source), "-o", str(tmp), "-lm"]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        extra, _ = _variant(source, emulated)
+        cmd = [cc, *FLAGS, *extra, f"-I{HEADER.parent}", str(source), "-o", str(tmp), "-lm"]
+        res = subprocess.run(cmd, capture_output=True, text=True,
+                             timeout=EMULATED_BUILD_TIMEOUT_S if emulated else BUILD_TIMEOUT_S)
         if res.returncode != 0:
             raise RuntimeError(f"building {source} failed: {' '.join(cmd)}\n{res.stderr}")
         os.replace(tmp, lib)
@@ -143,12 +191,22 @@ def bind(lib: ctypes.CDLL, signatures: dict) -> ctypes.CDLL:
     return lib
 
 
-def kernel_library(source: str, signatures: dict, *, what: str, fallback: str):
+def kernel_library(source: str, signatures: dict, *, what: str, fallback: str = "",
+                   emulated: bool = False):
     """A cached loader for the kernel `source` (a file name under kernels/): () -> the bound
     library (`bind(lib, signatures)`), or None with one RuntimeWarning naming `fallback`
-    when it cannot be built. Every kernel module gets its library from here."""
+    when it cannot be built. Every kernel module gets its library from here.
+    emulated=True: the loader of its emulated variant (module docstring), built at its first
+    call (an "emu-<isa>" row's first run; kernels.cpu.emulation_runs() says whether to offer
+    the rows at all, without building): None without SIMDe; a failed build raises
+    RuntimeError with the compiler's message (a bug in the emulation, not a missing tool)."""
+    path = Path(__file__).with_name(source)
+
     @functools.lru_cache(maxsize=None)
     def library():
-        lib = load_optional(Path(__file__).with_name(source), what=what, fallback=fallback)
+        if emulated:
+            return None if simde_include() is None else bind(load_c_library(path, emulated=True), signatures)
+        lib = load_optional(path, what=what, fallback=fallback)
         return None if lib is None else bind(lib, signatures)
     return library
+

@@ -138,7 +138,7 @@ typedef struct {
 #if defined(__x86_64__)
 /* AVX-512 versions of scores() and pv() below: the same fma chains per element, with the
  * accumulators held in zmm registers (3 queries x 64 keys, or 3 queries x 64 dims). */
-#define AVX512 __attribute__((target("avx512f")))
+#define AVX512 LMTAIL_TARGET_AVX512F
 static inline __attribute__((always_inline)) AVX512 void
 scores512(const int NQ, const float *const *qs, const float *kt, int64_t S_cap, int64_t nmax,
           float scale, float *const *sc) {
@@ -331,7 +331,7 @@ static AVX512 void attend512_multi(int nq, int P, const float *const *qs, const 
  * (dot_j vectorized across keys, acc_d across dims, den sequential per query). NQ = P nq
  * queries of P adjacent positions share each key and value block, loaded once into L1;
  * register tiles of G = 3 queries x 4 vectors (12 of the 16 ymm) run over it. */
-#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2 LMTAIL_TARGET_AVX2_FMA
 enum { G2 = 3, KB2 = 32, EB = 64, NQ2 = UP2 * QB }; /* tile rows; keys per score / value block */
 
 /* exp32_512_in on 8 lanes all in [X_LO, X_HI]. */
@@ -909,7 +909,7 @@ CLONES static void silu_rows_bf16(const float *gu, uint16_t *out, int64_t M, int
 #if defined(__x86_64__)
 /* silu_rows_bf16 on 16 lanes: silu_mul1's operations one for one (exp32_512, IEEE division),
  * then to_bf16's integer rounding (NaN -> 0x7FC0): the same bits. */
-static __attribute__((target("avx512f,avx512bw,avx512vl"))) void silu_rows_bf16_512(const float *gu, uint16_t *out, int64_t M, int64_t F, int64_t ld) {
+static LMTAIL_TARGET_AVX512VL void silu_rows_bf16_512(const float *gu, uint16_t *out, int64_t M, int64_t F, int64_t ld) {
     const __m512 one = _mm512_set1_ps(1.0f), ninf = _mm512_set1_ps(-INFINITY);
     const __m512i bias = _mm512_set1_epi32(0x7FFF), lsb = _mm512_set1_epi32(1);
     const __m512i qnan = _mm512_set1_epi32(0x7FC0);

@@ -13,7 +13,8 @@ holds them, for the test that compares them with model/body.py's.
 `isa` (exp32, silu_mul, attend) caps the micro-kernels body.c may pick (every one gives the
 same bytes): "avx512" the widest this CPU has (AVX-512, else AVX2 + FMA, else portable;
 exp32 and silu_mul have no AVX-512 rows and run AVX2 there), "avx2" at most AVX2 + FMA, "c"
-the portable C only.
+the portable C only. emulated=True runs them on body.c's emulated build (SIMDe and
+lmtail_emulate.h: every path, on any CPU with AVX2 + FMA + F16C; the "emu-avx512" rows).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from lmtail.kernels._cc import kernel_library
 HD = 64  # the head dim body.c's attention is built for
 ISA_CAP = {"avx512": 0, "avx2": 1, "c": 2}  # body.c's pick_isa cap of each `isa` name
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_library = kernel_library("body.c", {
+_SIGNATURES = {
     "lmtail_exp32_isa": ([_P, _P, _I64, _INT], None),
     "lmtail_silu_mul_isa": ([_P, _P, _I64, _I64, _I64, _INT], None),
     "lmtail_attend": ([_P] * 5 + [_I64] * 6 + [_F32, _INT, _INT], _INT),
@@ -35,7 +36,14 @@ _library = kernel_library("body.c", {
     "lmtail_rope_qkv": ([_P, _I64, _P, _P, _P, _P, _P, _P] + [_I64] * 6, None),
     "lmtail_silu_mul_bf16": ([_P, _P, _I64, _I64, _I64, _INT], None),
     "lmtail_body_constants": ([_P], _INT),
-}, what="model body", fallback="the torch emulation (same bytes, slow)")
+}
+_library = kernel_library("body.c", _SIGNATURES, what="model body", fallback="the torch emulation (same bytes, slow)")
+_emulated = kernel_library("body.c", _SIGNATURES, what="model body", emulated=True)
+
+
+def _lib(emulated: bool):
+    """body.c's native library, or its emulated build."""
+    return _emulated() if emulated else _library()
 
 
 def available() -> bool:
@@ -50,26 +58,26 @@ def constants() -> torch.Tensor:
     return out
 
 
-def exp32(x: torch.Tensor, isa: str = "avx512") -> torch.Tensor:
+def exp32(x: torch.Tensor, isa: str = "avx512", *, emulated: bool = False) -> torch.Tensor:
     """exp32 elementwise: x fp32 (any shape; copied when not contiguous) -> fp32."""
     xc = x.contiguous()
     y = torch.empty_like(xc)
-    _library().lmtail_exp32_isa(xc.data_ptr(), y.data_ptr(), xc.numel(), ISA_CAP[isa])
+    _lib(emulated).lmtail_exp32_isa(xc.data_ptr(), y.data_ptr(), xc.numel(), ISA_CAP[isa])
     return y
 
 
-def silu_mul(gu: torch.Tensor, isa: str = "avx512") -> torch.Tensor:
+def silu_mul(gu: torch.Tensor, isa: str = "avx512", *, emulated: bool = False) -> torch.Tensor:
     """gu [M, 2F] fp32 -> silu(gate) * up [M, F] fp32."""
     if gu.stride(1) != 1:
         gu = gu.contiguous()
     M, F = gu.shape[0], gu.shape[1] // 2
     out = torch.empty(M, F, dtype=torch.float32)  # [M, F]
     if M:
-        _library().lmtail_silu_mul_isa(gu.data_ptr(), out.data_ptr(), M, F, gu.stride(0), ISA_CAP[isa])
+        _lib(emulated).lmtail_silu_mul_isa(gu.data_ptr(), out.data_ptr(), M, F, gu.stride(0), ISA_CAP[isa])
     return out
 
 
-def attend(q, kt, v, pad, s0: int, scale: float, threads: int, *, isa: str) -> torch.Tensor:
+def attend(q, kt, v, pad, s0: int, scale: float, threads: int, *, isa: str, emulated: bool = False) -> torch.Tensor:
     """The declared attention: q [B, T, nh, 64], kt [B, nkv, 64, S_cap], v [B, nkv, S_cap, 64]
     fp32 C-contiguous, pad [B] int64 >= 0, S_cap >= s0 + T + SLACK, threads >= 1; isa: the
     micro-kernels' cap (module docstring; the same bits). -> [B, T, nh, 64]."""
@@ -78,7 +86,7 @@ def attend(q, kt, v, pad, s0: int, scale: float, threads: int, *, isa: str) -> t
     if out.numel() == 0:
         return out
     pad_c = pad.contiguous()
-    rc = _library().lmtail_attend(q.data_ptr(), kt.data_ptr(), v.data_ptr(), out.data_ptr(), pad_c.data_ptr(),
+    rc = _lib(emulated).lmtail_attend(q.data_ptr(), kt.data_ptr(), v.data_ptr(), out.data_ptr(), pad_c.data_ptr(),
                                   B, T, nh, kt.shape[1], kt.shape[3], s0, float(scale), threads, ISA_CAP[isa])
     if rc != 0:
         raise MemoryError("attend: scratch allocation failed")
@@ -128,13 +136,14 @@ def rope_qkv(qkv, cos_t, sin_t, pos, kc, vc, s0: int, nh: int) -> torch.Tensor:
     return q
 
 
-def silu_mul_bf16(gu: torch.Tensor, isa: str = "avx512") -> torch.Tensor:
-    """gu [M, 2F] fp32 -> bf16(silu_mul(gu)) [M, F]; isa caps the rows body.c may pick."""
+def silu_mul_bf16(gu: torch.Tensor, isa: str = "avx512", *, emulated: bool = False) -> torch.Tensor:
+    """gu [M, 2F] fp32 -> bf16(silu_mul(gu)) [M, F]; isa caps the rows body.c may pick
+    (AVX-512 where the CPU has it, or emulated)."""
     if gu.stride(1) != 1:
         gu = gu.contiguous()
     M, F = gu.shape[0], gu.shape[1] // 2
     out = torch.empty(M, F, dtype=torch.bfloat16)  # [M, F]
     if M:
-        _library().lmtail_silu_mul_bf16(gu.data_ptr(), out.data_ptr(), M, F, gu.stride(0) if M > 1 else 2 * F,
-                                        ISA_CAP[isa])
+        _lib(emulated).lmtail_silu_mul_bf16(gu.data_ptr(), out.data_ptr(), M, F, gu.stride(0) if M > 1 else 2 * F,
+                                            ISA_CAP[isa])
     return out

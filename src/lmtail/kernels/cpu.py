@@ -13,10 +13,14 @@ import ctypes
 import functools
 from pathlib import Path
 
+from lmtail.kernels import _cc
 from lmtail.kernels._cc import kernel_library
 
 # bit i of lmtail_cpu_features() (lmtail_kernels.h's LMTAIL_CPU_* enum, in order)
 NAMES = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "amx_bf16", "avx512_bf16", "f16c")
+# what an emulated build (_cc.py's emulated variant: -mavx2 -mfma -mf16c) needs to run: its
+# "emu-<isa>" backend rows are available where the CPU has these (and SIMDe was found)
+EMULATION_NEEDS = ("avx2", "fma", "f16c")
 
 _library = kernel_library("cpu.c", {"lmtail_cpu_bits_export": ((), ctypes.c_uint)},
                           what="cpu probe", fallback="/proc/cpuinfo")
@@ -49,6 +53,12 @@ def features() -> frozenset[str]:
 def has(*names: str) -> bool:
     """True when this CPU has every one of `names`."""
     return set(names) <= features()
+
+
+def emulation_runs() -> bool:
+    """True when this machine can build and run the kernels' emulated variants (SIMDe found,
+    the CPU has EMULATION_NEEDS): the availability of every "emu-<isa>" row. Builds nothing."""
+    return _cc.simde_include() is not None and has(*EMULATION_NEEDS)
 
 
 def missing(*names: str) -> str:

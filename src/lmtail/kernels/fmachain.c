@@ -89,7 +89,7 @@ static void moe_row_generic(const job_t *j, int64_t t) {
 
 /* ---------------------------------------------------------------- AVX-512 */
 #if defined(__x86_64__)
-#define AVX512 __attribute__((target("avx512f")))
+#define AVX512 LMTAIL_TARGET_AVX512F
 enum { U = 4 }; /* independent 16-lane chains in flight (hides the fma latency) */
 
 static inline __mmask16 mask16(int64_t left) {

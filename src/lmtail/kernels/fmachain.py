@@ -37,14 +37,22 @@ from lmtail.numerics import fma32
 BUTTERFLY = (16, 8, 4, 2, 1)  # the xor butterfly's offsets within a 32-lane group (orders use it)
 _MIN_WORK_PER_THREAD = 1 << 16  # elements: below this a second thread costs more than it saves
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_library = kernel_library("fmachain.c", {
+_SIGNATURES = {
     "lmtail_fma_sum": ([_P] * 3 + [_I64] * 4 + [_INT] * 5, _INT),
     "lmtail_moe_routed": ([_P, _INT, _P, _P] + [_I64] * 5 + [_INT] * 2, _INT),
-}, what="fma chains", fallback="the torch backend (numerics.fma32)")
+}
+_library = kernel_library("fmachain.c", _SIGNATURES, what="fma chains", fallback="the torch backend (numerics.fma32)")
+# the emulated build (SIMDe, lmtail_emulate.h): the "emu-avx512" rows, on any AVX2 + FMA + F16C CPU
+_emulated = kernel_library("fmachain.c", _SIGNATURES, what="fma chains", emulated=True)
 
 
 def _c_available(*features: str):
     return lambda: _library() is not None and cpu.has(*features)
+
+
+def _emu_available() -> bool:
+    """The emulated rows run here: the C kernel builds and cpu.emulation_runs()."""
+    return _library() is not None and cpu.emulation_runs()
 
 
 # ---------------------------------------------------------------------------------------
@@ -130,7 +138,7 @@ def _moe_routed_torch(slots, weights, nslots: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------
 # the C backends (unchecked: the op validated its arguments)
 # ---------------------------------------------------------------------------------------
-def _fma_sum_c(isa: int):
+def _fma_sum_c(isa: int, library=lambda: _library()):
     def run(a, b, lanes, vec, reverse, threads):
         n, rows = a.shape[-1], math.prod(a.shape[:-1])
         a2 = a.detach().reshape(rows, n)  # [R, N]
@@ -142,7 +150,7 @@ def _fma_sum_c(isa: int):
         out = torch.empty(rows, dtype=torch.float32)  # [R]
         if rows == 0:
             return out.reshape(a.shape[:-1])
-        used = _library().lmtail_fma_sum(
+        used = library().lmtail_fma_sum(
             a2.data_ptr(), b2.data_ptr(), out.data_ptr(), rows, n, a2.stride(0), b2.stride(0),
             lanes, vec, int(bool(reverse)), threads, isa)
         if used < 0:
@@ -152,7 +160,7 @@ def _fma_sum_c(isa: int):
     return run
 
 
-def _moe_routed_c(isa: int):
+def _moe_routed_c(isa: int, library=lambda: _library()):
     def run(slots, weights, nslots, threads):
         s, t, h = slots.shape
         out = torch.empty(t, h, dtype=torch.float32)  # [T, H]
@@ -164,7 +172,7 @@ def _moe_routed_c(isa: int):
         w = weights.detach()
         if w.stride(1) != 1:
             w = w.contiguous()  # [T, W]
-        used = _library().lmtail_moe_routed(
+        used = library().lmtail_moe_routed(
             sl.data_ptr(), int(sl.dtype == torch.bfloat16), w.data_ptr(), out.data_ptr(), t, h,
             nslots, sl.stride(0), w.stride(0), threads, isa)
         assert used == isa, (used, isa)
@@ -177,12 +185,14 @@ FMA_SUM = _backend.Dispatch("fma_sum_rows", (
     _backend.Backend("c", _fma_sum_c(0), _c_available()),
     _backend.Backend("torch", lambda a, b, lanes, vec, reverse, threads: _fma_sum_torch(a, b, lanes, vec, reverse),
                      device=None),
+    _backend.Backend("emu-avx512", _fma_sum_c(2, _emulated), _emu_available, emulated=True),
 ))
 MOE_ROUTED = _backend.Dispatch("moe_routed", (
     _backend.Backend("avx512", _moe_routed_c(2), _c_available("avx512f")),
     _backend.Backend("c", _moe_routed_c(0), _c_available()),
     _backend.Backend("torch", lambda slots, weights, nslots, threads: _moe_routed_torch(slots, weights, nslots),
                      device=None),
+    _backend.Backend("emu-avx512", _moe_routed_c(2, _emulated), _emu_available, emulated=True),
 ))
 
 

@@ -41,6 +41,10 @@ the weight's layout, measured once per machine: kernels._verify, docs/backends.m
   dp32  : "avx512bf16" (VDPBF16PS; CPUs with AVX512-BF16), "avx512", "avx2" (vector fmas
           under MXCSR FTZ|DAZ), "c" (plain C, FTZ/DAZ in software) (kernels/gemm_dp32.c);
           no fallback without a C compiler.
+  emulated rows (never chosen by backend=None; GEMM[order].names(emulated=True)): chain
+          "emu-avx512", amx32 "emu-amx", "emu-avx512", "emu-avx2", dp32 "emu-avx512bf16",
+          "emu-avx512": the same sources built against SIMDe with lmtail_emulate.h's exact
+          VDPBF16PS and AMX tile models, on any AVX2 + FMA + F16C CPU (docs/emulated.md).
 The default order is DEFAULT_ORDER = "amx32" (gemm_bf16, gemm_decl, the model body, TailConfig).
 `pack_weight(w)` makes the one-time load layout (VNNI pairs) that AMX and VDPBF16PS read
 (amx32 and dp32 take it; the chain takes the plain tensor).
@@ -192,20 +196,25 @@ def _validate_options(order: str, w, backend: str | None, threads: int | None) -
 # backends (unchecked: gemm_bf16 validated its arguments; out is [M, V] fp32, M, V, H > 0)
 # ---------------------------------------------------------------------------------------
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_chain_library = kernel_library("gemm_chain.c", {
-    "lmtail_gemm_bf16_chain": ([_P] * 3 + [_I64] * 4 + [_INT] * 2, _INT),
-}, what="gemm", fallback="the numba fallback")
-_amx32_lib = kernel_library("gemm_amx32.c", {
+_CHAIN_SIGS = {"lmtail_gemm_bf16_chain": ([_P] * 3 + [_I64] * 4 + [_INT] * 2, _INT)}
+_AMX32_SIGS = {
     "lmtail_amx32_has": ([_INT], _INT),
     "lmtail_amx32_pack": ([_P, _I64, _I64, _I64, _P], None),
     "lmtail_amx32_pool_helpers": ((), _INT),
     "lmtail_amx32_vnni_tile": ([_P, _I64, _I64, _I64, _I64, _P], _INT),
     "lmtail_amx32_gemm": ([_P, _I64, _P, _I64, _INT, _P] + [_I64] * 4 + [_INT] * 2, _INT),
-}, what="gemm amx32", fallback="no amx32 backend")
-_dp32_lib = kernel_library("gemm_dp32.c", {
+}
+_DP32_SIGS = {
     "lmtail_dp32_has": ([_INT], _INT),
     "lmtail_dp32_gemm": ([_P, _I64, _P, _I64, _INT, _P] + [_I64] * 4 + [_INT] * 2, _INT),
-}, what="gemm dp32", fallback="no dp32 backend")
+}
+_chain_library = kernel_library("gemm_chain.c", _CHAIN_SIGS, what="gemm", fallback="the numba fallback")
+_amx32_lib = kernel_library("gemm_amx32.c", _AMX32_SIGS, what="gemm amx32", fallback="no amx32 backend")
+_dp32_lib = kernel_library("gemm_dp32.c", _DP32_SIGS, what="gemm dp32", fallback="no dp32 backend")
+# the emulated builds (SIMDe and lmtail_emulate.h's models): the "emu-<isa>" rows
+_chain_emu = kernel_library("gemm_chain.c", _CHAIN_SIGS, what="gemm", emulated=True)
+_amx32_emu = kernel_library("gemm_amx32.c", _AMX32_SIGS, what="gemm amx32", emulated=True)
+_dp32_emu = kernel_library("gemm_dp32.c", _DP32_SIGS, what="gemm dp32", emulated=True)
 
 
 def _c_library():
@@ -223,13 +232,13 @@ def _dp32_library():
     return _dp32_lib()
 
 
-def _chain_c(isa: int):
+def _chain_c(isa: int, library=lambda: _c_library()):
     def run(a, w, out, threads):
         M = a.shape[0]
         aT = a.detach().float().t().contiguous()  # [H, M] fp32, exact widening
         ldc = out.stride(0) if M > 1 else w.shape[1]
-        used = _c_library().lmtail_gemm_bf16_chain(aT.data_ptr(), w.data_ptr(), out.data_ptr(), M,
-                                                   a.shape[1], w.shape[1], ldc, threads, isa)
+        used = library().lmtail_gemm_bf16_chain(aT.data_ptr(), w.data_ptr(), out.data_ptr(), M,
+                                                a.shape[1], w.shape[1], ldc, threads, isa)
         assert used == isa, (used, isa)
     return run
 
@@ -275,24 +284,39 @@ def _has(library, *features: str):
 
 
 _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+
+
+def _emu(name: str, run, native) -> _backend.Backend:
+    """The emulated row "emu-<name>": `run` on an emulated build, offered where the `native`
+    library builds and cpu.emulation_runs() (never chosen by backend=None)."""
+    return _backend.Backend(f"emu-{name}", run, lambda: native() is not None and cpu.emulation_runs(),
+                            emulated=True)
+
+
 GEMM = {
     "chain": _backend.Dispatch("gemm_bf16 chain", (
         _backend.Backend("avx512", _chain_c(2), _has(lambda: _c_library(), "avx512f", "avx512bw", "avx512vl")),
         _backend.Backend("c", _chain_c(0), _has(lambda: _c_library())),
         _backend.Backend("numba", _chain_numba, _numba_installed),
+        _emu("avx512", _chain_c(2, _chain_emu), lambda: _c_library()),
     )),
     "amx32": _backend.Dispatch("gemm_bf16 amx32", (
         _backend.Backend("amx", _amx32_c(3, "amx"), _has(lambda: _amx32_library(), *_AVX512, "amx_bf16")),
         _backend.Backend("avx512", _amx32_c(2, "avx512"), _has(lambda: _amx32_library(), *_AVX512)),
         _backend.Backend("avx2", _amx32_c(1, "avx2"), _has(lambda: _amx32_library(), "avx2", "fma")),
         _backend.Backend("c", _amx32_c(0, "c"), _has(lambda: _amx32_library())),
+        *(_emu(name, _amx32_c(isa, f"emu-{name}", _amx32_emu), lambda: _amx32_library())
+          for name, isa in (("amx", 3), ("avx512", 2), ("avx2", 1))),
     )),
-    "dp32": _backend.Dispatch("gemm_bf16 dp32", tuple(
-        _backend.Backend(name, _amx32_c(isa, name, lambda: _dp32_library(), "lmtail_dp32_gemm", "dp32"),
-                         _has(lambda: _dp32_library(), *features))
-        for name, isa, features in (("avx512bf16", 3, (*_AVX512, "avx512_bf16")),
-                                    ("avx512", 2, _AVX512), ("avx2", 1, ("avx2", "fma")),
-                                    ("c", 0, ())))),
+    "dp32": _backend.Dispatch("gemm_bf16 dp32", (
+        *(_backend.Backend(name, _amx32_c(isa, name, lambda: _dp32_library(), "lmtail_dp32_gemm", "dp32"),
+                           _has(lambda: _dp32_library(), *features))
+          for name, isa, features in (("avx512bf16", 3, (*_AVX512, "avx512_bf16")),
+                                      ("avx512", 2, _AVX512), ("avx2", 1, ("avx2", "fma")),
+                                      ("c", 0, ()))),
+        *(_emu(name, _amx32_c(isa, f"emu-{name}", _dp32_emu, "lmtail_dp32_gemm", "dp32"), lambda: _dp32_library())
+          for name, isa in (("avx512bf16", 3), ("avx512", 2))),
+    )),
 }
 
 

@@ -101,7 +101,7 @@ static void micro_c(const job_t *j, int64_t m0, int64_t rows, const float *p, in
 
 /* ---------------------------------------------------------------- AVX-512 */
 #if defined(__x86_64__)
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define AVX512 LMTAIL_TARGET_AVX512
 
 /* The vector panels are strip-major: the [kc, 32] fp32 block of columns [32q, 32q+32) is
  * contiguous (AVX2: [kc, 16] blocks), so the strip one register tile reads stays in L1. */
@@ -401,7 +401,7 @@ static AVX512 void small_plain_512(const job_t *j, int64_t m0, int64_t m1, int64
 }
 
 /* ---------------------------------------------------------------- AVX2 */
-#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2 LMTAIL_TARGET_AVX2_FMA
 
 static AVX2 void panel_avx2(const job_t *j, int64_t k0, int64_t kc, int64_t c0, int64_t nc,
                             int64_t ldp, float *p) {
@@ -669,7 +669,7 @@ static AVX2 void small_plain_avx2(const job_t *j, int64_t m0, int64_t m1, int64_
 }
 
 /* ---------------------------------------------------------------- AMX */
-#define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl")))
+#define AMX LMTAIL_TARGET_AMX
 typedef struct {
     uint8_t palette_id, start_row, rsv[14];
     uint16_t colsb[16];

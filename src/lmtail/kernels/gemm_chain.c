@@ -89,7 +89,7 @@ static void tile_generic(const job_t *j, int64_t c0, int64_t nc) {
 
 /* ---------------------------------------------------------------- AVX-512 */
 #if defined(__x86_64__)
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define AVX512 LMTAIL_TARGET_AVX512VL
 
 /* Widen w[h0:h0+kc, c0:c0+nc] (bf16) into panel[kc][NC] fp32; columns >= nc become 0.
  * Also prefetch the next h block of the same columns (it is read one block later). */

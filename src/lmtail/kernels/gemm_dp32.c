@@ -101,9 +101,9 @@ static void strip_c(const job_t *j, const float *a, const float *p, int64_t kc, 
 
 /* ---------------------------------------------------------------- AVX2 / AVX-512 */
 #if defined(__x86_64__)
-#define AVX2 __attribute__((target("avx2,fma")))
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
-#define BF16 __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl,avx512dq")))
+#define AVX2 LMTAIL_TARGET_AVX2_FMA
+#define AVX512 LMTAIL_TARGET_AVX512
+#define BF16 LMTAIL_TARGET_AVX512_BF16
 
 /* panel_f32 with vector loads (the vector paths: MXCSR DAZ reads a subnormal as zero, so
  * the panel may keep it): rows < H of a whole strip, 16 columns per load; the rest (pad

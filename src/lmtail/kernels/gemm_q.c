@@ -127,7 +127,7 @@ static void unit_c(const job_t *j, int64_t c0, int64_t c1, float *wrow) {
 #if defined(__x86_64__)
 #define AI inline __attribute__((always_inline))
 /* ---------------------------------------------------------------- AVX2 (+FMA, F16C) */
-#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define AVX2 LMTAIL_TARGET_AVX2_F16C
 
 /* 8 -> 1 of the halving tree: l[j] += l[j+4], l[j] += l[j+2], l[0] += l[1]. */
 static AI AVX2 float tree8(__m256 t) {
@@ -438,7 +438,7 @@ static AVX2 void unit_avx2(const job_t *j, int64_t c0, int64_t c1, float *panel)
 }
 
 /* ---------------------------------------------------------------- AVX-512 */
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+#define AVX512 LMTAIL_TARGET_AVX512_F16C
 
 /* acc[0] holds lanes 0..15, acc[1] 16..31: l[j] += l[j+16], l[j] += l[j+8], then tree8. */
 static AI AVX512 float tree_512(const __m512 *acc) {

@@ -2,6 +2,9 @@
  * under kernels/; _cc.py hashes this file into each library's cache key, so a change here
  * rebuilds them all).
  *
+ *   targets  LMTAIL_TARGET_<ISA>: each vector path's target attribute (empty in the
+ *            emulated build, -DLMTAIL_EMULATE: then lmtail_emulate.h's SIMDe and exact
+ *            models stand in for <immintrin.h>; docs/emulated.md)
  *   bits     f2u / u2f, bf16 widening, daz16 (DAZ on a bf16), canon_nan
  *   fma      fma_rn / fma_ftz / add_ftz: exact fp32 fma (round-to-odd double) without libm
  *   MXCSR    lmtail_mxcsr_pin(LMTAIL_MXCSR_IEEE | LMTAIL_MXCSR_FTZ_DAZ) / _restore: every
@@ -14,7 +17,8 @@
  *   top-k    select_top / sort_desc on uint64_t keys (rows_tail.c's and shard_partials.c's
  *            exact top-k; shard_partials.c's int64 keys go through key ^ 2**63, order kept)
  *   cpu      lmtail_cpu_features(): LMTAIL_CPU_* bits from cpuid (via the compiler's
- *            probe) and, for AMX, the OS permission (arch_prctl)
+ *            probe) and, for AMX, the OS permission (arch_prctl); every bit in the
+ *            emulated build
  *   threads  lmtail_parallel(fn, job, n): fn(job) on the caller and n-1 helpers of a
  *            per-library pool (helpers live for the process, spin SPIN_NS for the next
  *            call, then sleep); a busy pool or a failed helper start falls back to threads
@@ -34,12 +38,37 @@
 #include <time.h>
 #include <unistd.h>
 #if defined(__x86_64__)
+#if defined(LMTAIL_EMULATE)
+#include "lmtail_emulate.h" /* SIMDe for every intrinsic, exact models where it differs */
+#else
 #include <immintrin.h>
+#endif
 #include <cpuid.h>
 #include <sys/syscall.h>
 #endif
 
 #define LMTAIL_UNUSED __attribute__((unused))
+
+/* ================================================================ ISA targets
+ * The target sets of the vector paths: each kernel names its own (`#define AVX512
+ * LMTAIL_TARGET_AVX512`). A native build compiles each path for its ISA and dispatches at
+ * run time; the emulated build (-DLMTAIL_EMULATE, _cc.py) drops every target, so the same
+ * source runs on any x86-64 CPU with AVX2 + FMA + F16C through SIMDe and lmtail_emulate.h. */
+#if defined(LMTAIL_EMULATE)
+#define LMTAIL_TARGET(isa)
+#else
+#define LMTAIL_TARGET(isa) __attribute__((target(isa)))
+#endif
+#define LMTAIL_TARGET_AVX2 LMTAIL_TARGET("avx2")
+#define LMTAIL_TARGET_AVX2_FMA LMTAIL_TARGET("avx2,fma")
+#define LMTAIL_TARGET_AVX2_F16C LMTAIL_TARGET("avx2,fma,f16c")
+#define LMTAIL_TARGET_AVX512F LMTAIL_TARGET("avx512f")
+#define LMTAIL_TARGET_AVX512BW LMTAIL_TARGET("avx512f,avx512bw")
+#define LMTAIL_TARGET_AVX512VL LMTAIL_TARGET("avx512f,avx512bw,avx512vl")
+#define LMTAIL_TARGET_AVX512 LMTAIL_TARGET("avx512f,avx512bw,avx512vl,avx512dq")
+#define LMTAIL_TARGET_AVX512_F16C LMTAIL_TARGET("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#define LMTAIL_TARGET_AVX512_BF16 LMTAIL_TARGET("avx512bf16,avx512f,avx512bw,avx512vl,avx512dq")
+#define LMTAIL_TARGET_AMX LMTAIL_TARGET("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl")
 
 /* ================================================================ bits */
 static inline LMTAIL_UNUSED uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -214,7 +243,7 @@ static inline LMTAIL_UNUSED double shifted_exp1(double z, double m, const double
 }
 
 #if defined(__x86_64__)
-#define LMTAIL_AVX512F __attribute__((target("avx512f")))
+#define LMTAIL_AVX512F LMTAIL_TARGET_AVX512F
 enum { EXP8_U = 4 }; /* vectors per shifted_exp8 call */
 
 /* 2**n for 8 integer-valued n in [-1022, 1023]: the exponent bits. */
@@ -265,7 +294,7 @@ shifted_exp8(__m512d *y, const __m512d *z, __m512d mv, const __m512d *KV) {
     }
 }
 
-#define LMTAIL_AVX2 __attribute__((target("avx2")))
+#define LMTAIL_AVX2 LMTAIL_TARGET_AVX2
 
 /* r[k] <- lane k of r[0..7]: an 8 x 8 fp32 transpose in registers (AVX). Shared by
  * body.c (attention's den) and gemm_q.c (the lanes path's panel). */
@@ -416,12 +445,17 @@ enum {
     LMTAIL_CPU_AVX512BW = 1 << 3, LMTAIL_CPU_AVX512VL = 1 << 4, LMTAIL_CPU_AVX512DQ = 1 << 5,
     LMTAIL_CPU_AMX_BF16 = 1 << 6, /* AMX-BF16 and AMX-TILE, and the OS lets this process use tiles */
     LMTAIL_CPU_AVX512_BF16 = 1 << 7, LMTAIL_CPU_F16C = 1 << 8,
+    LMTAIL_CPU_ALL = (1 << 9) - 1,
 };
 /* the ISA sets the kernels dispatch on */
 #define LMTAIL_ISA_AVX512 (LMTAIL_CPU_AVX512F | LMTAIL_CPU_AVX512BW | LMTAIL_CPU_AVX512VL | LMTAIL_CPU_AVX512DQ)
 #define LMTAIL_ISA_AVX2 (LMTAIL_CPU_AVX2 | LMTAIL_CPU_FMA)
 
-#if defined(__x86_64__)
+#if defined(LMTAIL_EMULATE)
+/* The emulated build runs every path (SIMDe, lmtail_emulate.h's AMX and VDPBF16PS models)
+ * on any CPU that runs the build itself (AVX2, FMA, F16C): every bit, no OS request. */
+static inline LMTAIL_UNUSED unsigned lmtail_cpu_features(void) { return LMTAIL_CPU_ALL; }
+#elif defined(__x86_64__)
 #define LMTAIL_ARCH_GET_XCOMP_PERM 0x1022
 #define LMTAIL_ARCH_REQ_XCOMP_PERM 0x1023
 #define LMTAIL_XFEATURE_XTILEDATA 18

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from lmtail.checks import is_int, need, need_tensor
-from lmtail.kernels import _backend
+from lmtail.kernels import _backend, cpu
 from lmtail.kernels._cc import kernel_library
 from lmtail.numerics import Decl, SumDecl, fma32
 
@@ -45,16 +45,17 @@ _ISA = {"avx512": 2, "avx2": 1, "c": 0}
 _ERRORS = {-1: "backend unavailable on this CPU", -2: "a buffer could not be allocated",
            -3: "bad shape or format"}
 
-_library = kernel_library(
-    "gemm_q.c",
-    {"lmtail_gemm_q_has": ((ctypes.c_int,), ctypes.c_int),
-     "lmtail_gemm_q": ((ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
-                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                        ctypes.c_int64, ctypes.c_int, ctypes.c_int), ctypes.c_int),
-     "lmtail_gemm_q_cat": ((ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                            ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                            ctypes.c_int, ctypes.c_int), ctypes.c_int)},
-    what="gemm_q", fallback="the torch emulation")
+_SIGNATURES = {
+    "lmtail_gemm_q_has": ((ctypes.c_int,), ctypes.c_int),
+    "lmtail_gemm_q": ((ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+                       ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                       ctypes.c_int64, ctypes.c_int, ctypes.c_int), ctypes.c_int),
+    "lmtail_gemm_q_cat": ((ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                           ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                           ctypes.c_int, ctypes.c_int), ctypes.c_int)}
+_library = kernel_library("gemm_q.c", _SIGNATURES, what="gemm_q", fallback="the torch emulation")
+# the emulated build (SIMDe, lmtail_emulate.h): the "emu-avx512" row, on any AVX2 + FMA + F16C CPU
+_emulated = kernel_library("gemm_q.c", _SIGNATURES, what="gemm_q", emulated=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -204,12 +205,12 @@ def lanes_emulation(a: torch.Tensor, wv: torch.Tensor, lanes: int = QK) -> torch
     return torch.where(torch.isnan(out), torch.tensor(float("nan")), out)
 
 
-def _run_c(backend: str):
+def _run_c(backend: str, library=lambda: _library()):
     def run(a: torch.Tensor, w: QuantWeight, out: torch.Tensor, threads: int) -> None:
         if a.stride(1) != 1 or (a.shape[0] > 1 and a.stride(0) < a.shape[1]):
             a = a.contiguous()
         M, K = a.shape
-        rc = _library().lmtail_gemm_q(a.data_ptr(), a.stride(0), w.data.data_ptr(), _FMT_CODE[w.fmt],
+        rc = library().lmtail_gemm_q(a.data_ptr(), a.stride(0), w.data.data_ptr(), _FMT_CODE[w.fmt],
                                       w.shape[0], K, out.data_ptr(), out.stride(0), M, threads,
                                       _ISA[backend])
         if rc != 0:
@@ -226,6 +227,8 @@ GEMM_Q = _backend.Dispatch("gemm_q", (
     _backend.Backend("avx2", _run_c("avx2"), _c_available("avx2")),
     _backend.Backend("c", _run_c("c"), _c_available("c")),
     _backend.Backend("torch", _run_torch),
+    _backend.Backend("emu-avx512", _run_c("avx512", _emulated),
+                     lambda: _library() is not None and cpu.emulation_runs(), emulated=True),
 ))
 
 

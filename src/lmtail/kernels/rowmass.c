@@ -108,7 +108,7 @@ static double row_sum_generic(const double *buf, int64_t V, double m, const doub
 
 /* ---------------------------------------------------------------- AVX-512 */
 #if defined(__x86_64__)
-#define AVX512 __attribute__((target("avx512f")))
+#define AVX512 LMTAIL_TARGET_AVX512F
 
 enum { U = EXP8_U };
 

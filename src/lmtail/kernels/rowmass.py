@@ -49,12 +49,15 @@ from lmtail.numerics import exp64
 
 SUM64_LANES = 256
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_library = kernel_library("rowmass.c", {
+_SIGNATURES = {
     "lmtail_row_mass": ([_P] * 7 + [_I64] * 3 + [_INT] * 2, _INT),
     "lmtail_rowmass_terms": ([_P, ctypes.c_double, _P, _P, _I64, _INT], _INT),
     "lmtail_shifted_exp_rows": ([_P] * 4 + [_I64] * 2, _INT),
     "lmtail_sum64_rows": ([_P] * 2 + [_I64] * 2, _INT),
-}, what="row_mass", fallback="the torch backend")
+}
+_library = kernel_library("rowmass.c", _SIGNATURES, what="row_mass", fallback="the torch backend")
+# the emulated build (SIMDe, lmtail_emulate.h): the "emu-avx512" rows, on any AVX2 + FMA + F16C CPU
+_emulated = kernel_library("rowmass.c", _SIGNATURES, what="row_mass", emulated=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -127,7 +130,7 @@ def exp64_constants() -> torch.Tensor:
     return torch.tensor(c, dtype=torch.float64)
 
 
-def _row_mass_c(isa: int):
+def _row_mass_c(isa: int, library=lambda: _library()):
     def run(row, scale, threads):
         R, V = row.shape
         row = row.detach().contiguous()  # [R, V]
@@ -138,7 +141,7 @@ def _row_mass_c(isa: int):
         flag = torch.zeros(R, dtype=torch.int32)  # [R]
         if R == 0:
             return m, S, nz
-        used = _library().lmtail_row_mass(
+        used = library().lmtail_row_mass(
             row.data_ptr(), scale.data_ptr(), exp64_constants().data_ptr(), m.data_ptr(),
             S.data_ptr(), nz.data_ptr(), flag.data_ptr(), R, V, V, threads, isa)
         if used < 0:
@@ -151,10 +154,10 @@ def _row_mass_c(isa: int):
     return run
 
 
-def _terms_c(isa: int):
+def _terms_c(isa: int, library=lambda: _library()):
     def run(z, m):
         y = torch.empty_like(z)  # [n]
-        used = _library().lmtail_rowmass_terms(z.data_ptr(), float(m), exp64_constants().data_ptr(),
+        used = library().lmtail_rowmass_terms(z.data_ptr(), float(m), exp64_constants().data_ptr(),
                                                y.data_ptr(), z.numel(), isa)
         assert used == isa, (used, isa)
         return y
@@ -165,16 +168,23 @@ def _c_available(*features: str):
     return lambda: _library() is not None and cpu.has(*features)
 
 
+def _emu_available() -> bool:
+    """The emulated rows run here: the C kernel builds and cpu.emulation_runs()."""
+    return _library() is not None and cpu.emulation_runs()
+
+
 ROW_MASS = _backend.Dispatch("row_mass", (
     _backend.Backend("avx512", _row_mass_c(2), _c_available("avx512f")),
     _backend.Backend("c", _row_mass_c(0), _c_available()),
     _backend.Backend("torch", lambda row, scale, threads: _row_mass_torch(row, scale), device=None),
+    _backend.Backend("emu-avx512", _row_mass_c(2, _emulated), _emu_available, emulated=True),
 ))
 TERMS = _backend.Dispatch("shifted_exp_terms", (
     _backend.Backend("avx512", _terms_c(2), _c_available("avx512f")),
     _backend.Backend("c", _terms_c(0), _c_available()),
     _backend.Backend("torch", lambda z, m: shifted_exp(z[None], torch.tensor([float(m)], dtype=torch.float64))[0],
                      device=None),
+    _backend.Backend("emu-avx512", _terms_c(2, _emulated), _emu_available, emulated=True),
 ))
 
 

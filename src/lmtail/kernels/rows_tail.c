@@ -142,8 +142,8 @@ static void scan_c(pool_t *P, const uint16_t *x, int64_t v, int64_t V) {
 }
 
 #if defined(__x86_64__)
-#define AVX512 __attribute__((target("avx512f,avx512bw")))
-#define AVX2 __attribute__((target("avx2")))
+#define AVX512 LMTAIL_TARGET_AVX512BW
+#define AVX2 LMTAIL_TARGET_AVX2
 enum { PREFETCH = 2048 }; /* lanes ahead (4 KB) the top-k scan asks the cache for */
 
 static AVX512 void scan_avx512(pool_t *P, const uint16_t *x, int64_t v, int64_t V) {

@@ -75,6 +75,8 @@ SIGNATURES = {
 }
 _library = kernel_library("rows_tail.c", SIGNATURES, what="rows_tail",
                           fallback="the reference path (topk.exact_topk + sampler.sample_rows)")
+# the emulated build (SIMDe, lmtail_emulate.h): the "emu-avx512" row, on any AVX2 + FMA + F16C CPU
+_emulated = kernel_library("rows_tail.c", SIGNATURES, what="rows_tail", emulated=True)
 
 
 def rows_tail_decl(V: int, k: int) -> Decl:
@@ -117,11 +119,11 @@ def _c_available(*features: str):
     return lambda: _c_library() is not None and cpu.has(*features)
 
 
-def _run_c(isa: int):
+def _run_c(isa: int, library=lambda: _c_library()):
     def run(rows, k, nan_fold, ptrs, threads):
         r, v = rows.shape
         ld = rows.stride(0) if r > 1 else v
-        used = _c_library().lmtail_rows_tail(rows.data_ptr(), r, v, ld, k, int(nan_fold), *ptrs, threads, isa)
+        used = library().lmtail_rows_tail(rows.data_ptr(), r, v, ld, k, int(nan_fold), *ptrs, threads, isa)
         if used == -2:
             raise MemoryError(f"rows_tail: could not allocate scratch for k={k}")
         assert used == isa, (used, isa)
@@ -132,6 +134,8 @@ ROWS_TAIL = _backend.Dispatch("rows_tail_fused", (
     _backend.Backend("avx512", _run_c(2), _c_available("avx512f", "avx512bw")),
     _backend.Backend("avx2", _run_c(1), _c_available("avx2")),
     _backend.Backend("c", _run_c(0), _c_available()),
+    _backend.Backend("emu-avx512", _run_c(2, _emulated),
+                     lambda: _c_library() is not None and cpu.emulation_runs(), emulated=True),
 ))
 
 

@@ -125,7 +125,7 @@ static void scan_c(pool_t *P, const uint32_t *x, int64_t j, int64_t V) {
 
 #if defined(__x86_64__)
 #define AVX2 LMTAIL_AVX2
-#define AVX512 __attribute__((target("avx512f")))
+#define AVX512 LMTAIL_TARGET_AVX512F
 
 static AVX2 void scan_avx2(pool_t *P, const uint32_t *x, int64_t j, int64_t V) {
     const __m256i t7 = _mm256_set1_epi32(0x7FFFFFFF);

@@ -133,6 +133,8 @@ SIGNATURES = {
 }
 _library = kernel_library("shard_partials.c", SIGNATURES, what="shard_partials",
                           fallback="the torch backend")
+# the emulated build (SIMDe, lmtail_emulate.h): the "emu-avx512" row, on any AVX2 + FMA + F16C CPU
+_emulated = kernel_library("shard_partials.c", SIGNATURES, what="shard_partials", emulated=True)
 
 
 def _c_library():
@@ -145,7 +147,7 @@ def _c_available(*features: str):
     return lambda: _c_library() is not None and cpu.has(*features)
 
 
-def _run_c(isa: int):
+def _run_c(isa: int, library=lambda: _c_library()):
     def run(logits, *, col0, k1, nan_fold, bounds, scale_t, with_mass, threads):
         n, vs = logits.shape
         c = bounds.numel() - 1
@@ -155,7 +157,7 @@ def _run_c(isa: int):
         flag = torch.zeros(n, dtype=torch.int32)  # [n]
         if n == 0:
             return keys, mass, nans
-        used = _c_library().lmtail_shard_partials(
+        used = library().lmtail_shard_partials(
             logits.data_ptr(), n, vs, vs, col0, k1, int(nan_fold), bounds.data_ptr(), c,
             scale_t.data_ptr(), int(with_mass), exp64_constants().data_ptr(), keys.data_ptr(),
             None if mass is None else mass.data_ptr(), None if nans is None else nans.data_ptr(),
@@ -177,6 +179,8 @@ SHARD_PARTIALS = _backend.Dispatch("shard_partials", (
     _backend.Backend("avx2", _run_c(1), _c_available("avx2")),
     _backend.Backend("c", _run_c(0), _c_available()),
     _backend.Backend("torch", _torch_run, device=None),
+    _backend.Backend("emu-avx512", _run_c(2, _emulated),
+                     lambda: _c_library() is not None and cpu.emulation_runs(), emulated=True),
 ))
 
 

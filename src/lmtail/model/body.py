@@ -106,6 +106,11 @@ def _c_avx2() -> bool:
     return kbody.available() and cpu.has("avx2", "fma")
 
 
+def _emulated() -> bool:
+    """The "emu-avx512" rows (body.c's emulated build) run here."""
+    return kbody.available() and cpu.emulation_runs()
+
+
 def available_backends() -> tuple[str, ...]:
     """Backends of this module on this machine, in the fixed preference order (all give the
     same bytes)."""
@@ -147,6 +152,8 @@ EXP32 = _backend.Dispatch("exp32", (
     _backend.Backend("avx2", functools.partial(kbody.exp32, isa="avx2"), _c_avx2),
     _backend.Backend("c", functools.partial(kbody.exp32, isa="c"), kbody.available),
     _backend.Backend("torch", _exp32_torch, device=None),
+    _backend.Backend("emu-avx512", functools.partial(kbody.exp32, isa="avx512", emulated=True), _emulated,
+                     emulated=True),
 ))
 
 
@@ -171,6 +178,8 @@ SILU_MUL = _backend.Dispatch("silu_mul", (
     _backend.Backend("c", functools.partial(kbody.silu_mul, isa="c"), kbody.available),
     _backend.Backend("torch", lambda gu: _silu_mul_torch(gu[:, :gu.shape[1] // 2], gu[:, gu.shape[1] // 2:]),
                      device=None),
+    _backend.Backend("emu-avx512", functools.partial(kbody.silu_mul, isa="avx512", emulated=True), _emulated,
+                     emulated=True),
 ))
 
 
@@ -299,6 +308,8 @@ ATTEND = _backend.Dispatch("attend", (
     _backend.Backend("c", functools.partial(kbody.attend, isa="c"), kbody.available),
     _backend.Backend("torch", lambda q, kt, v, pad, s0, scale, threads: _attend_torch(q, kt, v, pad, s0, scale),
                      device=None),
+    _backend.Backend("emu-avx512", functools.partial(kbody.attend, isa="avx512", emulated=True), _emulated,
+                     emulated=True),
 ))
 
 
@@ -419,6 +430,8 @@ def rope_qkv(qkv: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor, pos: t
 SILU_MUL_BF16 = _backend.Dispatch("silu_mul_bf16", (
     _backend.Backend("avx512", functools.partial(kbody.silu_mul_bf16, isa="avx512"), _c_avx512),
     _backend.Backend("c", functools.partial(kbody.silu_mul_bf16, isa="c"), kbody.available),
+    _backend.Backend("emu-avx512", functools.partial(kbody.silu_mul_bf16, isa="avx512", emulated=True), _emulated,
+                     emulated=True),
 ))
 
 
