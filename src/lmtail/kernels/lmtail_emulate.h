@@ -182,18 +182,21 @@ static inline simde__m512d lmtail_emu_roundscale_pd(simde__m512d a, int imm) {
 LMTAIL_EMU_MASKZ_LOAD(lmtail_emu_maskz_loadu_ps, simde__m512, simde__mmask16, 16, 4)
 LMTAIL_EMU_MASKZ_LOAD(lmtail_emu_maskz_loadu_pd, simde__m512d, simde__mmask8, 8, 8)
 LMTAIL_EMU_MASKZ_LOAD(lmtail_emu_maskz_loadu_epi16_256, simde__m256i, simde__mmask16, 16, 2)
+LMTAIL_EMU_MASKZ_LOAD(lmtail_emu_maskz_loadu_epi16, simde__m512i, simde__mmask32, 32, 2)
 LMTAIL_EMU_MASK_STORE(lmtail_emu_mask_storeu_ps, simde__m512, simde__mmask16, 16, 4)
 LMTAIL_EMU_MASK_STORE(lmtail_emu_mask_storeu_pd, simde__m512d, simde__mmask8, 8, 8)
 LMTAIL_EMU_MASK_STORE(lmtail_emu_mask_storeu_epi16_256, simde__m256i, simde__mmask16, 16, 2)
 #undef _mm512_maskz_loadu_ps
 #undef _mm512_maskz_loadu_pd
 #undef _mm256_maskz_loadu_epi16
+#undef _mm512_maskz_loadu_epi16
 #undef _mm512_mask_storeu_ps
 #undef _mm512_mask_storeu_pd
 #undef _mm256_mask_storeu_epi16
 #define _mm512_maskz_loadu_ps(k, p) lmtail_emu_maskz_loadu_ps((k), (p))
 #define _mm512_maskz_loadu_pd(k, p) lmtail_emu_maskz_loadu_pd((k), (p))
 #define _mm256_maskz_loadu_epi16(k, p) lmtail_emu_maskz_loadu_epi16_256((k), (p))
+#define _mm512_maskz_loadu_epi16(k, p) lmtail_emu_maskz_loadu_epi16((k), (p))
 #define _mm512_mask_storeu_ps(p, k, v) lmtail_emu_mask_storeu_ps((p), (k), (v))
 #define _mm512_mask_storeu_pd(p, k, v) lmtail_emu_mask_storeu_pd((p), (k), (v))
 #define _mm256_mask_storeu_epi16(p, k, v) lmtail_emu_mask_storeu_epi16_256((p), (k), (v))
