@@ -33,26 +33,14 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from test_serve import REQUESTS, Collect, chat_ids, serve_process, solo  # noqa: E402
+from test_serve import K, MODEL, REQUESTS, Collect, bundle, chat_ids, drive, serve_process, solo  # noqa: E402,F401
 
-from lmtail.model.gguf_loader import ModelFileMissing, load_model  # noqa: E402
 from lmtail.sampler import SamplingParams, sampling_tensor  # noqa: E402
 from lmtail.serve import app as app_mod  # noqa: E402
 from lmtail.serve import protocol  # noqa: E402
 from lmtail.serve.app import create_app  # noqa: E402
 from lmtail.serve.cli import ThreadServer  # noqa: E402
 from lmtail.serve.engine import Done, Engine, Failed, Job, QueueFull, TextTracker, Token  # noqa: E402
-
-MODEL = "SmolLM2-135M-Instruct"
-K = 256
-
-
-@pytest.fixture(scope="module")
-def bundle():
-    try:
-        return load_model()
-    except ModelFileMissing as e:
-        pytest.skip(str(e))
 
 
 def chat_body(content="hi", **kw):
@@ -430,19 +418,9 @@ POISONS = [  # (params, joins at step, error words): bad fp32 sampling values, a
 
 
 def drive_with_poison(engine, bundle):
-    """REQUESTS plus POISONS on one schedule; returns (good sinks, poison sinks)."""
-    sched = [(chat_ids(bundle, p), sp, n, at) for p, sp, n, at in REQUESTS]
-    sched += [(chat_ids(bundle, "Tell me more."), sp, 6, at) for sp, at, _ in POISONS]
-    sinks = [Collect() for _ in sched]
-    jobs = [Job(prompt_ids=ids, params=sp, max_tokens=n, sink=s) for (ids, sp, n, _), s in zip(sched, sinks)]
-    for step in range(64):
-        for job, (_, _, _, at) in zip(jobs, sched):
-            if at == step:
-                engine.admit(job)
-        if all(s.done for s in sinks):
-            break
-        engine.step()
-    assert all(s.done for s in sinks)
+    """REQUESTS plus POISONS on one schedule (test_serve.drive); returns (good sinks, poison sinks)."""
+    requests = list(REQUESTS) + [("Tell me more.", sp, 6, at) for sp, at, _ in POISONS]
+    _, sinks = drive(engine, bundle, requests)
     return sinks[:len(REQUESTS)], sinks[len(REQUESTS):]
 
 

@@ -465,21 +465,22 @@ def _exp32_probe(rows: int, seed: int):
     return lambda name: exp32(x, backend=name)
 
 
-@SILU_MUL.probe(sources=("body.c",))
-def _silu_mul_probe(rows: int, seed: int):
+def _gate_up(rows: int, seed: int) -> torch.Tensor:
     """gu [rows, 2F] fp32 (F = 500; timing 1536); seed 3 plants NaN, inf, subnormal gates."""
     g = torch.Generator().manual_seed(7100 + seed)
     f = 500 if seed >= 0 else 1536
-    gu = _special(g, rows * 2 * f, seed).reshape(rows, 2 * f)  # [rows, 2F]
+    return _special(g, rows * 2 * f, seed).reshape(rows, 2 * f)  # [rows, 2F]
+
+
+@SILU_MUL.probe(sources=("body.c",))
+def _silu_mul_probe(rows: int, seed: int):
+    gu = _gate_up(rows, seed)
     return lambda name: silu_mul(gu, backend=name)
 
 
 @SILU_MUL_BF16.probe(sources=("body.c",))
 def _silu_mul_bf16_probe(rows: int, seed: int):
-    """gu [rows, 2F] fp32 (F = 500; timing 1536); seed 3 plants NaN, inf, subnormal gates."""
-    g = torch.Generator().manual_seed(7150 + seed)
-    f = 500 if seed >= 0 else 1536
-    gu = _special(g, rows * 2 * f, seed).reshape(rows, 2 * f)  # [rows, 2F]
+    gu = _gate_up(rows, seed)
     return lambda name: silu_mul_bf16(gu, backend=name)
 
 
