@@ -30,7 +30,9 @@ def test_doctor_screen_names_a_failed_row_and_why():
                 "times": {}, "chosen": []},
                {"name": "avx512", "status": "verified", "reason": "", "times": {"1": 0.002, "16": 0.004, "many": 0.02,
                                                                                "1/packed": 0.003},
-                "chosen": ["1", "16", "many", "1/packed"]}]}]}
+                "chosen": ["1", "16", "many", "1/packed"]},
+               {"name": "emu-amx", "status": "emulated", "reason": "", "times": {}, "chosen": []},
+               {"name": "emu-avx512", "status": "emulated", "reason": "", "times": {}, "chosen": []}]}]}
     text = doctor.render(rep)
     lines = text.splitlines()
     assert any(ln.startswith("gemm_bf16 amx32") and " amx " in ln and "failed" in ln for ln in lines)
@@ -38,6 +40,7 @@ def test_doctor_screen_names_a_failed_row_and_why():
     assert any("avx512" in ln and "2 ms" in ln and "1 row, 2-16 rows, >16 rows, 1 row packed" in ln for ln in lines)
     assert any("packed w" in ln and "3 ms" in ln for ln in lines)
     assert "1 backend(s) failed their check and are not used: gemm_bf16 amx32 amx" in text
+    assert any(ln.split()[:3] == ["emulated", "emu-amx,", "emu-avx512"] for ln in lines)
     assert len(lines) <= 60
 
 

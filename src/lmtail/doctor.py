@@ -105,7 +105,9 @@ def render(report: dict) -> str:
              f"{'op':<20} {'backend':<11} {'status':<11} " + " ".join(f"{t:>10}" for t in CLASS_TITLES.values())
              + "  chosen for"]
     for op in report["ops"]:
-        for i, b in enumerate(op["backends"]):
+        shown = [b for b in op["backends"] if b["status"] != "emulated"]
+        emulated = [b["name"] for b in op["backends"] if b["status"] == "emulated"]
+        for i, b in enumerate(shown):
             times = " ".join(f"{_ms(b['times'].get(c)):>10}" for c in CLASS_TITLES)
             chosen = ", ".join(_title(c) for c in b["chosen"])
             lines.append(f"{op['op'] if i == 0 else '':<20} {b['name']:<11} {b['status']:<11} {times}  {chosen}")
@@ -114,6 +116,8 @@ def render(report: dict) -> str:
                 lines.append(f"{'':<20} {'':<11} {'  packed w':<11} {packed}")
             if b["reason"]:
                 lines.append(f"{'':<20} {'':<11} ^ {b['reason']}")
+        if emulated:
+            lines.append(f"{'':<20} {'emulated':<11} {', '.join(emulated)} (SIMDe / AMX-model builds: tests only)")
     failed = [(o["op"], b["name"]) for o in report["ops"] for b in o["backends"] if b["status"] == "failed"]
     lines += ["", (f"{len(failed)} backend(s) failed their check and are not used: "
                    + ", ".join(f"{o} {n}" for o, n in failed)) if failed else
