@@ -402,3 +402,45 @@ def test_sampling_tensor_calls_greedy_what_the_tail_calls_greedy():
     assert bool(sp[0, 2] >= GREEDY_TEMPERATURE)  # the planted fp32 comparison says "sampled"
     with pytest.raises(ValueError, match="needs a seed"):
         sampling_tensor([SamplingParams(temperature=2e-5)])
+
+
+@pytest.mark.parametrize("exchange,tail_path", [("candidates", "fused"), ("mirror", "fused"),
+                                                ("mirror", "reference")])
+def test_min_p_one_keeps_every_tied_maximum(exchange, tail_path):
+    """min_p = 1.0 keeps p >= 1.0 * p[0]: with the maximum tied between two tokens both stay,
+    so a draw past the middle takes the second (higher id) one. A `>` for `>=` in the min-p cut
+    keeps only slot 0 and draws the first token at every u: this test is the one that sees it
+    (every pass: the fused C kernel, the candidates exchange's C sampler, the torch reference)."""
+    from lmtail.tail import decode_tail
+
+    h, v = 64, 300
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, h, generator=g)
+    gamma = torch.ones(h)
+    w = (torch.randn(h, v, generator=g) * 0.05).to(torch.bfloat16)
+    w[:, 17] = w[:, 42] = (x[0] / x[0].norm() * 40).to(torch.bfloat16)  # one clear, tied maximum in row 0
+    w[:, 42] = w[:, 17]
+    out = decode_tail(x, gamma, w, k=8, exchange=exchange, tail_path=tail_path,
+                      sampling_params=torch.tensor([[0.0, 1.0, 1.0, u, 1.0] for u in (0.25, 0.75, 0.999)]),
+                      emit_logits=True)
+    row = out.logits[0]
+    assert row[17] == row[42] == row.max() and int((row == row.max()).sum()) == 2
+    assert out.tokens[0].item() == 17  # u = 0.25: the first of the two
+    x2 = x[0:1].repeat(3, 1)
+    out2 = decode_tail(x2, gamma, w, k=8, exchange=exchange, tail_path=tail_path,
+                       sampling_params=torch.tensor([[0.0, 1.0, 1.0, u, 1.0] for u in (0.25, 0.75, 0.999)]))
+    assert out2.tokens.tolist() == [17, 42, 42]
+
+
+def test_greedy_rows_are_valid_greedy_padding():
+    """greedy_rows(n): n rows the tail accepts and decides greedily (slot 0 of the candidates)."""
+    from lmtail.sampler import GREEDY_TEMPERATURE, greedy_rows, validate_params
+    from lmtail.tail import decode_tail
+
+    sp = greedy_rows(3)
+    validate_params(sp, 3)
+    assert sp.shape == (3, 5) and sp.dtype == torch.float32 and bool((sp[:, 2].double() < GREEDY_TEMPERATURE).all())
+    g = torch.Generator().manual_seed(4)
+    out = decode_tail(torch.randn(3, 64, generator=g), torch.ones(64),
+                      (torch.randn(64, 100, generator=g) * 0.1).to(torch.bfloat16), k=5, sampling_params=sp)
+    assert torch.equal(out.tokens, out.topk_indices[:, 0])

@@ -91,6 +91,12 @@ def seed_int64(seed: int) -> int:
     return int(seed) - U64 if seed >= 1 << 63 else int(seed)
 
 
+def greedy_rows(n: int) -> torch.Tensor:
+    """[n, 5] fp32 greedy rows (top_k 0, top_p 1, temperature 0, u DEFAULT_U, min_p 0): the
+    one spelling of a padding row or a scoring call's rows (their decisions are slot 0)."""
+    return torch.tensor([[0.0, 1.0, 0.0, DEFAULT_U, 0.0]], dtype=torch.float32).repeat(n, 1)  # [n, 5]
+
+
 def sampling_tensor(params: list[SamplingParams], positions=None) -> torch.Tensor:
     """[R] SamplingParams (+ decode positions when seeds are used) -> [R, 5] fp32
     (top_k, top_p, temperature, u, min_p).

@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 from ..numerics import draw_u
-from ..sampler import DEFAULT_U, SamplingParams, sampling_tensor, seed_int64
+from ..sampler import DEFAULT_U, SamplingParams, greedy_rows, sampling_tensor, seed_int64
 from ..config import EXCHANGES, TAIL_HEAD_INPUTS, TailConfig
 from ..kernels.gemm import weight_for
 from ..tail import decode_tail, head_shard
@@ -251,7 +251,7 @@ def group_step(tail_fn, bundle: ModelBundle, k: int, rank: int, n: int, head_inp
         gbs = -(-b // n) * n
         hp = torch.zeros(gbs, hid, dtype=torch.float32)  # [gbs, H]
         hp[:b] = h
-        spp = torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0]], dtype=torch.float32).repeat(gbs, 1)  # greedy dummies
+        spp = greedy_rows(gbs)  # [gbs, 5] padding rows
         spp[:b] = sp
         res = tail_fn(hp, bundle.final_norm, w, eps=cfg.eps, k=k, head_input=head_input,
                       sampling_params=spp[owned_rows(rank, n, gbs)], group=dist.group.WORLD)

@@ -52,7 +52,7 @@ from ..kernels.step import StepBuffers, StepShape
 from ..model.generate import default_head_input, default_ops, head_weight, step_head
 from ..model.llama import Q32_BODY, KVCache, Ops, forward
 from ..numerics import log64
-from ..sampler import SamplingParams, sampling_tensor
+from ..sampler import SamplingParams, greedy_rows, sampling_tensor
 from ..config import EXCHANGES, TAIL_HEAD_INPUTS, TailConfig
 from ..tail import decode_tail
 from . import batch
@@ -594,7 +594,7 @@ def score_positions(bundle: ModelBundle, h: torch.Tensor, targets: torch.Tensor,
     for p0 in range(0, h.shape[0], SCORE_ROWS):
         hb = h[p0:p0 + SCORE_ROWS].contiguous()  # [c, H]
         # greedy rows: the candidates exchange computes its row masses (lse1) only for a sampled call
-        greedy = torch.tensor([[0.0, 1.0, 0.0, 0.5, 0.0]], dtype=torch.float32).expand(hb.shape[0], 5).contiguous()
+        greedy = greedy_rows(hb.shape[0])  # [c, 5]
         out = decode_tail(hb, bundle.final_norm, head, eps=cfg.eps, k=max(k, n or 1),
                           emit_logits=True, debug_taps=exchange == "candidates", exchange=exchange,
                           head_input=head_input, sampling_params=greedy if exchange == "candidates" else None)

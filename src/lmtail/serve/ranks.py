@@ -48,11 +48,11 @@ from ..launch import stop_processes
 from ..layout import owned_rows
 from ..kernels.quant import QuantWeight
 from ..model.generate import head_weight, step_head
+from ..sampler import greedy_rows
 from ..tail import head_shard
 
 _CMD_TAIL, _CMD_STOP = 1, 0
 _HEADER = struct.Struct("<qq")  # (command, gbs)
-_GREEDY_DUMMY = (0.0, 1.0, 0.0, 0.0, 0.0)  # (top_k, top_p, temperature, u, min_p) of a padding row
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def _pad(x: torch.Tensor, sp: torch.Tensor, n: int) -> tuple[torch.Tensor, torch
     gbs = -(-b // n) * n
     xp = torch.zeros(gbs, hid, dtype=torch.float32)
     xp[:b] = x
-    spp = torch.tensor([_GREEDY_DUMMY], dtype=torch.float32).repeat(gbs, 1)
+    spp = greedy_rows(gbs)  # [gbs, 5] padding rows
     spp[:b] = sp
     return xp, spp
 
