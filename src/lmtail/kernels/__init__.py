@@ -11,7 +11,8 @@ The layer (every kernel module uses it; a new kernel or backend plugs in here):
                     thread pool (`lmtail_parallel`)
   cpu               the one CPU-feature probe, `cpu.features()` (the C kernels read the same bits)
   _backend          the one dispatch: `Dispatch(op, [Backend(name, run, available, device)])`,
-                    `backend=` (None: the first available row, a fixed order, not a measurement)
+                    `backend=` (None: the fastest verified row, checked and timed once per
+                    machine in a child process: `_verify`)
                     and `threads=` (None: torch.get_num_threads(), capped by work) resolved once
 Calling convention of the ops: keyword-only `backend=` and `threads=`; backend names "amx",
 "avx512", "avx2", "c", "torch" (and "numba"); the emulated rows "emu-<isa>" (never the

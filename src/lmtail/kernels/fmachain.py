@@ -18,7 +18,7 @@ emulates in float64). NaN sign and payload are not declared (every NaN compares 
 A row (token) is owned by one thread: neither the row count nor `threads` reaches a bit.
 
 Backends (all bit-equal; tests/test_fmachain.py proves it), one `_backend.Dispatch` table
-per op, preferred in this fixed order: "avx512" (16 lanes a vector op; CPUs with AVX-512F),
+per op (backend=None: the fastest verified row, kernels._verify): "avx512" (16 lanes a vector op; CPUs with AVX-512F),
 "c" (plain C), "torch" (numerics.fma32, an exact fp32 fma emulated in float64, as torch
 tensor ops; the only one when no C compiler is found, and the one non-CPU tensors get).
 """

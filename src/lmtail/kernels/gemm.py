@@ -381,8 +381,8 @@ def gemm_bf16(a: torch.Tensor, w, *, order: str = DEFAULT_ORDER, out: torch.Tens
     a [M, H] bf16 (any strides); w [H, V] bf16 C-contiguous, or `pack_weight(w)` (amx32
     and dp32) -> [M, V] fp32. out: optional [M, V] fp32 destination with unit column stride and
     row stride >= V (e.g. a row block `full[r0:r1]`); returned when given.
-    backend: one of available_backends(order) (None = the first: a fixed order, not a
-    measurement); threads: worker threads
+    backend: one of available_backends(order) (None = the fastest verified for M rows and
+    w's layout, measured once per machine: kernels._verify); threads: worker threads
     (None = torch.get_num_threads()). The bytes depend on neither, nor on M, the layout of
     w or repeats. The GIL is released while the kernel runs.
     Raises TypeError for a non-tensor a or w; ValueError (nothing written) on wrong dtypes,

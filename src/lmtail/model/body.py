@@ -4,7 +4,8 @@ ops they replace, lmtail.norms.add_rms, apply_rope + cache writes, silu_mul + bf
 
 Every function here computes from IEEE basic operations (+, -, *, /, fma, casts) in a
 stated order, so its bytes are the same on every CPU and for every backend (one
-kernels._backend.Dispatch table per op, preferred in this fixed order):
+kernels._backend.Dispatch table per op; backend=None takes the fastest verified row, measured
+once per machine: docs/backends.md):
   "avx512" the C kernels with attention's AVX-512 register-tile micro-kernels (AVX-512F;
            exp32 and silu_mul run their AVX2 rows there);
   "avx2"   the C kernels with the AVX2 + FMA micro-kernels (8 lanes: attention, exp32,
@@ -112,8 +113,8 @@ def _emulated() -> bool:
 
 
 def available_backends() -> tuple[str, ...]:
-    """Backends of this module on this machine, in the fixed preference order (all give the
-    same bytes)."""
+    """Backends of this module on this machine, in the table's order (backend=None takes the
+    fastest verified one; all give the same bytes)."""
     return ATTEND.names()
 
 

@@ -384,7 +384,7 @@ class DeclaredKernels:
 
 
 def declared_kernels(ops: Ops, eps: float, B: int, T: int, nh: int, s0: int) -> DeclaredKernels:
-    """The per-forward kernel choices of the declared body (fixed preference order, see
+    """The per-forward kernel choices of the declared body (each table's fastest verified row,
     kernels._backend): C entries when body.c was built, else the ops' torch spellings."""
     c = kbody.available()
     return DeclaredKernels(
