@@ -28,16 +28,8 @@ pidf="$run_dir/llamacpp.pid"
 log="$run_dir/llamacpp.log"
 mkdir -p "$run_dir"
 
-stop() {
-    if [ -f "$pidf" ]; then
-        pgid="$(cat "$pidf")"
-        kill -TERM -- "-$pgid" 2>/dev/null || true
-        for _ in $(seq 1 20); do kill -0 -- "-$pgid" 2>/dev/null || break; sleep 1; done
-        kill -KILL -- "-$pgid" 2>/dev/null || true
-        rm -f "$pidf"
-        echo "llama_cpp.server (process group $pgid) stopped"
-    fi
-}
+source "$here/../serve_lib.sh"
+stop() { stop_group "$pidf" "llama_cpp.server"; }
 
 if [ "${1:-start}" = "stop" ]; then
     stop

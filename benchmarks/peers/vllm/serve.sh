@@ -34,18 +34,8 @@ pidf="$run_dir/vllm.pid"
 log="$run_dir/vllm.log"
 mkdir -p "$run_dir"
 
-stop() {
-    if [ -f "$pidf" ]; then
-        pgid="$(cat "$pidf")"
-        if kill -0 -- "-$pgid" 2>/dev/null; then
-            kill -TERM -- "-$pgid" 2>/dev/null || true
-            for _ in $(seq 1 30); do kill -0 -- "-$pgid" 2>/dev/null || break; sleep 1; done
-            kill -KILL -- "-$pgid" 2>/dev/null || true
-        fi
-        rm -f "$pidf"
-        echo "vllm serve (process group $pgid) stopped"
-    fi
-}
+source "$here/../serve_lib.sh"
+stop() { stop_group "$pidf" "vllm serve"; }
 
 if [ "${1:-start}" = "stop" ]; then
     stop

@@ -93,8 +93,12 @@ class Dispatch:
     def checked(self) -> bool:
         """True when pick consults verdicts: a probe, not the check itself, and a hardware
         row available on this CPU."""
+        return self._checked(self.names("cpu"))
+
+    def _checked(self, have: tuple[str, ...]) -> bool:
+        """checked() on the CPU rows `have` the caller already listed (pick's hot path)."""
         return (self.probe_fn is not None and not self.verifying
-                and any(n not in _verify.TRUSTED for n in self.names("cpu")))
+                and any(n not in _verify.TRUSTED for n in have))
 
     def record(self) -> _verify.Record:
         """This machine's verdicts for the table (cached on disk; made once, in children)."""
@@ -112,7 +116,7 @@ class Dispatch:
             raise ValueError(f"backend must be one of {have}{what}; got {backend!r}")
         if backend is None and not have:
             raise ValueError(f"backend must be one of {have}{what}; got {backend!r}")
-        if device != "cpu" or not self.checked():
+        if device != "cpu" or not self._checked(have):
             name = backend if backend is not None else have[0]
             return next(r for r in self.rows if r.name == name)
         rec = self.record()
