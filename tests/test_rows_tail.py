@@ -268,8 +268,9 @@ PLANTS = {  # name -> source edits (old, new), each old text found exactly once
     # the running threshold taken from the (k-1)-th key: a later lane equal to it is dropped
     "filter_drops_equal": (("select_top(P->buf, P->n, P->k);", "select_top(P->buf, P->n, P->k - 1);"),
                            ("P->buf[P->k - 1] >> 32", "P->buf[P->k - 2] >> 32")),
-    "sampler_threshold_drops_ties": (("p[j] = vf[j] >= thr ? e[j] : 0.0;",
-                                      "p[j] = vf[j] > thr ? e[j] : 0.0;"),),
+    # in the shared sampler steps (lmtail_kernels.h, inlined in place of its #include)
+    "sampler_threshold_drops_ties": (("acc[j % 256] + (v[j] >= thr ? e[j] : 0.0)",
+                                      "acc[j % 256] + (v[j] > thr ? e[j] : 0.0)"),),
     "ties_to_higher_id": (("(uint64_t)(0xFFFFFFFFu - (uint32_t)v)", "(uint64_t)(uint32_t)v"),),
 }
 
@@ -281,11 +282,13 @@ def planted_libs(tmp_path_factory):
     from lmtail.kernels._cc import bind, load_c_library
 
     src = Path(rt.__file__).with_name("rows_tail.c").read_text()
+    header = Path(rt.__file__).with_name("lmtail_kernels.h").read_text()
+    src = src.replace('#include "lmtail_kernels.h"', header, 1)  # a plant may edit the shared steps
     libs = {}
     for name, edits in PLANTS.items():
         text = src
         for old, new in edits:
-            assert text.count(old) == 1, f"plant {name}: {old!r} is gone from rows_tail.c"
+            assert text.count(old) == 1, f"plant {name}: {old!r} is gone from rows_tail.c (+ its header)"
             text = text.replace(old, new)
         path = tmp_path_factory.mktemp(name) / "rows_tail.c"
         path.write_text(text)

@@ -33,6 +33,11 @@ Numerics (declared; all float64 from the exactly widened bf16 values):
   logprobs = fp32(v_tok - (max + log64(sum64(exp64(v - max))))) at T = 1 over the full row.
 With nan_fold=True NaN lanes count as -inf (zero mass) in the full-row sums.
 
+The parameters of a row: the public fp32 tensor [R, 3|4|5] with the columns SAMPLING_COLUMNS
+= (top_k, top_p, temperature, u, min_p) (COL names each index); every pass reads it through
+kernels.sampling.sampling_records (the C kernels' lmtail_sampling records; plan_on their
+fields), the one place the widenings and defaults are spelled.
+
 Shape legend: R rows, V vocab (full row), k candidates, P = 3|4|5 parameter columns.
 """
 from __future__ import annotations
@@ -45,6 +50,7 @@ import torch
 
 from .checks import is_int, is_real, need, need_tensor
 from .kernels.rowmass import row_mass, shifted_exp, sum64
+from .kernels.sampling import COL, SAMPLING_COLUMNS, record_tensors, sampling_records
 from .numerics import DEFAULT_U, draw_u, log64  # DEFAULT_U: the u of a [R, 3] tensor and of greedy requests
 
 GREEDY_TEMPERATURE = 1e-5  # temperature < this (after the fp32 -> float64 widening) is greedy
@@ -93,8 +99,10 @@ def seed_int64(seed: int) -> int:
 
 def greedy_rows(n: int) -> torch.Tensor:
     """[n, 5] fp32 greedy rows (top_k 0, top_p 1, temperature 0, u DEFAULT_U, min_p 0): the
-    one spelling of a padding row or a scoring call's rows (their decisions are slot 0)."""
-    return torch.tensor([[0.0, 1.0, 0.0, DEFAULT_U, 0.0]], dtype=torch.float32).repeat(n, 1)  # [n, 5]
+    one spelling of a padding row or a scoring call's rows (their decisions are slot 0; u is
+    never read on a greedy row)."""
+    row = {"top_k": 0.0, "top_p": 1.0, "temperature": 0.0, "u": DEFAULT_U, "min_p": 0.0}
+    return torch.tensor([[row[c] for c in SAMPLING_COLUMNS]], dtype=torch.float32).repeat(n, 1)  # [n, 5]
 
 
 def sampling_tensor(params: list[SamplingParams], positions=None) -> torch.Tensor:
@@ -120,13 +128,13 @@ def sampling_tensor(params: list[SamplingParams], positions=None) -> torch.Tenso
     if len(positions) != len(params):
         raise ValueError(f"positions must have one entry per request ({len(params)}); got {len(positions)}")
     rows = [_request_row(i, p, pos) for i, (p, pos) in enumerate(zip(params, positions))]
-    sp = torch.tensor(rows, dtype=torch.float32).reshape(len(params), 5)  # [R, 5]
+    sp = torch.tensor(rows, dtype=torch.float32).reshape(len(params), len(SAMPLING_COLUMNS))  # [R, 5]
     for bad, what in param_problems(sp):
         if bool(bad.any()):
             i = int(torch.nonzero(bad)[0])
             raise ValueError(f"request {i}: {what}; got {params[i]}, which is {sp[i].tolist()} in fp32")
     # sampled as the tail decides it: float64(fp32 T) >= GREEDY_TEMPERATURE
-    for i, (p, sampled) in enumerate(zip(params, (sp[:, 2].double() >= GREEDY_TEMPERATURE).tolist())):
+    for i, (p, sampled) in enumerate(zip(params, (sp[:, COL.temperature].double() >= GREEDY_TEMPERATURE).tolist())):
         need(not sampled or p.seed is not None or p.u is not None,
              f"request {i}: a sampled request (temperature={p.temperature!r} >= {GREEDY_TEMPERATURE}) needs "
              "a seed (+ positions) or an explicit u; got neither, which would draw the same u every "
@@ -135,7 +143,7 @@ def sampling_tensor(params: list[SamplingParams], positions=None) -> torch.Tenso
 
 
 def _request_row(i: int, p, pos) -> list[float]:
-    """One request's [top_k, top_p, temperature, u, min_p] as Python floats (not yet fp32)."""
+    """One request's row (SAMPLING_COLUMNS order) as Python floats (not yet fp32)."""
     if not isinstance(p, SamplingParams):
         raise ValueError(f"request {i}: params must be a SamplingParams; got {type(p).__name__}")
     if p.seed is not None and p.u is not None:
@@ -150,25 +158,28 @@ def _request_row(i: int, p, pos) -> list[float]:
             raise ValueError(f"request {i}: {name} must be a real number (not bool); got {v!r}")
     u = float(draw_u(seed_int64(p.seed), int(pos))) if p.seed is not None else float(fields["u"])
     try:
-        return [float(p.top_k), float(p.top_p), float(p.temperature), u, float(p.min_p)]
+        row = {"top_k": float(p.top_k), "top_p": float(p.top_p), "temperature": float(p.temperature), "u": u,
+               "min_p": float(p.min_p)}
+        return [row[c] for c in SAMPLING_COLUMNS]
     except OverflowError:
         raise ValueError(f"request {i}: a field is too large for fp32; got {p}") from None
 
 
 def param_problems(sp: torch.Tensor) -> list[tuple[torch.Tensor, str]]:
     """The parameter rules on a [R, 3|4|5] fp32 tensor: (bad rows [R] bool, what) per rule."""
+    top_k, top_p, temp = sp[:, COL.top_k], sp[:, COL.top_p], sp[:, COL.temperature]
     checks = [
         (torch.isnan(sp).any(dim=1), "has NaN"),
-        (torch.isinf(sp[:, 0]), "top_k must be finite (<= 0 disables top-k, > k caps it at k)"),
-        (sp[:, 0] != torch.round(sp[:, 0]), "top_k must be a whole number"),
-        ((sp[:, 1] <= 0) | (sp[:, 1] > 1), "top_p must be in (0, 1]"),
-        (sp[:, 2] < 0, "temperature must be >= 0"),
-        (torch.isinf(sp[:, 2]), "temperature must be finite"),
+        (torch.isinf(top_k), "top_k must be finite (<= 0 disables top-k, > k caps it at k)"),
+        (top_k != torch.round(top_k), "top_k must be a whole number"),
+        ((top_p <= 0) | (top_p > 1), "top_p must be in (0, 1]"),
+        (temp < 0, "temperature must be >= 0"),
+        (torch.isinf(temp), "temperature must be finite"),
     ]
-    if sp.shape[1] >= 4:
-        checks.append(((sp[:, 3] < 0) | (sp[:, 3] >= 1), "u must be in [0, 1)"))
-    if sp.shape[1] >= 5:
-        checks.append(((sp[:, 4] < 0) | (sp[:, 4] > 1), "min_p must be in [0, 1]"))
+    if sp.shape[1] > COL.u:
+        checks.append(((sp[:, COL.u] < 0) | (sp[:, COL.u] >= 1), "u must be in [0, 1)"))
+    if sp.shape[1] > COL.min_p:
+        checks.append(((sp[:, COL.min_p] < 0) | (sp[:, COL.min_p] > 1), "min_p must be in [0, 1]"))
     return checks
 
 
@@ -177,13 +188,14 @@ def _params_ok(rows: list) -> bool:
     breaks a `param_problems` rule: the same rules on the host, a microsecond a row. Every
     comparison with a NaN is False, so a NaN anywhere fails its field's rule."""
     inf = math.inf
+    ck, cp, ct, cu, cm = (getattr(COL, c) for c in SAMPLING_COLUMNS)
     for r in rows:
-        k, p, t = r[0], r[1], r[2]
+        k, p, t = r[ck], r[cp], r[ct]
         if not (-inf < k < inf and k == math.floor(k) and 0 < p <= 1 and 0 <= t < inf):
             return False
-        if len(r) >= 4 and not 0 <= r[3] < 1:
+        if len(r) > cu and not 0 <= r[cu] < 1:
             return False
-        if len(r) >= 5 and not 0 <= r[4] <= 1:
+        if len(r) > cm and not 0 <= r[cm] <= 1:
             return False
     return True
 
@@ -269,11 +281,8 @@ def plan_on(cand_values, sampling_params, stats, *, nan_fold=False, terms=shifte
     shifted_exp and sum64 it uses (default the declared torch ops; the candidates exchange
     passes kernels.rowmass.shifted_exp_rows / sum64_rows, the same bits from C)."""
     r, k = cand_values.shape
-    sp = sampling_params.double()
-    top_k = sp[:, 0].clamp(min=-1.0, max=2.0**62).to(torch.int64)  # any top_k > k caps at k; 2**62 fits int64
-    top_p, temp = sp[:, 1], sp[:, 2]
-    u = sp[:, 3] if sp.shape[1] >= 4 else torch.full((r,), DEFAULT_U, dtype=torch.float64)
-    min_p = sp[:, 4] if sp.shape[1] >= 5 else torch.zeros(r, dtype=torch.float64)
+    rec = record_tensors(sampling_records(sampling_params))  # the C kernels' lmtail_sampling fields, [R] each
+    top_k, top_p, temp, u, min_p = (rec[c] for c in SAMPLING_COLUMNS)  # top_k int64 (> k caps at k)
     v = cand_values.double()  # [R, k]
     if nan_fold:  # a folded NaN candidate (fewer than k numbers) has no mass
         v = torch.where(torch.isnan(v), torch.full_like(v, -torch.inf), v)

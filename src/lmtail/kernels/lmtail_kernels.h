@@ -14,6 +14,9 @@
  *            z <= m, scalar (shifted_exp1), 8 lanes (AVX-512: shifted_exp8) and 4 lanes
  *            (AVX2: sexp4); K[17] = INV_LN2, LN2_HI, LN2_LO, C[0..13] comes from Python
  *            (numerics.exp64_constants()): no constant here
+ *   sampler  lmtail_sampling (one row's parameters, kernels/sampling.py's record) and the
+ *            sampler's candidate steps (top-k threshold, filtered softmax, top-p, min-p, the
+ *            draw, the truncation flag), shared by rows_tail.c and shard_partials.c
  *   top-k    select_top / sort_desc on uint64_t keys (rows_tail.c's and shard_partials.c's
  *            exact top-k; shard_partials.c's int64 keys go through key ^ 2**63, order kept)
  *   cpu      lmtail_cpu_features(): LMTAIL_CPU_* bits from cpuid (via the compiler's
@@ -240,6 +243,97 @@ static inline LMTAIL_UNUSED double shifted_exp1(double z, double m, const double
     double y = (p * pow2(clampi(n1, -1022, 1023))) * pow2(clampi(n2, -1022, 1023));
     if (d < -745.0) y = 0.0;
     return y;
+}
+
+/* ================================================================ the sampler's candidate steps */
+/* One row's sampling parameters: the C side of lmtail.kernels.sampling.SAMPLING_RECORD (the
+ * same field names, order and offsets; kernels.sampling.sampling_records builds the array
+ * once from the public [R, 3|4|5] fp32 tensor, whose columns kernels.sampling.COL names):
+ *   top_k                          int64: clamp(fp32 top_k, -1, 2**62) truncated (<= 0: off;
+ *                                  > k caps at k, however large)
+ *   top_p, temperature, u, min_p   float64: exact widenings of the fp32 columns (u = 0.5 =
+ *                                  numerics.DEFAULT_U without a u column, min_p = 0 without
+ *                                  a min_p column) */
+typedef struct {
+    int64_t top_k;
+    double top_p, temperature, u, min_p;
+} lmtail_sampling;
+
+#define LMTAIL_GREEDY_T 1e-5 /* sampler.GREEDY_TEMPERATURE: T below it (float64) is greedy */
+
+/* The steps of lmtail.sampler (its docstring's 1-6) on one row's k candidates v[0..k)
+ * (float64, descending, NaN folded to -inf by the caller), written once for every C pass
+ * (rows_tail.c's fused draw, shard_partials.c's candidates sampler). The caller answers the
+ * questions about the row outside the candidates (a lane tied with the threshold, the
+ * normalizer of a top-k-off row, mass past slot k-1) and computes the terms
+ * e_j = shifted_exp1(v_j / T, m) at the normalizer's max m. */
+
+/* 2. greedy: T < GREEDY_T. */
+static inline LMTAIL_UNUSED int lmtail_greedy(const lmtail_sampling *s) {
+    return s->temperature < LMTAIL_GREEDY_T;
+}
+
+/* 1. top-k's threshold v[kk - 1], kk = min(top_k, k) when top_k > 0, else k: the filtered
+ * set is {j : v_j >= thr} (ties at the threshold survive). */
+static inline LMTAIL_UNUSED double lmtail_topk_threshold(const double *v, int64_t k, const lmtail_sampling *s) {
+    const int64_t kk = s->top_k > 0 ? (s->top_k < k ? s->top_k : k) : k;
+    return v[kk - 1];
+}
+
+/* 3. the filtered set's normalizer when top-k is on: sum64 of (v_j >= thr ? e_j : +0.0)
+ * over j < k (256 lane chains: lane j mod 256 from +0.0 in candidate order, then the
+ * halving tree 128, ..., 1). acc: [256] scratch. */
+static inline LMTAIL_UNUSED double lmtail_kept_sum64(const double *v, const double *e, int64_t k, double thr,
+                                                     double *acc) {
+    for (int t = 0; t < 256; ++t) acc[t] = 0.0;
+    for (int64_t j = 0; j < k; ++j) acc[j % 256] = acc[j % 256] + (v[j] >= thr ? e[j] : 0.0);
+    for (int h = 128; h >= 1; h /= 2)
+        for (int t = 0; t < h; ++t) acc[t] = acc[t] + acc[t + h];
+    return acc[0];
+}
+
+/* 3. p_j = v_j >= thr ? fl64(e_j / S) : 0, then torch's nan_to_num(nan=0) (NaN -> 0,
+ * +-inf -> +-DBL_MAX), and c_j = the sequential running sum ((+0 + p_0) + p_1) + ... */
+static inline LMTAIL_UNUSED void lmtail_filtered_probs(const double *v, const double *e, int64_t k, double thr,
+                                                       double S, double *p, double *c) {
+    double run = 0.0;
+    for (int64_t j = 0; j < k; ++j) {
+        double q = v[j] >= thr ? e[j] / S : 0.0;
+        if (q != q) q = 0.0;
+        else if (q == __builtin_inf()) q = __DBL_MAX__;
+        else if (q == -__builtin_inf()) q = -__DBL_MAX__;
+        p[j] = q;
+        run = run + q;
+        c[j] = run;
+    }
+}
+
+/* 4-6. keep_j = j == 0 or (v_j >= thr (top-k), c_j - p_j < top_p or top_p >= 1 (top-p: the
+ * crossing token kept), p_j >= min_p * p_0 (min-p)); the kept set is a prefix of n_keep
+ * slots; the slot drawn is #{kept j : fl64(c_j / c[n_keep - 1]) <= u}, clamped to
+ * n_keep - 1. keep: [k] flags out. */
+static inline LMTAIL_UNUSED int64_t lmtail_draw_slot(const double *v, const double *p, const double *c, int64_t k,
+                                                     double thr, const lmtail_sampling *s, uint8_t *keep) {
+    const double floor_p = s->min_p * p[0];
+    int64_t n_keep = 0, pos = 0;
+    for (int64_t j = 0; j < k; ++j) {
+        const int kj = (j == 0) || ((v[j] >= thr) && ((c[j] - p[j] < s->top_p) || s->top_p >= 1.0) &&
+                                    (p[j] >= floor_p));
+        keep[j] = (uint8_t)kj;
+        n_keep += kj;
+    }
+    const double total = c[n_keep - 1];
+    for (int64_t j = 0; j < k; ++j) pos += keep[j] && (c[j] / total <= s->u);
+    return pos > n_keep - 1 ? n_keep - 1 : pos;
+}
+
+/* 1 and 4's flag: top-k on: top_k > k, or ties_past_k (a lane outside the candidates is >= the
+ * threshold); top-k off: the k candidates' mass c[k-1] < top_p, or (top_p >= 1) past_k (a lane
+ * outside them carries mass). Greedy rows are never truncated (the caller's). */
+static inline LMTAIL_UNUSED int lmtail_truncated(const lmtail_sampling *s, int64_t k, int ties_past_k,
+                                                 const double *c, int past_k) {
+    if (s->top_k > 0) return s->top_k > k || ties_past_k;
+    return s->top_p < 1.0 ? c[k - 1] < s->top_p : past_k;
 }
 
 #if defined(__x86_64__)

@@ -6,8 +6,8 @@
  *
  * Shape legend: R rows, V vocab (the full row), k candidates, L = 256 sum lanes.
  *   rows     [R, ld]  uint16   bf16 bit patterns; row i at rows[i*ld + v], v < V
- *   top_k    [R]      int64    the top-k parameter, already truncated to an integer
- *   prm      [R, 4]   float64  top_p, temperature, u, min_p (exact widenings of fp32)
+ *   sp       [R]      lmtail_sampling  each row's parameters (lmtail_kernels.h; built by
+ *                              kernels/sampling.py's sampling_records)
  *   K        [17]     float64  exp64's INV_LN2, LN2_HI, LN2_LO, C[0..13] (numerics.py's
  *                              constants, passed in so this file cannot drift from them)
  *   vals     [R, k]   uint16   top-k values (bf16 bits), descending
@@ -48,8 +48,9 @@
  * patterns whose d = z - m all equal d0 = 0 - m (|z| far below ulp(m): most of the tiny
  * patterns near zero) takes the term of d0 without evaluating exp64 again.
  *
- * The draw: per row, scalar float64 over the k candidates, literally the reference's
- * formulas (rows_tail.py lists them). log64 is numerics.log64's ops.
+ * The draw: per row, scalar float64 over the k candidates: lmtail_kernels.h's sampler steps
+ * (the ones shard_partials.c's candidates sampler runs), the reference's formulas
+ * (rows_tail.py lists them). log64 is numerics.log64's ops.
  *
  * Rows the reference decides (flag = 1; top-k still written here): with sampling, a NaN
  * lane without nan_fold (NaN propagation through torch's max is not declared), or a zero
@@ -61,7 +62,6 @@
 
 enum { ISA_C = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 enum { LANES = 256 };
-#define GREEDY_T 1e-5
 #define NEG_INF (-__builtin_inf())
 #define KEY_PINF 0x7F80    /* raw16 key of +inf; larger keys are positive NaNs */
 #define KEY_NINF (-32641)  /* raw16 key of -inf (0xFF80); smaller keys are negative NaNs */
@@ -70,8 +70,8 @@ typedef struct {
     const uint16_t *rows;
     int64_t R, V, ld, k;
     int nan_fold, sampling, isa;
-    const int64_t *top_k;
-    const double *prm, *K;
+    const lmtail_sampling *sp;
+    const double *K;
     uint16_t *vals;
     int64_t *ids, *tokens;
     float *logprobs;
@@ -567,31 +567,7 @@ static int64_t count_ge(const uint16_t *x, int64_t V, double thr, int fold) {
     return c;
 }
 
-/* sampler.sum64 of x[0..n), n <= ... any: lane chains over passes of 256, then the tree */
-static double sum64(const double *x, int64_t n, double *acc) {
-    for (int t = 0; t < LANES; ++t) acc[t] = 0.0;
-    for (int64_t j = 0; j < n; ++j) acc[j % LANES] = acc[j % LANES] + x[j];
-    return tree256(acc);
-}
-
 /* ================================================================ one row */
-/* Steps 4-6 on the candidates: the kept flags (top-k set, top-p on the mass strictly
- * before, min-p, slot 0 always) and the slot #{kept j : c_j / c_last_kept <= u}, clamped. */
-static int64_t draw_slot(const double *vf, const double *p, const double *c, int64_t k,
-                         double thr, double top_p, double min_p, double u, uint8_t *keep) {
-    const double floor_p = min_p * p[0];
-    int64_t n_keep = 0, pos = 0;
-    for (int64_t j = 0; j < k; ++j) {
-        const int kj = (j == 0) || ((vf[j] >= thr) && ((c[j] - p[j] < top_p) || top_p >= 1.0) &&
-                                    (p[j] >= floor_p));
-        keep[j] = (uint8_t)kj;
-        n_keep += kj;
-    }
-    const double total = c[n_keep - 1];
-    for (int64_t j = 0; j < k; ++j) pos += keep[j] && (c[j] / total <= u);
-    return pos > n_keep - 1 ? n_keep - 1 : pos;
-}
-
 typedef struct {
     const uint16_t *x; /* the row */
     double m, safe_t;  /* max(row / T), T (1 on greedy rows) */
@@ -602,33 +578,24 @@ typedef struct {
 /* Steps 1, 3-6 for a non-greedy row: the slot drawn and the truncation flag. */
 static int64_t filtered_draw(const job_t *J, int64_t i, const rowctx_t *R, scratch_t *s,
                              int *truncated) {
-    const int64_t k = J->k, top_k = J->top_k[i];
-    const double top_p = J->prm[4 * i], u = J->prm[4 * i + 2], min_p = J->prm[4 * i + 3];
+    const int64_t k = J->k;
+    const lmtail_sampling *sp = J->sp + i;
     const double *vf = s->vf;
     double *e = s->e, *p = s->p, *c = s->c;
-    const int enabled = top_k > 0;
-    const double thr = vf[(enabled ? (top_k < k ? top_k : k) : k) - 1];
+    const int enabled = sp->top_k > 0;
+    const double thr = lmtail_topk_threshold(vf, k, sp);
     int64_t n_in = 0;
     for (int64_t j = 0; j < k; ++j) n_in += vf[j] >= thr;
     /* lanes outside the candidates are <= vf[k-1]: they reach thr only if every candidate does */
     const int ties_past_k = enabled && n_in == k && count_ge(R->x, J->V, thr, J->nan_fold) > n_in;
-    for (int64_t j = 0; j < k; ++j) {
-        e[j] = shifted_exp1(vf[j] / R->safe_t, R->m, J->K);
-        p[j] = vf[j] >= thr ? e[j] : 0.0;
-    }
-    mass_t S = {sum64(p, k, s->acc), 0, 0};
+    for (int64_t j = 0; j < k; ++j) e[j] = shifted_exp1(vf[j] / R->safe_t, R->m, J->K);
+    mass_t S = {lmtail_kept_sum64(vf, e, k, thr, s->acc), 0, 0};
     if (!enabled) /* normalized over the whole row: at T = 1 that is the first pass's sum */
         S = R->safe_t == 1.0 ? R->m1 : row_mass(R->x, J->V, J->nan_fold, R->safe_t, R->m, J->K,
                                                  s->acc, J->isa, R->kr, s->tab, s->iota);
-    double run = 0.0;
-    for (int64_t j = 0; j < k; ++j) {
-        p[j] = vf[j] >= thr ? e[j] / S.S : 0.0;
-        run = run + p[j];
-        c[j] = run;
-    }
-    const int short_ = top_p < 1.0 ? c[k - 1] < top_p : S.nz > k;
-    *truncated = (enabled && (top_k > k || ties_past_k)) || (!enabled && short_);
-    return draw_slot(vf, p, c, k, thr, top_p, min_p, u, (uint8_t *)e); /* e reused as flags */
+    lmtail_filtered_probs(vf, e, k, thr, S.S, p, c);
+    *truncated = lmtail_truncated(sp, k, ties_past_k, c, S.nz > k);
+    return lmtail_draw_slot(vf, p, c, k, thr, sp, (uint8_t *)e); /* e reused as flags */
 }
 
 /* The sampler on row i's candidates (already in vals/ids); flag = 1 leaves it to the
@@ -642,8 +609,8 @@ static void sample_row(const job_t *J, int64_t i, const uint16_t *x, scratch_t *
         v[j] = bf16_to_double(cv[j]);
         vf[j] = (fold && v[j] != v[j]) ? NEG_INF : v[j];
     }
-    const double temp = J->prm[4 * i + 1];
-    const int greedy = temp < GREEDY_T;
+    const double temp = J->sp[i].temperature;
+    const int greedy = lmtail_greedy(J->sp + i);
     rowctx_t R = {x, 0.0, greedy ? 1.0 : temp, {0.0, 0, 0}, {0, 0}};
     const double vmax = vf[0], inv = exact_inverse(R.safe_t);
     R.m = inv != 0.0 ? vmax * inv : vmax / R.safe_t; /* = z[0] = max(row / T) */
@@ -750,24 +717,24 @@ static int isa_ok(int isa) {
     return isa == ISA_C;
 }
 
-/* The constants this file holds (the rest come in K from numerics): out[0] = GREEDY_T,
+/* The constants this file holds (the rest come in K from numerics): out[0] = LMTAIL_GREEDY_T,
  * out[1 + i] = LOG_L[i] for i < 16 (SQRT2, then the series). Returns the count written (17). */
 int lmtail_rows_tail_constants(double *out) {
-    out[0] = GREEDY_T;
+    out[0] = LMTAIL_GREEDY_T;
     for (int i = 0; i < 16; ++i) out[1 + i] = LOG_L[i];
     return 17;
 }
 
-/* Top-k (and, when top_k is not NULL, the sampler) for every row on up to nthreads threads
+/* Top-k (and, when sp is not NULL, the sampler) for every row on up to nthreads threads
  * (the caller's included). dbg: NULL, or [R, 3] float64 that receives each sampled row's
  * full-row S at T = 1, lse1 and nz (rows flagged for the reference are not written). Returns the ISA used, -1 if the ISA is not available here,
  * -2 if scratch memory could not be allocated (then outputs are incomplete). */
 int lmtail_rows_tail(const uint16_t *rows, int64_t R, int64_t V, int64_t ld, int64_t k,
-                     int nan_fold, const int64_t *top_k, const double *prm, const double *K,
+                     int nan_fold, const lmtail_sampling *sp, const double *K,
                      uint16_t *vals, int64_t *ids, int64_t *tokens, float *logprobs,
                      uint8_t *trunc, int32_t *flag, double *dbg, int nthreads, int isa) {
     if (!isa_ok(isa)) return -1;
-    job_t J = {rows, R, V, ld, k, nan_fold, top_k != NULL, isa, top_k, prm, K,
+    job_t J = {rows, R, V, ld, k, nan_fold, sp != NULL, isa, sp, K,
                vals, ids, tokens, logprobs, trunc, flag, dbg, 0, 0};
     if (nthreads > R) nthreads = (int)R;
     if (nthreads < 1) nthreads = 1;

@@ -8,7 +8,8 @@ import of the ops above it.
 Shape legend:
   R  rows (the rows this rank owns)      V  vocab (the full row)      k  candidates
   rows_bf16        [R, V] bf16   full-vocab rows, column j = vocab id j
-  sampling_params  [R, 3|4|5] fp32  top_k, top_p, temperature[, u[, min_p]]
+  sampling_params  [R, 3|4|5] fp32  top_k, top_p, temperature[, u[, min_p]] (kernels.sampling.COL),
+                   passed to C as [R] lmtail_sampling records (kernels.sampling.sampling_records)
   topk_values      [R, k] bf16   descending;  topk_indices [R, k] int64
   tokens [R] int64;  logprobs [R] fp32;  truncated [R] bool;  undecided [R] bool
 
@@ -65,12 +66,15 @@ from lmtail.checks import check_k, check_threads, need, need_tensor
 from lmtail.kernels import _backend, cpu
 from lmtail.kernels._cc import kernel_library
 from lmtail.kernels.rowmass import exp64_constants
-from lmtail.numerics import DEFAULT_U, Decl, SumDecl
+from lmtail.kernels.sampling import sampling_records
+from lmtail.numerics import Decl, SumDecl
 
 LANES = 256
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 SIGNATURES = {
-    "lmtail_rows_tail": ([_P] + [_I64] * 4 + [_INT] + [_P] * 10 + [_INT] * 2, _INT),
+    # rows, R, V, ld, k, nan_fold, sp (lmtail_sampling [R]), K, vals, ids, tokens, logprobs, trunc,
+    # flag, dbg, nthreads, isa
+    "lmtail_rows_tail": ([_P] + [_I64] * 4 + [_INT] + [_P] * 9 + [_INT] * 2, _INT),
     "lmtail_rows_tail_constants": ([_P], _INT),
 }
 _library = kernel_library("rows_tail.c", SIGNATURES, what="rows_tail",
@@ -187,17 +191,6 @@ def _check_params_layout(sp, r: int) -> None:
          f"sampling_params must be a float32 tensor [R={r}, 3|4|5]; got {sp.dtype} of shape {tuple(sp.shape)}")
 
 
-def _param_columns(sp: torch.Tensor):
-    """[R, 3|4|5] fp32 -> (top_k [R] int64, [R, 4] float64: top_p, T, u, min_p), the same
-    widenings and defaults as sampler.sampling_plan."""
-    spd = sp.double()  # [R, P]
-    r = spd.shape[0]
-    top_k = spd[:, 0].clamp(min=-1.0, max=2.0**62).to(torch.int64).contiguous()  # [R]; > k caps, never wraps
-    u = spd[:, 3] if spd.shape[1] >= 4 else torch.full((r,), DEFAULT_U, dtype=torch.float64)
-    min_p = spd[:, 4] if spd.shape[1] >= 5 else torch.zeros(r, dtype=torch.float64)
-    return top_k, torch.stack([spd[:, 1], spd[:, 2], u, min_p], dim=1).contiguous()  # [R, 4]
-
-
 def rows_tail_fused(rows_bf16, *, k, sampling_params=None, nan_fold=False,
                     backend: str | None = None, threads: int | None = None,
                     debug_mass: bool = False) -> FusedRows:
@@ -245,16 +238,16 @@ def fused_unchecked(rows_bf16, k: int, sampling_params, nan_fold: bool, row: _ba
     consts = exp64_constants()
     dbg = torch.full((r, 3), float("nan"), dtype=torch.float64) if debug_mass else None  # [R, 3]
     if sampling:
-        top_k, prm = _param_columns(sampling_params)
+        rec = sampling_records(sampling_params)  # [R] lmtail_sampling
         tokens = torch.zeros(r, dtype=torch.int64)  # [R]
         logprobs = torch.zeros(r, dtype=torch.float32)  # [R]
         trunc = torch.zeros(r, dtype=torch.bool)  # [R]
         flag = torch.zeros(r, dtype=torch.int32)  # [R]
-        ptrs = [top_k.data_ptr(), prm.data_ptr(), consts.data_ptr(), vals.data_ptr(),
+        ptrs = [rec.ctypes.data, consts.data_ptr(), vals.data_ptr(),
                 ids.data_ptr(), tokens.data_ptr(), logprobs.data_ptr(), trunc.data_ptr(),
                 flag.data_ptr(), None if dbg is None else dbg.data_ptr()]
     else:
-        ptrs = [None, None, consts.data_ptr(), vals.data_ptr(), ids.data_ptr(), None, None, None, None, None]
+        ptrs = [None, consts.data_ptr(), vals.data_ptr(), ids.data_ptr(), None, None, None, None, None]
     if r:
         row.run(rows, k, nan_fold, ptrs, threads)
     if not sampling:

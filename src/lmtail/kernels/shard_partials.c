@@ -602,113 +602,73 @@ int lmtail_tail_norm(const float *x, int64_t n, int64_t H, const float *g, const
 
 /* ================================================================ the sampler on merged candidates */
 /* sampler.plan_on + draw + decide for the candidates exchange (candidates.sample_merged with
- * MergedStats), one row at a time, op for op in float64 (plan_on's docstring and the
- * sampler module's numerics; every line below names the torch op it is):
- *   row r: v [k] = double(vals[r*ldv ..]) (NaN -> -inf with nan_fold), sp [P] fp32 (top_k,
- *   top_p, T[, u[, min_p]]), stats [5, R] (m1, S1, mT, ST, lse1), out = double(outside[r])
- *   (NaN -> -inf with nan_fold), has_outside[r].
+ * MergedStats), one row at a time in float64, through lmtail_kernels.h's sampler steps (the
+ * ones rows_tail.c's fused draw runs; plan_on's docstring and the sampler module's numerics):
+ *   row r: v [k] = double(vals[r*ldv ..]) (NaN -> -inf with nan_fold), sp[r] its
+ *   lmtail_sampling, stats [5, R] (m1, S1, mT, ST, lse1), out = double(outside[r]) (NaN ->
+ *   -inf with nan_fold), has_outside[r].
+ * What this file answers itself is MergedStats': a lane outside the candidates tied with
+ * the threshold (has_out and out >= thr), a top-k-off row's normalizer (m, S) = (mT, ST) on
+ * the rows with a T pass (candidates.needs_t), else (m1, S1), and mass past slot k-1
+ * (has_out and shifted_exp(out / T, m) > 0).
  * Writes tokens, logprobs, truncated. Returns 1 (nothing to be used) when a row meets a
- * NaN, or a shifted_exp argument above its max (the torch ops decide those). scratch: [3k]. */
+ * NaN, or a shifted_exp argument above its max (the torch ops decide those). scratch: [4k]. */
 static inline double shexp(double z, double m, const double *K, int *bad) {
     if (!(z <= m) || m != m) *bad = 1; /* also catches NaN z */
     return *bad ? 0.0 : shifted_exp1(z, m, K);
 }
 
-static int sample_row(const float *vr, const int64_t *ir, int64_t k, const float *spr, int64_t P,
+static int sample_row(const float *vr, const int64_t *ir, int64_t k, const lmtail_sampling *sp,
                       const double *st, int64_t R, int64_t r, double out, int has_out, int fold,
-                      const double *K, double *acc, double *z, double *p, double *c,
+                      const double *K, double *acc, double *v, double *e, double *p, double *c,
                       int64_t *token, float *lp, uint8_t *trunc) {
     int bad = 0;
-    double tk = (double)spr[0]; /* top_k = sp[:, 0].clamp(-1, 2**62).to(int64) */
-    tk = tk < -1.0 ? -1.0 : (tk > 4611686018427387904.0 ? 4611686018427387904.0 : tk);
-    const int64_t top_k = (int64_t)tk;
-    const double top_p = spr[1], temp = spr[2];
-    const double u = P >= 4 ? (double)spr[3] : 0.5, min_p = P >= 5 ? (double)spr[4] : 0.0;
-    const int greedy = temp < 1e-5;
-    const double safe_t = greedy ? 1.0 : temp;
+    const int greedy = lmtail_greedy(sp);
+    const double safe_t = greedy ? 1.0 : sp->temperature;
     const double lse1 = st[4 * R + r];
     if (fold && out != out) out = NEG_INF;
     if (lse1 != lse1 || out != out) return 1;
-    /* 1. top-k: kk, thr, in_k = v >= thr (a prefix: v descends) */
-    const int enabled = top_k > 0;
-    const int64_t kk = enabled ? (top_k < k ? top_k : k) : k;
     for (int64_t j = 0; j < k; ++j) {
-        double v = (double)vr[j];
-        if (fold && v != v) v = NEG_INF;
-        if (v != v) return 1;
-        z[j] = v; /* v for now */
+        v[j] = (double)vr[j];
+        if (fold && v[j] != v[j]) v[j] = NEG_INF;
+        if (v[j] != v[j]) return 1;
     }
-    const double thr = z[kk - 1];
-    int trunc_ = enabled && (top_k > k || (has_out && out >= thr));
-    /* 3. z = v / safe_t; s_k = sum64(in_k ? shifted_exp(z, z[0]) : 0) */
-    for (int64_t j = 0; j < k; ++j) p[j] = z[j] >= thr; /* in_k as 0/1, kept in p for now */
-    for (int64_t j = 0; j < k; ++j) z[j] = z[j] / safe_t;
-    const double m_k = z[0];
-    for (int t = 0; t < LANES; ++t) acc[t] = 0.0;
-    for (int64_t j = 0; j < k; ++j) {
-        const double e = shexp(z[j], m_k, K, &bad);
-        acc[j % LANES] += p[j] != 0.0 ? e : 0.0;
-    }
-    for (int w = LANES / 2; w >= 1; w /= 2)
-        for (int t = 0; t < w; ++t) acc[t] = acc[t] + acc[t + w];
-    double m = m_k, s = acc[0];
+    /* 1. top-k: in_k = v >= thr (a prefix: v descends) */
+    const int enabled = sp->top_k > 0;
+    const double thr = lmtail_topk_threshold(v, k, sp);
+    const int ties_past_k = has_out && out >= thr;
+    /* 3. z = v / safe_t; the filtered set's (m, S) = (z[0], sum64 of its shifted_exp(z, z[0])) */
+    const double m_k = v[0] / safe_t;
+    for (int64_t j = 0; j < k; ++j) e[j] = shexp(v[j] / safe_t, m_k, K, &bad);
+    double m = m_k, s = lmtail_kept_sum64(v, e, k, thr, acc);
     int past = 0;
     if (!enabled && !greedy) { /* off_mass: the whole row's mass at T (needs_t) or at 1 */
-        const double t64 = temp;
-        const int at_t = spr[0] <= 0 && t64 >= 1e-5 && t64 != 1.0;
+        const int at_t = sp->temperature != 1.0; /* top-k off and sampled here */
         m = at_t ? st[2 * R + r] : st[0 * R + r];
         s = at_t ? st[3 * R + r] : st[1 * R + r];
         past = has_out && shexp(out / safe_t, m, K, &bad) > 0;
+        for (int64_t j = 0; j < k; ++j) e[j] = shexp(v[j] / safe_t, m, K, &bad);
     }
     if (bad || m != m || s != s) return 1;
-    /* p = in_k ? shifted_exp(z, m) / s : 0, nan_to_num(nan=0) (inf -> +-DBL_MAX) */
-    for (int64_t j = 0; j < k; ++j) {
-        const int in = p[j] != 0.0;
-        double q = shexp(z[j], m, K, &bad) / s;
-        q = in ? q : 0.0;
-        if (q != q) q = 0.0;
-        else if (q == __builtin_inf()) q = __DBL_MAX__;
-        else if (q == -__builtin_inf()) q = -__DBL_MAX__;
-        c[j] = in; /* in_k, kept in c until the running sum */
-        p[j] = q;
-    }
-    if (bad) return 1;
-    /* 4. c = running_sum64(p); keep = in_k & ((c - p < top_p) | top_p >= 1) & (p >= min_p * p[0]) */
-    double run = 0.0;
-    int64_t n_keep = 0;
-    const double floor_p = min_p * p[0];
-    for (int64_t j = 0; j < k; ++j) {
-        const int in = c[j] != 0.0;
-        run = run + p[j];
-        c[j] = run;
-        const int keep = j == 0 || (in && (c[j] - p[j] < top_p || top_p >= 1) && p[j] >= floor_p);
-        z[j] = keep; /* keep, in z from here */
-        n_keep += keep;
-    }
-    const int short_ = top_p < 1 ? c[k - 1] < top_p : past;
-    trunc_ = trunc_ || (!enabled && short_);
-    /* 6. draw: pos = #{kept j : c_j / c[n_keep - 1] <= u}, clamped to n_keep - 1; greedy: 0 */
-    const double total = c[n_keep - 1];
-    int64_t pos = 0;
-    for (int64_t j = 0; j < k; ++j) pos += z[j] != 0.0 && c[j] / total <= u;
-    if (pos > n_keep - 1) pos = n_keep - 1;
-    if (greedy) pos = 0;
+    lmtail_filtered_probs(v, e, k, thr, s, p, c);
+    /* 4-6. top-p, min-p, the draw; greedy: slot 0 */
+    const int64_t pos = greedy ? 0 : lmtail_draw_slot(v, p, c, k, thr, sp, (uint8_t *)e); /* e reused */
     *token = ir[pos];
     *lp = (float)((double)vr[pos] - lse1);
-    *trunc = (uint8_t)(trunc_ && !greedy);
+    *trunc = (uint8_t)(!greedy && lmtail_truncated(sp, k, ties_past_k, c, past));
     return 0;
 }
 
 int lmtail_sample_candidates(const float *vals, const int64_t *ids, int64_t ld, int64_t R, int64_t k,
-                             const float *sp, int64_t P, const double *stats, const float *outside,
+                             const lmtail_sampling *sp, const double *stats, const float *outside,
                              const uint8_t *has_outside, int nan_fold, const double *K,
                              int64_t *tokens, float *logprobs, uint8_t *truncated, double *scratch) {
     const unsigned csr = lmtail_mxcsr_pin(LMTAIL_MXCSR_IEEE);
     double acc[LANES];
     int bad = 0;
     for (int64_t r = 0; r < R && !bad; ++r)
-        bad = sample_row(vals + r * ld, ids + r * ld, k, sp + r * P, P, stats, R, r, (double)outside[r],
-                         has_outside[r], nan_fold, K, acc, scratch, scratch + k, scratch + 2 * k,
+        bad = sample_row(vals + r * ld, ids + r * ld, k, sp + r, stats, R, r, (double)outside[r],
+                         has_outside[r], nan_fold, K, acc, scratch, scratch + k, scratch + 2 * k, scratch + 3 * k,
                          tokens + r, logprobs + r, truncated + r);
     lmtail_mxcsr_restore(csr);
     return bad;

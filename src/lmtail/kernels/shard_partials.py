@@ -50,6 +50,7 @@ from lmtail import numerics
 from lmtail.kernels import _backend, cpu
 from lmtail.kernels._cc import kernel_library
 from lmtail.kernels.rowmass import exp64_constants, row_mass
+from lmtail.kernels.sampling import sampling_records
 
 PAD_KEY = -(1 << 63)  # below every lane's key: fills a shard narrower than k1
 NAN_MONO = -(1 << 31) + 1  # a folded NaN's mono32
@@ -124,8 +125,9 @@ SIGNATURES = {
     "lmtail_shard_partials": ([_P] + [_I64] * 5 + [_INT, _P, _I64, _P, _INT] + [_P] * 5 + [_INT] * 2, _INT),
     # keys, R, k1, mass, c, K, L, vals, ids, stats, lp0, flag
     "lmtail_owner_stats": ([_P, _I64, _I64, _P, _I64] + [_P] * 7, _INT),
-    # vals, ids, ld, R, k, sp, P, stats, outside, has_outside, nan_fold, K, tokens, logprobs, truncated, scratch
-    "lmtail_sample_candidates": ([_P, _P] + [_I64] * 3 + [_P, _I64, _P, _P, _P, _INT] + [_P] * 5, _INT),
+    # vals, ids, ld, R, k, sp (lmtail_sampling [R]), stats, outside, has_outside, nan_fold, K, tokens,
+    # logprobs, truncated, scratch
+    "lmtail_sample_candidates": ([_P, _P] + [_I64] * 3 + [_P] * 4 + [_INT] + [_P] * 5, _INT),
     # x, n, H, g, real, hu, eps, a, m, rms
     "lmtail_tail_norm": ([_P, _I64, _I64, _P, _P, ctypes.c_float, ctypes.c_float] + [_P] * 3, _INT),
     # x, n, V, s
@@ -288,7 +290,8 @@ def sample_candidates(values: torch.Tensor, ids: torch.Tensor, sp: torch.Tensor,
     """candidates.sample_merged's sampler (sampler.plan_on + decide over MergedStats) in one
     C call, or None (no compiled kernel, a layout it does not take, or a row meeting a NaN:
     the torch ops decide). values [R, k] fp32 / ids [R, k] int64 (rows of a common stride,
-    unit column stride), sp [R, 3|4|5] fp32 (validated), stats [5, R] float64 from
+    unit column stride), sp [R, 3|4|5] fp32 (validated; passed to C as kernels.sampling's
+    lmtail_sampling records), stats [5, R] float64 from
     owner_stats (m1, S1, mT, ST, lse1), outside [R] fp32, has_outside [R] bool ->
     (tokens [R] int64, logprobs [R] fp32, truncated [R] bool), the same bytes."""
     lib = _c_library()
@@ -296,13 +299,13 @@ def sample_candidates(values: torch.Tensor, ids: torch.Tensor, sp: torch.Tensor,
     if (lib is None or r == 0 or values.stride(1) != 1 or ids.stride(1) != 1 or values.stride(0) != ids.stride(0)
             or not stats.is_contiguous()):
         return None
-    spc, out, has = sp.detach().contiguous(), outside.contiguous(), has_outside.contiguous()
+    rec, out, has = sampling_records(sp), outside.contiguous(), has_outside.contiguous()  # rec [R] lmtail_sampling
     tokens = torch.empty(r, dtype=torch.int64)  # [R]
     logprobs = torch.empty(r, dtype=torch.float32)  # [R]
     truncated = torch.empty(r, dtype=torch.bool)  # [R]
-    scratch = torch.empty(3 * k, dtype=torch.float64)  # [3k]
-    bad = lib.lmtail_sample_candidates(values.data_ptr(), ids.data_ptr(), values.stride(0), r, k, spc.data_ptr(),
-                                       spc.shape[1], stats.data_ptr(), out.data_ptr(), has.data_ptr(), int(nan_fold),
+    scratch = torch.empty(4 * k, dtype=torch.float64)  # [4k]
+    bad = lib.lmtail_sample_candidates(values.data_ptr(), ids.data_ptr(), values.stride(0), r, k, rec.ctypes.data,
+                                       stats.data_ptr(), out.data_ptr(), has.data_ptr(), int(nan_fold),
                                        exp64_constants().data_ptr(), tokens.data_ptr(), logprobs.data_ptr(),
                                        truncated.data_ptr(), scratch.data_ptr())
     return None if bad else (tokens, logprobs, truncated)
