@@ -41,9 +41,7 @@ from lmtail.config import TailConfig  # noqa: E402
 gen_mod = importlib.import_module("lmtail.model.generate")  # the module (lmtail.model.generate is the function)
 from lmtail.model import llama  # noqa: E402
 from lmtail.model.generate import DEFAULT_TAIL, decode_loop, local_step  # noqa: E402
-from lmtail.sampler import SamplingParams  # noqa: E402
-
-GREEDY_ROW = [0.0, 1.0, 0.0, 0.5, 0.0]  # sampling_params row (top_k, top_p, temperature, u, min_p): greedy
+from lmtail.sampler import SamplingParams, greedy_rows  # noqa: E402
 
 
 def default_body() -> str:
@@ -111,7 +109,7 @@ def reference_logits(bundle, ids) -> torch.Tensor:
 def tail_logits(bundle, h: torch.Tensor, ops: llama.Ops) -> torch.Tensor:
     """The tail's fp32 logits [T, V] for pre-final-norm h [T, H]: generate()'s tail for `ops`
     (tail_for: final RMSNorm -> its head GEMM), the logits its decisions are made on."""
-    sp = torch.tensor([GREEDY_ROW]).repeat(h.shape[0], 1)  # [T, 5]
+    sp = greedy_rows(h.shape[0])  # [T, 5]
     return run_tail(bundle, ops, h, k=1, sampling_params=sp, emit_logits=True).logits
 
 
@@ -200,7 +198,7 @@ class LmtailArm:
         cache = llama.new_cache(self.bundle.config, pad=torch.zeros(1, dtype=torch.int64), capacity=x.shape[1])
         ops = self._ops(body)
         h = llama.prefill(self.bundle, x, cache, ops=ops)  # [1, H]
-        tok = run_tail(self.bundle, ops, h, k=1, sampling_params=torch.tensor([GREEDY_ROW])).tokens
+        tok = run_tail(self.bundle, ops, h, k=1, sampling_params=greedy_rows(1)).tokens
         s = time.perf_counter() - t0
         return {"s": s, "token": int(tok[0])}
 

@@ -57,7 +57,7 @@ from .checks import nan_policy, need
 from .kernels import shard_partials as kernel
 from .kernels.rowmass import TERMS, shifted_exp, shifted_exp_rows, sum64, sum64_rows
 from .numerics import Decl, SumDecl, log64
-from .sampler import GREEDY_TEMPERATURE, decide, plan_on
+from .sampler import COL, GREEDY_TEMPERATURE, decide, plan_on
 
 MASS_CHUNKS = 256
 PARTS = kernel.PARTS  # per chunk: m1, S1, mT, ST (float64)
@@ -144,7 +144,7 @@ def _at_t(top_k: float, t: float) -> bool:
 def needs_t(sp: torch.Tensor) -> torch.Tensor:
     """[R] bool: rows the sampler normalizes over the whole row at T != 1 (top-k off,
     sampled). On the host copy: [R, 5] is a few hundred bytes, a row a few comparisons."""
-    return torch.tensor([_at_t(r[0], r[2]) for r in sp.tolist()], dtype=torch.bool)
+    return torch.tensor([_at_t(r[COL.top_k], r[COL.temperature]) for r in sp.tolist()], dtype=torch.bool)
 
 
 def shard_partials(logits: torch.Tensor, *, col0: int, v: int, k: int, nan_fold: bool,
@@ -158,7 +158,8 @@ def shard_partials(logits: torch.Tensor, *, col0: int, v: int, k: int, nan_fold:
     assert j0 * v // MASS_CHUNKS == col0 and (j0 + c) * v // MASS_CHUNKS == col0 + vs, "a rank holds whole chunks"
     scale_t = None
     if sp is not None:  # T on needs_t's rows, 0 elsewhere
-        scale_t = torch.tensor([r[2] if _at_t(r[0], r[2]) else 0.0 for r in sp.tolist()], dtype=torch.float64)  # [n]
+        scale_t = torch.tensor([r[COL.temperature] if _at_t(r[COL.top_k], r[COL.temperature]) else 0.0
+                                for r in sp.tolist()], dtype=torch.float64)  # [n]
     keys, mass, nans = kernel.shard_partials(logits, col0=col0, k1=k + 1, nan_fold=nan_fold,
                                              bounds=_local_bounds(v, j0, c), scale_t=scale_t,
                                              with_mass=sp is not None)
@@ -199,7 +200,7 @@ def unpack(recv: torch.Tensor, *, vtp: int, k: int, sp: torch.Tensor | None) -> 
     nans = words[:, :, k1 + 2 * c].sum(dim=1)
     m1 = words[:, :, k1 + 2 * c + 1:].contiguous().view(torch.float32)[:, :, :c].reshape(r, MASS_CHUNKS).double()
     at_t = needs_t(sp)
-    t = torch.where(at_t, sp[:, 2].double(), torch.ones((), dtype=torch.float64))
+    t = torch.where(at_t, sp[:, COL.temperature].double(), torch.ones((), dtype=torch.float64))
     mt = torch.where(at_t[:, None], m1 / t[:, None], torch.zeros((), dtype=torch.float64))  # m1 is never -0
     return ShardPartials(keys=keys, mass=torch.stack([m1, s1, mt, st], dim=2), nans=nans)
 
@@ -305,7 +306,7 @@ def sample_merged(merged: Merged, sp: torch.Tensor, *, nan_fold: bool):
     (kernels.shard_partials.sample_candidates) when merge made the stats, else plan_on +
     decide as torch ops: the same bytes."""
     stats = MergedStats(merged, sp, nan_fold)
-    if bool((sp.detach().numpy()[:, 2] < np.float32(GREEDY_TEMPERATURE)).all()):  # fp32 compare, as torch's
+    if bool((sp.detach().numpy()[:, COL.temperature] < np.float32(GREEDY_TEMPERATURE)).all()):  # fp32 compare, as torch's
         if merged.lp0 is not None:
             logprobs = merged.lp0
         else:

@@ -39,7 +39,7 @@ from lmtail.bench import abba, format_table  # noqa: E402
 from lmtail.model import llama  # noqa: E402
 from lmtail.model.generate import DEFAULT_TAIL, decode_loop, default_head_input, local_step  # noqa: E402
 from lmtail.model.gguf_loader import load_model  # noqa: E402
-from lmtail.sampler import SamplingParams  # noqa: E402
+from lmtail.sampler import SamplingParams, greedy_rows  # noqa: E402
 
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
 TARGETS = {"decode": 1.5, "prefill": 1.0}
@@ -101,7 +101,7 @@ def lm_prefill(bundle, ops, ids: torch.Tensor):
 
 def greedy_tokens(bundle, h: torch.Tensor) -> torch.Tensor:
     """decode_tail's greedy tokens for hidden states h [T, H] fp32 -> [T] int64."""
-    sp = torch.tensor([[0.0, 1.0, 0.0, 0.5, 0.0]]).repeat(h.shape[0], 1)  # greedy rows
+    sp = greedy_rows(h.shape[0])  # [T, 5] greedy rows
     out = DEFAULT_TAIL(h.contiguous(), bundle.final_norm, bundle.lm_head_weight_t, eps=bundle.config.eps,
                        k=8, sampling_params=sp)
     return out.tokens

@@ -67,6 +67,7 @@ from lmtail.bench import ABBAResult, abba, assert_bitwise, check_bitwise, format
 from lmtail.exchange import exchange_rows
 from lmtail.launch import launch
 from lmtail.layout import owned_rows
+from lmtail.sampler import COL, SAMPLING_COLUMNS, greedy_rows
 from lmtail.tail import decode_tail, shard_logits
 
 
@@ -333,21 +334,25 @@ class _GatherCounter:
 
 
 def _cand_params(gbs: int, u: torch.Tensor) -> torch.Tensor:
-    """[gbs, 5] fp32 (top_k, top_p, temperature, u, min_p) in global row order, by row i % 4:
-    greedy; top-k 50 at T 1; top-p 0.9 at T 0.7; min-p 0.05 at T 1."""
-    mix = torch.tensor([[0.0, 1.0, 0.0, 0.0],
-                        [50.0, 1.0, 1.0, 0.0],
-                        [0.0, 0.9, 0.7, 0.0],
-                        [0.0, 1.0, 1.0, 0.05]], dtype=torch.float32)  # [4, 4] without u
-    rows = mix[torch.arange(gbs) % 4]  # [gbs, 4]
-    return torch.cat([rows[:, :3], u[:, None], rows[:, 3:]], dim=1).contiguous()  # [gbs, 5]
+    """[gbs, 5] fp32 (sampler.SAMPLING_COLUMNS) in global row order, by row i % 4: greedy
+    (sampler.greedy_rows); top-k 50 at T 1; top-p 0.9 at T 0.7; min-p 0.05 at T 1; u from `u`
+    on the sampled rows."""
+    mix = [{"top_k": 50.0, "top_p": 1.0, "temperature": 1.0, "min_p": 0.0},
+           {"top_k": 0.0, "top_p": 0.9, "temperature": 0.7, "min_p": 0.0},
+           {"top_k": 0.0, "top_p": 1.0, "temperature": 1.0, "min_p": 0.05}]
+    sp = greedy_rows(gbs)  # [gbs, 5]
+    for i in range(gbs):
+        if i % 4:
+            row = dict(mix[i % 4 - 1], u=float(u[i]))
+            sp[i] = torch.tensor([row[c] for c in SAMPLING_COLUMNS])
+    return sp
 
 
 def _cand_inputs(rank, gbs, h, vs):
     """(x [gbs, H] fp32, gamma [H], rank's W shard [H, V_s] bf16, sp [gbs, 5] global order):
     the overlap section's inputs with the sampling mix of _cand_params."""
     x, gamma, w, sp = _inputs(rank, gbs, h, vs)
-    return x, gamma, w, _cand_params(gbs, sp[:, 3])
+    return x, gamma, w, _cand_params(gbs, sp[:, COL.u])
 
 
 def _cand_reference(gbs, h, vs, k, vtp) -> dict[str, torch.Tensor]:

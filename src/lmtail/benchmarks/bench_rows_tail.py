@@ -30,6 +30,7 @@ import torch
 
 from lmtail.bench import abba, assert_bitwise, format_table
 from lmtail.numerics import draw_u
+from lmtail.sampler import COL, SAMPLING_COLUMNS
 from lmtail.tail import rows_tail
 
 K = 256
@@ -53,13 +54,14 @@ def make_params(R: int, mix: str) -> torch.Tensor:
     """[R, 5] fp32: the mix's (top_k, top_p, T), u = draw_u(seed=row, position=7), min_p 0."""
     top_k, top_p, t = MIXES[mix]
     u = torch.from_numpy(draw_u(range(R), 7)).double()
-    return torch.tensor([[top_k, top_p, t, float(u[i]), 0.0] for i in range(R)], dtype=torch.float32)
+    rows = [{"top_k": top_k, "top_p": top_p, "temperature": t, "u": float(u[i]), "min_p": 0.0} for i in range(R)]
+    return torch.tensor([[r[c] for c in SAMPLING_COLUMNS] for r in rows], dtype=torch.float32)
 
 
 def sort_sampler(rows: torch.Tensor, sp: torch.Tensor):
     """The usual torch sampler (fp32): returns (tokens [R], sorted ids [R, V], values [R, V])."""
     vals, ids = torch.sort(rows, dim=-1, descending=True, stable=True)  # [R, V] ties: lower id
-    top_k, top_p, t, u = sp[:, 0].long(), sp[:, 1], sp[:, 2], sp[:, 3]
+    top_k, top_p, t, u = sp[:, COL.top_k].long(), sp[:, COL.top_p], sp[:, COL.temperature], sp[:, COL.u]
     z = vals.float() / t[:, None]  # [R, V]
     pos = torch.arange(rows.shape[1])
     kth = torch.where(top_k > 0, top_k - 1, torch.full_like(top_k, rows.shape[1] - 1))

@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 from ..numerics import draw_u
-from ..sampler import DEFAULT_U, SamplingParams, greedy_rows, sampling_tensor, seed_int64
+from ..sampler import COL, DEFAULT_U, SAMPLING_COLUMNS, SamplingParams, greedy_rows, sampling_tensor, seed_int64
 from ..config import EXCHANGES, TAIL_HEAD_INPUTS, TailConfig
 from ..kernels.gemm import weight_for
 from ..tail import decode_tail, head_shard
@@ -186,9 +186,10 @@ def step_params(params: list[SamplingParams], positions: np.ndarray) -> torch.Te
     seeds = np.array([seed_int64(p.seed) if p.seed is not None else 0 for p in params], dtype=np.int64)
     fixed = np.array([DEFAULT_U if p.u is None else p.u for p in params], dtype=np.float32)
     u = np.where(seeded, draw_u(seeds, positions), fixed)  # [B] fp32
-    base = torch.tensor([[float(p.top_k), p.top_p, p.temperature, 0.0, p.min_p] for p in params],
-                        dtype=torch.float32)  # [B, 5]
-    base[:, 3] = torch.from_numpy(u.astype(np.float32))
+    rows = [{"top_k": float(p.top_k), "top_p": p.top_p, "temperature": p.temperature, "u": 0.0, "min_p": p.min_p}
+            for p in params]
+    base = torch.tensor([[r[c] for c in SAMPLING_COLUMNS] for r in rows], dtype=torch.float32)  # [B, 5]
+    base[:, COL.u] = torch.from_numpy(u.astype(np.float32))
     return base
 
 
