@@ -172,9 +172,9 @@ def check_threshold_ties_past_k_flag(decide_):
 
 
 def check_greedy_lowest_id_among_equal_maxima(decide_):
-    """The maximum 5.0 at ids 30, 9, 4: greedy rows (T = 0 and fp32 9e-6 < 1e-5) draw id 4
+    """The maximum 5.0 at ids 31, 9, 5, 4: greedy rows (T = 0 and fp32 9e-6 < 1e-5) draw id 4
     at any u, never truncated; a sampled row rides along (the C samplers then run)."""
-    r = row(-1.0, {30: 5.0, 9: 5.0, 4: 5.0, 50: 4.0})
+    r = row(-1.0, {31: 5.0, 9: 5.0, 5: 5.0, 4: 5.0, 50: 4.0})
     sp = params([{"temperature": 0.0, "u": U_MAX}, {"temperature": 9e-6, "u": 0.9},
                  {"temperature": 0.0, "top_k": 2.0, "u": 0.9}, {"temperature": 1.0, "u": 0.1}])
     tok, tr = decide_([r] * 4, sp)
