@@ -152,12 +152,15 @@ def check_top_p_crossing_token_kept(decide_):
 
 def check_top_k_above_k_caps_and_flags(decide_):
     """top_k = 9, 50, 2**40, 1e30 (> k = 8) keep the same set as top_k = k and draw the same
-    tokens; only they are flagged truncated (the values are distinct: no tie past k)."""
-    r = [2.0 - 0.0625 * i for i in range(V)]  # strictly descending, bf16-exact
+    tokens; only they are flagged truncated (the values are distinct: no tie past k). The
+    candidates hold ~86% of the mass, so a top_k read as "off" would normalize over the row
+    and, at top_p = 0.5, neither keep the same set nor flag the row."""
+    r = [2.0 - 0.25 * i for i in range(V)]  # strictly descending, bf16-exact
     tks = (8.0, 9.0, 50.0, 2.0**40, 1e30)
-    for u in (0.3, U_MAX):
-        tok, tr = decide_([r] * len(tks), params([{"top_k": t, "u": u} for t in tks]))
-        assert tok == [tok[0]] * len(tks) and tr == [False, True, True, True, True], (u, tok, tr)
+    for u in (0.3, 0.7, U_MAX):
+        for top_p in (1.0, 0.5):
+            tok, tr = decide_([r] * len(tks), params([{"top_k": t, "top_p": top_p, "u": u} for t in tks]))
+            assert tok == [tok[0]] * len(tks) and tr == [False, True, True, True, True], (u, top_p, tok, tr)
 
 
 def check_threshold_ties_past_k_flag(decide_):

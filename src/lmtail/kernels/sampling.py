@@ -57,7 +57,7 @@ def sampling_records(sp: torch.Tensor) -> np.ndarray:
     spd = sp.detach().double().numpy()  # [R, P] exact widenings
     r, width = spd.shape
     rec = np.empty(r, dtype=SAMPLING_RECORD)  # [R]
-    rec["top_k"] = torch.from_numpy(spd[:, COL.top_k]).clamp(min=-1.0, max=TOP_K_MAX).to(torch.int64).numpy()
+    rec["top_k"] = np.clip(spd[:, COL.top_k], -1.0, TOP_K_MAX).astype(np.int64)  # clamp, then truncate
     for name in ("top_p", "temperature", "u", "min_p"):
         col = getattr(COL, name)
         rec[name] = spd[:, col] if col < width else (DEFAULT_U if name == "u" else 0.0)
