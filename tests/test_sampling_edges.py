@@ -293,10 +293,10 @@ def test_passes_agree_bitwise_on_random_rows(seed):
     r = 9
     rows = (torch.randint(-6, 7, (r, V), generator=g).float() * 0.25).to(torch.bfloat16)  # ties galore
     rows[:, 0] = 3.0  # a nonzero maximum (a zero one is left to the reference)
-    sp = params([{"top_k": float(torch.randint(-1, 12, (1,), generator=g)), "top_p": float(torch.rand(1, generator=g)) * 0.9 + 0.1,
-                  "temperature": [0.0, 0.5, 1.0, 1.7][int(torch.randint(0, 4, (1,), generator=g))],
-                  "u": float(torch.rand(1, generator=g)), "min_p": [0.0, 0.2, 1.0][int(torch.randint(0, 3, (1,), generator=g))]}
-                 for _ in range(r)])
+    pick = lambda xs: xs[int(torch.randint(0, len(xs), (1,), generator=g))]  # noqa: E731
+    sp = params([{"top_k": float(pick(range(-1, 12))), "top_p": float(torch.rand(1, generator=g)) * 0.9 + 0.1,
+                  "temperature": pick([0.0, 0.5, 1.0, 1.7]), "u": float(torch.rand(1, generator=g)),
+                  "min_p": pick([0.0, 0.2, 1.0])} for _ in range(r)])
     want = torch_pass(rows, sp, K)
     for name, run in PASSES.items():
         got = run(rows, sp, K)
@@ -337,3 +337,25 @@ def test_records_widen_and_default_like_the_sampler():
     assert r4["u"].tolist() == rec["u"].tolist() and r4["min_p"].tolist() == [0.0] * 3
     wrapped = sp5[:, 0].double().to(torch.int64).clamp(min=-1, max=2**62)  # planted: convert, then clamp
     assert wrapped.tolist() != rec["top_k"].tolist()
+
+
+@pytest.mark.parametrize("pass_name", sorted(PASSES))
+def test_greedy_rows_u_is_unused_on_every_pass(pass_name):
+    """sampler.greedy_rows' u (DEFAULT_U) is never read: greedy rows with u = 0, 0.5, 0.99999994
+    or any other give the same tokens, logprobs and flags, byte for byte, on every pass (so a
+    padding row spelled with another u, as the benchmarks once did, decided the same bytes).
+    Planted (the comparison can fail): sampled rows' tokens do change with u on the same rows."""
+    from lmtail.sampler import greedy_rows
+
+    g = torch.Generator().manual_seed(7)
+    rows = (torch.randn(4, V, generator=g) * 2).to(torch.bfloat16)  # [4, V]
+    outs = []
+    for u in (0.0, 0.5, U_MAX, 0.123):
+        sp = greedy_rows(4)
+        sp[:, COL.u] = u
+        outs.append(PASSES[pass_name](rows, sp, K))
+    for o in outs[1:]:
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(outs[0], o)), pass_name
+    tok_lo = PASSES[pass_name](rows, params([{"u": 0.0}] * 4), K)[0]
+    tok_hi = PASSES[pass_name](rows, params([{"u": U_MAX}] * 4), K)[0]
+    assert not torch.equal(tok_lo, tok_hi)  # sampled rows do read u

@@ -7,8 +7,12 @@ The layer (every kernel module uses it; a new kernel or backend plugs in here):
                     `emulated=True` builds its emulated variant (SIMDe + lmtail_emulate.h:
                     every AVX-512 / AVX512-BF16 / AMX path on any AVX2 CPU; docs/emulated.md)
   lmtail_kernels.h  the one C header: bit helpers, DAZ/FTZ and NaN canonicalisation, the
-                    MXCSR pin, exp64's shifted term (scalar + AVX-512), the CPU probe, the
-                    thread pool (`lmtail_parallel`)
+                    MXCSR pin, exp64's shifted term (scalar + AVX-512), the sampler's
+                    candidate steps on an `lmtail_sampling` row (every C pass's one copy),
+                    the CPU probe, the thread pool (`lmtail_parallel`)
+  sampling          the one sampling schema: the public [R, 3|4|5] tensor's column names
+                    (COL, SAMPLING_COLUMNS) and `sampling_records`, the one conversion to the
+                    C kernels' lmtail_sampling records (torch's sampler reads it too)
   cpu               the one CPU-feature probe, `cpu.features()` (the C kernels read the same bits)
   _backend          the one dispatch: `Dispatch(op, [Backend(name, run, available, device)])`,
                     `backend=` (None: the fastest verified row, checked and timed once per
