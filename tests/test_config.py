@@ -191,9 +191,29 @@ def test_signature_codes_each_choice_by_name():
             kw = {name: v} if name != "head_input" or v != "fp32" else None
             if kw is None:
                 continue  # "fp32" needs a QuantWeight head (tests/test_tail_q8.py signs it)
-            assert _sig(TailConfig(**kw))[name] == (code, code), (name, v)
+            assert _sig(TailConfig(**kw))[name][0] == code, (name, v)
     positional = {o: i for i, o in enumerate(sorted(C.GEMM_ORDERS))}  # PLANTED: another tuple's positions
     assert any(positional[o] != _sig(TailConfig(gemm_order=o))["gemm_order"][0] for o in C.GEMM_ORDERS)
+
+
+ONE_CHANGE = dict(eps=2e-5, hidden_actual=60, zero_interleaved_pad=False, k=7, deferred_rms=False, nan_fold=True,
+                  gemm_order="chain", tail_path="reference", exchange="mirror", head_input="bf16x2")
+
+
+def test_signature_signs_every_field_but_the_rank_local_ones():
+    """Every TailConfig field is in the ranks' signature (a new one with no line in tail.py)
+    but emit_logits and debug_taps (what a rank returns); a change in any signed field
+    changes its int64, a hidden_actual of None signs as H."""
+    assert set(C.SIGNED) | set(C.RANK_LOCAL) == {f.name for f in fields(TailConfig)}
+    assert set(C.SIGNED) <= set(TAIL_SIGNATURE) and not set(C.RANK_LOCAL) & set(TAIL_SIGNATURE)
+    base = _sig(TailConfig())
+    for name in C.SIGNED:
+        kw = {name: ONE_CHANGE[name]} | ({"deferred_rms": True} if name == "head_input" else {})
+        got = _sig(TailConfig(**kw))
+        assert [n for n in TAIL_SIGNATURE if got[n][0] != base[n][0]] == [name], name
+    for name in C.RANK_LOCAL:
+        assert _sig(TailConfig(**{name: not getattr(TailConfig, name)})) == base, name
+    assert _sig(TailConfig(hidden_actual=H)) == base
 
 
 def _parser(module: str) -> argparse.ArgumentParser:

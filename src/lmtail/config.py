@@ -17,6 +17,7 @@ Shape legend: H hidden (padded), H_u = hidden_actual real lanes, k candidates, V
 from __future__ import annotations
 
 import functools
+import struct
 from dataclasses import dataclass, fields
 
 from .checks import check_eps, is_int
@@ -39,6 +40,7 @@ OPTION_CODES = {
 CHOICES = {"gemm_order": GEMM_ORDERS, "tail_path": TAIL_PATHS, "exchange": EXCHANGES,
            "head_input": TAIL_HEAD_INPUTS}  # TailConfig's choice fields and their sets
 FLAGS = ("zero_interleaved_pad", "deferred_rms", "nan_fold", "emit_logits", "debug_taps")  # its bool fields
+RANK_LOCAL = ("emit_logits", "debug_taps")  # what a rank returns only: the one fields ranks may differ on
 assert all(set(OPTION_CODES[f]) == set(c) for f, c in CHOICES.items()), "one code per choice"
 
 
@@ -136,6 +138,27 @@ def resolve(config: TailConfig | None, keywords: dict) -> TailConfig:
 
 
 _DEFAULTS = {f.name: f.default for f in fields(TailConfig)}  # field -> its default
+SIGNED = tuple(n for n in _DEFAULTS if n not in RANK_LOCAL)  # the fields every rank must agree on
+
+
+def signature(config: TailConfig, h: int) -> dict:
+    """{field: (int64, shown value)} of every SIGNED field, for the ranks' input signature
+    (tail.tail_signature): a bool as 0/1, a choice as its OPTION_CODES code, an int as
+    itself, a float by its float64 bits; hidden_actual None as H = h (the same lanes). A
+    new TailConfig field is signed here without another line."""
+    out = {}
+    for name in SIGNED:
+        v = getattr(config, name)
+        if name == "hidden_actual" and v is None:
+            v = h
+        if isinstance(v, bool) or is_int(v):
+            code = int(v)
+        elif isinstance(v, str):
+            code = OPTION_CODES[name][v]
+        else:  # a real number
+            code = struct.unpack("<q", struct.pack("<d", float(v)))[0]
+        out[name] = (code, v if code != v else code)
+    return out
 
 
 def _at_default(name: str, value) -> bool:

@@ -62,14 +62,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import struct
 from dataclasses import dataclass, fields, replace
 
 import torch
 
 from . import candidates, exchange
 from .checks import gamma32, is_int, nan_policy, need, need_tensor, undefined_rows
-from .config import OPTION_CODES, TAIL_PATHS, TailConfig, resolve
+from . import config as config_mod
+from .config import TAIL_PATHS, TailConfig, resolve
 from .kernels.gemm import PackedWeight, gemm_bf16, gemm_decl
 from .kernels.quant import QuantWeight, gemm_q, gemm_q_decl
 from .kernels import rows_tail as rows_kernel
@@ -549,33 +549,26 @@ _OPTION_NAMES = frozenset(f.name for f in fields(TailConfig))  # decode_tail's k
 _DTYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 
 
-def _f64_bits(v) -> int:
-    return struct.unpack("<q", struct.pack("<d", float(v)))[0]
-
-
 HEAD_FORMAT_CODES = {"bf16": 0, "Q8_0": 1}  # the head's storage (a [H, V_s] bf16 tensor or a QuantWeight Q8_0) -> its code
 
-TAIL_SIGNATURE = ("gbs", "H", "V_s", "head format", "k", "hidden dtype", "gamma dtype", "hidden_actual",
-                  "zero_interleaved_pad", "eps", "deferred_rms", "nan_fold", "gemm_order", "tail_path", "exchange", "head_input",
-                  "sampling_params columns", "batch_groups", "fence", "hops",
-                  "hidden_states checksum", "gamma checksum")
+TAIL_SIGNATURE = (("gbs", "H", "V_s", "head format") + config_mod.SIGNED  # TailConfig's fields but the rank-local ones
+                  + ("hidden dtype", "gamma dtype", "sampling_params columns", "batch_groups", "fence", "hops",
+                     "hidden_states checksum", "gamma checksum"))
 
 
 def tail_signature(hidden_states, gamma, lm_head_weight_t, sampling_params, cfg: TailConfig, *, hops,
                    batch_groups, fence) -> list[tuple[int, object]]:
     """(int64, shown value) per TAIL_SIGNATURE field: everything the ranks must agree on
-    (a choice option as its config.OPTION_CODES code). Inputs validated."""
+    (the options as config.signature gives them: a choice by its OPTION_CODES code).
+    Inputs validated."""
     hidden = hidden_states
     gbs, h = hidden.shape
     hops = tuple(hops)
     sig = {"gbs": gbs, "H": h, "V_s": head_shard_width(lm_head_weight_t),
            "head format": HEAD_FORMAT_CODES[lm_head_weight_t.fmt if isinstance(lm_head_weight_t, QuantWeight)
-                                            else "bf16"], "k": cfg.k,
+                                            else "bf16"],
            "hidden dtype": _DTYPES[hidden.dtype], "gamma dtype": _DTYPES[gamma.dtype],
-           "hidden_actual": h if cfg.hidden_actual is None else cfg.hidden_actual,
-           "zero_interleaved_pad": int(cfg.zero_interleaved_pad), "eps": (_f64_bits(cfg.eps), cfg.eps),
-           "deferred_rms": int(cfg.deferred_rms), "nan_fold": int(cfg.nan_fold),
-           **{name: codes[getattr(cfg, name)] for name, codes in OPTION_CODES.items()},  # each choice by name
+           **config_mod.signature(cfg, h),
            "sampling_params columns": 0 if sampling_params is None else sampling_params.shape[1],
            "batch_groups": batch_groups, "fence": int(fence),
            "hops": (exchange.bytes_digest(repr(hops).encode()), hops),
