@@ -67,12 +67,12 @@ BAD = [
     for bad, shown in (("bogus", "'bogus'"), (allowed[0].upper(), repr(allowed[0].upper())), (1, "1"),
                        (None, "None"), ((allowed[0],), _re_tuple((allowed[0],))))
 ] + [
-    (dict(head_input="bf16x2", deferred_rms=False), r"head_input='bf16x2' needs deferred_rms=True .*got deferred_rms=False"),
+    (dict(head_input="bf16x2", deferred_rms=False), r"head_input='bf16x2' needs deferred_rms=True .*got deferred_rms="),
     (dict(head_input="fp32", deferred_rms=False), r"head_input='fp32' needs deferred_rms=True .*got deferred_rms=False"),
 ]
 
-GOOD = [dict(), dict(eps=0.0), dict(eps=0), dict(eps=np.float32(1e-6)), dict(hidden_actual=1), dict(hidden_actual=np.int64(60)),
-        dict(k=1), dict(k=np.int32(7)), dict(head_input="bf16", deferred_rms=False)] + [
+GOOD = [dict(), dict(eps=0.0), dict(eps=0), dict(eps=np.float32(1e-6)), dict(hidden_actual=1),
+        dict(hidden_actual=np.int64(60)), dict(k=1), dict(k=np.int32(7)), dict(head_input="bf16", deferred_rms=False)] + [
     dict([(flag, v)]) for flag in C.FLAGS for v in (False, True)] + [
     dict([(name, v)]) for name, allowed in C.CHOICES.items() for v in allowed if name != "head_input"] + [
     dict(head_input=v) for v in C.TAIL_HEAD_INPUTS]

@@ -352,8 +352,8 @@ def rows_tail(rows_bf16, *, k: int, sampling_params=None, nan_fold: bool = False
     nan_fold=False, debug_taps=False, path="fused", backend=None, threads=None,
     chunk=TOPK_CHUNK (4096, exact_topk's stage-1 width). Returns TailOutput with topk_values [R, k] bf16 (descending,
     ties to the lower id), topk_indices [R, k] int64, and with sampling_params tokens [R]
-    int64, logprobs [R] fp32, truncated [R] bool, lse [R] float64 (the sampler's lse1); taps (exact_topk's staged taps, chunk
-    wide) when debug_taps; logits None. Semantics and numerics: lmtail.topk and
+    int64, logprobs [R] fp32, truncated [R] bool, lse [R] float64 (the sampler's lse1);
+    taps (exact_topk's staged taps, chunk wide) when debug_taps; logits None. Semantics and numerics: lmtail.topk and
     lmtail.sampler (declared: kernels.rows_tail.rows_tail_decl).
     path "reference": topk.exact_topk + sampler.sample_rows, the declared reference.
     path "fused" (default): kernels.rows_tail.rows_tail_fused, one pass per row, the same
@@ -549,7 +549,7 @@ _OPTION_NAMES = frozenset(f.name for f in fields(TailConfig))  # decode_tail's k
 _DTYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 
 
-HEAD_FORMAT_CODES = {"bf16": 0, "Q8_0": 1}  # the head's storage (a [H, V_s] bf16 tensor or a QuantWeight Q8_0) -> its code
+HEAD_FORMAT_CODES = {"bf16": 0, "Q8_0": 1}  # the head's storage ([H, V_s] bf16 or a QuantWeight Q8_0) -> its code
 
 TAIL_SIGNATURE = (("gbs", "H", "V_s", "head format") + config_mod.SIGNED  # TailConfig's fields but the rank-local ones
                   + ("hidden dtype", "gamma dtype", "sampling_params columns", "batch_groups", "fence", "hops",

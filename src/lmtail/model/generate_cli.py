@@ -5,8 +5,8 @@
 
 configure / check / run, the protocol of lmtail.cli. check refuses every flag value generate
 cannot take before anything heavy happens (this module imports the model code in run, so
-a bad flag costs no model import; the tail's choices come from lmtail.config); run loads the model, streams row 0's text and
-prints to stderr: the seed of a sampled run (a random one, printed, when --seed is not
+a bad flag costs no model import; the tail's choices come from lmtail.config); run loads
+the model, streams row 0's text and prints to stderr: the seed of a sampled run (a random one, printed, when --seed is not
 given), the timing, and which rows stopped at --max-new-tokens rather than on a stop token.
 The flags `lmtail demo` shares (--threads, --max-new-tokens, --ranks) take the same values in
 both (shared_rules).
