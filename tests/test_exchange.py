@@ -29,7 +29,7 @@ from lmtail.layout import owned_row_block, owned_rows
 from lmtail.tail import decode_tail
 
 WORLD, GBS, H, H_U, V, K = 8, 32, 48, 40, 104, 5  # V_s = 13 at VTP = 8 (not a multiple of 8)
-FIELDS = ("topk_values", "topk_indices", "tokens", "logprobs", "truncated")
+FIELDS = ("topk_values", "topk_indices", "tokens", "logprobs", "truncated", "lse")
 
 
 # ---------------------------------------------------------------------------------------

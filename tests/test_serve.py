@@ -25,7 +25,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from lmtail.model.generate import default_head_input, default_ops, head_weight  # noqa: E402
+from lmtail.model.generate import default_head_input, default_ops, head_weight, step_config  # noqa: E402
 from lmtail.model.gguf_loader import ModelFileMissing, load_model  # noqa: E402
 from lmtail.model.llama import forward, lmtail_ops, new_cache, prefill  # noqa: E402
 from lmtail.sampler import SamplingParams, sampling_tensor  # noqa: E402
@@ -181,7 +181,8 @@ def test_score_positions_equal_generation_logprobs(bundle):
     full = ids + toks
     cache = row_cache(bundle.config, len(full))
     h, _ = forward(bundle, torch.tensor([full]), cache, ops=default_ops())  # [1, P, H]
-    got, top = score_positions(bundle, h[0, len(ids) - 1:-1], torch.tensor(toks), n=3, head_input="fp32")
+    got, top = score_positions(bundle, h[0, len(ids) - 1:-1], torch.tensor(toks), n=3,
+                               config=step_config(bundle, k=K, head_input="fp32"))
     assert [bits(x) for x in got] == lps
     assert all(len(t) == 3 and t[0][1] >= t[1][1] >= t[2][1] for t in top)
 

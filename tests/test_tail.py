@@ -186,10 +186,10 @@ def test_argmax_agrees_with_float64_when_margin_exceeds_bound():
     (dict(lm_head_weight_t=torch.zeros(H + 2, 10, dtype=torch.bfloat16)), r"\[H=96, V_s\]; got \(98, 10\)"),
     (dict(lm_head_weight_t=torch.zeros(10, H, dtype=torch.bfloat16).t()), r"C-contiguous"),
     (dict(k=V + 1), r"k must be an int in \[1, V=1000\]; got 1001"),
-    (dict(k=0), r"k must be an int in \[1, V=1000\]; got 0"),
-    (dict(k=2.0), r"k must be an int in \[1, V=1000\]; got 2.0"),
+    (dict(k=0), r"k must be an int in \[1, V\]; got 0"),  # TailConfig's own rule (V unknown there)
+    (dict(k=2.0), r"k must be an int in \[1, V\]; got 2.0"),
     (dict(hidden_actual=H + 1), r"hidden_actual must be an int in \[1, H=96\]; got 97"),
-    (dict(hidden_actual=87.5), r"hidden_actual must be an int in \[1, H=96\]; got 87.5"),
+    (dict(hidden_actual=87.5), r"hidden_actual must be None \(H\) or an int in \[1, H\]; got 87.5"),
     (dict(eps=float("inf")), r"eps must be a finite number >= 0; got inf"),
     (dict(eps=-1e-6), r"eps must be a finite number >= 0; got -1e-06"),
     (dict(gemm_order="amx"), r"gemm_order must be one of \('chain', 'amx32', 'dp32'\); got 'amx'"),

@@ -333,6 +333,16 @@ MUTANTS = (
            "0 < p < 1 and 0 <= t < inf", ("test_sampler.py",), "host param check: top_p = 1 refused"),
     Mutant("tail.bf16x2_lo_dropped", "src/lmtail/tail.py", "acc = acc2[:, 0] + acc2[:, 1]", "acc = acc2[:, 0]",
            KC, "bf16x2 without the a_lo GEMM row"),
+    Mutant("tail.lse_m1_only", "src/lmtail/tail.py",
+           "lse = candidates.MergedStats(merged, sampling_params, cfg.nan_fold).lse1()",
+           "lse = merged.mass[0]", ("test_config.py",), "TailOutput.lse on the candidates path: m1 without log64(S1)"),
+    Mutant("tail.lse_undecided_unfilled", "src/lmtail/tail.py", 'lse[left] = plan["lse1"]', "pass",
+           ("test_config.py",), "TailOutput.lse (mirror, fused): the rows the reference sampler decides left NaN"),
+    Mutant("config.k_zero_accepted", "src/lmtail/config.py", "if not (is_int(self.k) and self.k >= 1):",
+           "if not (is_int(self.k) and self.k >= 0):", ("test_config.py",), "TailConfig accepts k = 0"),
+    Mutant("config.signature_rank_local", "src/lmtail/config.py",
+           'RANK_LOCAL = ("emit_logits", "debug_taps")', 'RANK_LOCAL = ("emit_logits", "debug_taps", "nan_fold")',
+           ("test_config.py",), "the ranks' signature leaves nan_fold out"),
 )
 
 

@@ -83,6 +83,8 @@ def tail_step_for(bundle, ops: llama.Ops, k: int = 256):
     built the way this checkout's local_step wants it."""
     tail_fn, head, head_input = tail_for(bundle, ops)
     params = inspect.signature(local_step).parameters
+    if "config" in params:  # the tail's options as one TailConfig (generate.step_config)
+        return local_step(tail_fn, bundle, gen_mod.step_config(bundle, k=k, head_input=head_input))
     if "head_input" in params:
         return local_step(tail_fn, bundle, k, head_input)
     if "head" in params:

@@ -62,15 +62,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import struct
 from dataclasses import dataclass, fields, replace
 
 import torch
 
 from . import candidates, exchange
-from .checks import check_eps, gamma32, is_int, nan_policy, need, need_tensor, undefined_rows
-from .config import EXCHANGES, TAIL_HEAD_INPUTS, TailConfig
-from .kernels.gemm import TAIL_ORDERS as GEMM_ORDERS
+from .checks import gamma32, is_int, nan_policy, need, need_tensor, undefined_rows
+from . import config as config_mod
+from .config import TAIL_PATHS, TailConfig, resolve
 from .kernels.gemm import PackedWeight, gemm_bf16, gemm_decl
 from .kernels.quant import QuantWeight, gemm_q, gemm_q_decl
 from .kernels import rows_tail as rows_kernel
@@ -78,12 +77,11 @@ from .kernels import shard_partials as sp_kernel
 from .layout import owned_rows, validate_layout
 from .numerics import Decl, SumDecl, sqrt_rn32
 from .orders import strided, sum_squares
-from .sampler import sample_rows_unchecked, validate_params
+from .sampler import decide, sampling_plan, validate_params
 from .topk import exact_topk
 
 SSQ_ORDER = strided(256)
 TOPK_CHUNK = 4096
-TAIL_PATHS = ("fused", "reference")  # rows_tail's paths: the same bytes, "fused" the fast one
 DEFAULT_TIMEOUT_S = exchange.DEFAULT_TIMEOUT_S
 
 
@@ -97,6 +95,10 @@ class TailOutput:
     tokens: torch.Tensor | None = None  # [R] int64
     logprobs: torch.Tensor | None = None  # [R] fp32, raw log_softmax over the full row
     truncated: torch.Tensor | None = None  # [R] bool
+    # [R] float64 with sampling_params: lse1, the T = 1 log-sum-exp of the full row the
+    # decisions see (fp32 logits: "candidates"; their bf16 mirror: "mirror"), so that
+    # logprobs = fp32(v_tok - lse) and any candidate's logprob is fp32(v - lse)
+    lse: torch.Tensor | None = None
     taps: dict | None = None
 
 
@@ -144,7 +146,8 @@ def pad_mask(h: int, h_u: int, interleaved: bool) -> torch.Tensor:
 def validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, sampling_params,
                          config: TailConfig, *, vocab_size: int, rows: int | None = None) -> None:
     """The tail's one boundary check: ValueError (TypeError for a non-tensor) with
-    expected-vs-got for anything the tail cannot take. vocab_size: V (the bound of k);
+    expected-vs-got for anything the tail cannot take with these tensors (config's fields
+    on their own were checked when it was made: TailConfig). vocab_size: V (the bound of k);
     rows: R, the sampling_params rows (default gbs). The one input rule it cannot decide
     without the norm's own pass (eps = 0 with a row whose real lanes square to 0) is
     checked by that pass (`normed_rows`), before the GEMM and any collective."""
@@ -195,10 +198,6 @@ def validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, sampling_params
         raise ValueError(f"hidden_actual must be an int in [1, H={h}]; got {cfg.hidden_actual!r}")
     if cfg.zero_interleaved_pad and h_u != h and (h % 4 or (h - h_u) % 4):
         raise ValueError(f"hidden_actual: interleaved padding needs H and H - H_u divisible by 4; got H={h}, H_u={h_u}")
-    for flag in ("zero_interleaved_pad", "deferred_rms", "nan_fold", "emit_logits", "debug_taps"):
-        if not isinstance(getattr(cfg, flag), bool):
-            raise ValueError(f"{flag} must be a bool; got {getattr(cfg, flag)!r}")
-    _check_eps_once(cfg.eps)
     if not (vocab_size < 1 << 32):
         raise ValueError(f"V must be < 2**32 (vocab ids are 32-bit in the top-k keys); got {vocab_size}")
     if not (is_int(cfg.k) and 1 <= cfg.k <= vocab_size):
@@ -206,37 +205,9 @@ def validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, sampling_params
             " (k candidates per row cannot exceed the vocabulary width V = V_s x ranks, and k is "
             f"never clamped: pass k=min(256, V), here k<={vocab_size})"
             if is_int(cfg.k) and cfg.k > vocab_size else ""))
-    if not (cfg.gemm_order in GEMM_ORDERS):
-        raise ValueError(f"gemm_order must be one of {GEMM_ORDERS}; got {cfg.gemm_order!r}")
-    if not (cfg.tail_path in TAIL_PATHS):
-        raise ValueError(f"tail_path must be one of {TAIL_PATHS}; got {cfg.tail_path!r}")
-    if not (cfg.exchange in EXCHANGES):
-        raise ValueError(f"exchange must be one of {EXCHANGES}; got {cfg.exchange!r}")
-    if not (cfg.head_input in TAIL_HEAD_INPUTS):
-        raise ValueError(f"head_input must be one of {TAIL_HEAD_INPUTS}; got {cfg.head_input!r}")
-    if not (cfg.head_input == "bf16" or cfg.deferred_rms):
-        raise ValueError(f"head_input={cfg.head_input!r} needs deferred_rms=True (its GEMM input is x*gamma, "
-                         "rms applied after); got deferred_rms=False")
     _check_head_kind(w, h, cfg)
     if sampling_params is not None:
         validate_params(sampling_params, gbs if rows is None else rows)
-
-
-@functools.lru_cache(maxsize=64, typed=True)
-def _eps_ok(eps) -> bool:
-    check_eps(eps)  # raises (and caches nothing) for a bad eps
-    return True
-
-
-def _check_eps_once(eps) -> None:
-    """checks.check_eps, remembered per (type, value) it accepted: the rule is a pure
-    function of both (an unhashable eps is checked every time)."""
-    try:
-        hash(eps)
-    except TypeError:
-        check_eps(eps)
-        return
-    _eps_ok(eps)
 
 
 def _check_head_kind(w, h: int, cfg: TailConfig) -> None:
@@ -381,8 +352,8 @@ def rows_tail(rows_bf16, *, k: int, sampling_params=None, nan_fold: bool = False
     nan_fold=False, debug_taps=False, path="fused", backend=None, threads=None,
     chunk=TOPK_CHUNK (4096, exact_topk's stage-1 width). Returns TailOutput with topk_values [R, k] bf16 (descending,
     ties to the lower id), topk_indices [R, k] int64, and with sampling_params tokens [R]
-    int64, logprobs [R] fp32, truncated [R] bool; taps (exact_topk's staged taps, chunk
-    wide) when debug_taps; logits None. Semantics and numerics: lmtail.topk and
+    int64, logprobs [R] fp32, truncated [R] bool, lse [R] float64 (the sampler's lse1);
+    taps (exact_topk's staged taps, chunk wide) when debug_taps; logits None. Semantics and numerics: lmtail.topk and
     lmtail.sampler (declared: kernels.rows_tail.rows_tail_decl).
     path "reference": topk.exact_topk + sampler.sample_rows, the declared reference.
     path "fused" (default): kernels.rows_tail.rows_tail_fused, one pass per row, the same
@@ -420,7 +391,7 @@ def rows_tail_unchecked(rows_bf16, *, k, sampling_params, nan_fold, debug_taps, 
             check_nan_rows(rows_bf16, nan_fold=nan_fold)
         return _rows_tail_reference(rows_bf16, k, sampling_params, nan_fold, debug_taps, chunk)
     f = rows_kernel.rows_tail_fused(rows_bf16, k=k, sampling_params=sampling_params, nan_fold=nan_fold,
-                                    backend=backend, threads=threads)
+                                    backend=backend, threads=threads, debug_mass=sampling_params is not None)
     taps = exact_topk(rows_bf16, k=k, nan_fold=nan_fold, chunk=chunk, debug_taps=True)[2] if debug_taps else None
     if sampling_params is None:
         return TailOutput(topk_values=f.topk_values, topk_indices=f.topk_indices, taps=taps)
@@ -428,12 +399,14 @@ def rows_tail_unchecked(rows_bf16, *, k, sampling_params, nan_fold, debug_taps, 
         suspects = torch.isnan(f.topk_values[:, 0]) | f.undecided  # [R]: every row holding a NaN is here
         if bool(suspects.any()):
             check_nan_rows(rows_bf16, nan_fold=nan_fold, only=torch.nonzero(suspects)[:, 0])
+    lse = f.debug_mass[:, 1].contiguous()  # [R] the kernel's lse1 (NaN on undecided rows)
     left = torch.nonzero(f.undecided)[:, 0]  # [n] rows the reference sampler decides
     if left.numel():
-        f.tokens[left], f.logprobs[left], f.truncated[left] = sample_rows_unchecked(
-            f.topk_values[left], f.topk_indices[left], rows_bf16[left], sampling_params[left], nan_fold=nan_fold)
+        plan = sampling_plan(f.topk_values[left], rows_bf16[left], sampling_params[left], nan_fold=nan_fold)
+        f.tokens[left], f.logprobs[left], f.truncated[left] = decide(plan, f.topk_values[left], f.topk_indices[left])
+        lse[left] = plan["lse1"]
     return TailOutput(topk_values=f.topk_values, topk_indices=f.topk_indices, tokens=f.tokens,
-                      logprobs=f.logprobs, truncated=f.truncated, taps=taps)
+                      logprobs=f.logprobs, truncated=f.truncated, lse=lse, taps=taps)
 
 
 def _rows_tail_reference(rows_bf16, k, sampling_params, nan_fold, debug_taps, chunk) -> TailOutput:
@@ -441,8 +414,10 @@ def _rows_tail_reference(rows_bf16, k, sampling_params, nan_fold, debug_taps, ch
     vals, ids, taps = exact_topk(rows_bf16, k=k, nan_fold=nan_fold, chunk=chunk, debug_taps=debug_taps)
     if sampling_params is None:
         return TailOutput(topk_values=vals, topk_indices=ids, taps=taps)
-    tok, lp, tr = sample_rows_unchecked(vals, ids, rows_bf16, sampling_params, nan_fold=nan_fold)
-    return TailOutput(topk_values=vals, topk_indices=ids, tokens=tok, logprobs=lp, truncated=tr, taps=taps)
+    plan = sampling_plan(vals, rows_bf16, sampling_params, nan_fold=nan_fold)  # sampler.sample_rows' steps
+    tok, lp, tr = decide(plan, vals, ids)
+    return TailOutput(topk_values=vals, topk_indices=ids, tokens=tok, logprobs=lp, truncated=tr,
+                      lse=plan["lse1"], taps=taps)
 
 
 def check_nan_rows(rows_bf16: torch.Tensor, *, nan_fold: bool, only: torch.Tensor | None = None) -> None:
@@ -470,8 +445,9 @@ def _owned_candidates(merged, sampling_params, cfg: TailConfig, logits, v: int) 
         return TailOutput(topk_values=merged.values, topk_indices=merged.ids, logits=lg, taps=taps)
     candidates.check_nans(merged.nans, v=v, nan_fold=cfg.nan_fold)
     tok, lp, tr = candidates.sample_merged(merged, sampling_params, nan_fold=cfg.nan_fold)
+    lse = candidates.MergedStats(merged, sampling_params, cfg.nan_fold).lse1()  # [R] the lse1 lp used
     return TailOutput(topk_values=merged.values, topk_indices=merged.ids, logits=lg, tokens=tok,
-                      logprobs=lp, truncated=tr, taps=taps)
+                      logprobs=lp, truncated=tr, lse=lse, taps=taps)
 
 
 def _owned_tail(rows_bf16, sampling_params, cfg: TailConfig, logits) -> TailOutput:
@@ -518,7 +494,9 @@ def decode_tail(hidden_states, gamma, lm_head_weight_t, *, eps: float = 1e-5,
     tail_path="fused" (mirror only), exchange="candidates" (decisions on the fp32 logits;
     "mirror": on their bf16 mirror), head_input="bf16" ("bf16x2": the head GEMM's
     activation in two bf16 rows; "fp32": fp32(x*gamma) unrounded into gemm_q, the Q8_0
-    head's); or pass `config=TailConfig(...)` and leave them at their defaults.
+    head's); or pass `config=TailConfig(...)` and leave them at their defaults (a TailConfig
+    field without a keyword here is set through config only). The keywords build one
+    TailConfig (config.resolve), which checks them.
     Layout: group (default None: one rank; a ProcessGroup or an exchange.HopGroups),
     hops (default None: one hop of size VTP), batch_groups G (default 1: G overlapped
     single-hop all-to-alls), fence (default False: a zero all-reduce per hop first;
@@ -526,7 +504,9 @@ def decode_tail(hidden_states, gamma, lm_head_weight_t, *, eps: float = 1e-5,
     exchange.ExchangeError).
     Returns TailOutput: logits [gbs, V_s] fp32 (this rank's shard, if emit_logits);
     topk_values [R, k] (fp32 with exchange "candidates", bf16 with "mirror"), topk_indices
-    [R, k] int64 global ids, tokens/logprobs/truncated [R] (with sampling_params), taps
+    [R, k] int64 global ids, tokens/logprobs/truncated [R] and lse [R] float64 (with
+    sampling_params: the T = 1 log-sum-exp of the full row the decisions see, logprobs =
+    fp32(v_tok - lse)), taps
     (debug_taps: the mirror's staged top-k taps; the candidates exchange's merged row
     statistics outside, has_outside, nans and, with sampling_params, m1, S1, mT, ST). Numerics in the module
     docstring. Deterministic: a row's outputs depend only on that row's inputs (any batch,
@@ -537,18 +517,12 @@ def decode_tail(hidden_states, gamma, lm_head_weight_t, *, eps: float = 1e-5,
     ValueError naming the rows unless nan_fold (then NaN lanes carry no mass); an all-NaN
     row is a ValueError either way.
     """
-    given = TailConfig(eps=eps, hidden_actual=hidden_actual, zero_interleaved_pad=zero_interleaved_pad,
-                       k=k, deferred_rms=deferred_rms, nan_fold=nan_fold, emit_logits=emit_logits,
-                       debug_taps=debug_taps, gemm_order=gemm_order, tail_path=tail_path,
-                       exchange=exchange, head_input=head_input)
-    if config is not None and given != TailConfig():
-        raise ValueError("give the options either as config= or as keywords, not both; got config="
-                         f"{config} and keywords {_changed(given)}")
-    cfg = given if config is None else config
-    if group is not None or hops is not None:
-        return _decode_tail_ranks(hidden_states, gamma, lm_head_weight_t, sampling_params, cfg,
-                                  group=group, hops=hops, batch_groups=batch_groups, fence=fence,
-                                  timeout=timeout)
+    keywords = {n: v for n, v in locals().items() if n in _OPTION_NAMES}  # the TailConfig fields given
+    if group is not None or hops is not None:  # a bad option is then refused on every rank (the signature)
+        return _decode_tail_ranks(hidden_states, gamma, lm_head_weight_t, sampling_params,
+                                  functools.partial(resolve, config, keywords), group=group, hops=hops,
+                                  batch_groups=batch_groups, fence=fence, timeout=timeout)
+    cfg = resolve(config, keywords)
     need(batch_groups == 1 and not fence, "batch_groups and fence need a process group; got "
                                           f"batch_groups={batch_groups}, fence={fence}")
     if not isinstance(lm_head_weight_t, (QuantWeight, PackedWeight)):
@@ -566,9 +540,7 @@ def decode_tail(hidden_states, gamma, lm_head_weight_t, *, eps: float = 1e-5,
     return _owned_tail(logits.to(torch.bfloat16), sampling_params, cfg, logits)
 
 
-def _changed(cfg: TailConfig) -> dict:
-    base = TailConfig()
-    return {f.name: getattr(cfg, f.name) for f in fields(cfg) if getattr(cfg, f.name) != getattr(base, f.name)}
+_OPTION_NAMES = frozenset(f.name for f in fields(TailConfig))  # decode_tail's keywords that are TailConfig's
 
 
 # ---------------------------------------------------------------------------------------
@@ -577,34 +549,26 @@ def _changed(cfg: TailConfig) -> dict:
 _DTYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 
 
-def _f64_bits(v) -> int:
-    return struct.unpack("<q", struct.pack("<d", float(v)))[0]
+HEAD_FORMAT_CODES = {"bf16": 0, "Q8_0": 1}  # the head's storage ([H, V_s] bf16 or a QuantWeight Q8_0) -> its code
 
-
-HEAD_FORMATS = ("bf16", "Q8_0")  # the head's storage: a [H, V_s] bf16 tensor or a QuantWeight Q8_0
-
-TAIL_SIGNATURE = ("gbs", "H", "V_s", "head format", "k", "hidden dtype", "gamma dtype", "hidden_actual",
-                  "zero_interleaved_pad", "eps", "deferred_rms", "nan_fold", "gemm_order", "tail_path", "exchange", "head_input",
-                  "sampling_params columns", "batch_groups", "fence", "hops",
-                  "hidden_states checksum", "gamma checksum")
+TAIL_SIGNATURE = (("gbs", "H", "V_s", "head format") + config_mod.SIGNED  # TailConfig's fields but the rank-local ones
+                  + ("hidden dtype", "gamma dtype", "sampling_params columns", "batch_groups", "fence", "hops",
+                     "hidden_states checksum", "gamma checksum"))
 
 
 def tail_signature(hidden_states, gamma, lm_head_weight_t, sampling_params, cfg: TailConfig, *, hops,
                    batch_groups, fence) -> list[tuple[int, object]]:
-    """(int64, shown value) per TAIL_SIGNATURE field: everything the ranks must agree on.
+    """(int64, shown value) per TAIL_SIGNATURE field: everything the ranks must agree on
+    (the options as config.signature gives them: a choice by its OPTION_CODES code).
     Inputs validated."""
     hidden = hidden_states
     gbs, h = hidden.shape
     hops = tuple(hops)
     sig = {"gbs": gbs, "H": h, "V_s": head_shard_width(lm_head_weight_t),
-           "head format": HEAD_FORMATS.index(lm_head_weight_t.fmt if isinstance(lm_head_weight_t, QuantWeight)
-                                             else "bf16"), "k": cfg.k,
+           "head format": HEAD_FORMAT_CODES[lm_head_weight_t.fmt if isinstance(lm_head_weight_t, QuantWeight)
+                                            else "bf16"],
            "hidden dtype": _DTYPES[hidden.dtype], "gamma dtype": _DTYPES[gamma.dtype],
-           "hidden_actual": h if cfg.hidden_actual is None else cfg.hidden_actual,
-           "zero_interleaved_pad": int(cfg.zero_interleaved_pad), "eps": (_f64_bits(cfg.eps), cfg.eps),
-           "deferred_rms": int(cfg.deferred_rms), "nan_fold": int(cfg.nan_fold),
-           "gemm_order": GEMM_ORDERS.index(cfg.gemm_order), "tail_path": TAIL_PATHS.index(cfg.tail_path),
-           "exchange": EXCHANGES.index(cfg.exchange), "head_input": TAIL_HEAD_INPUTS.index(cfg.head_input),
+           **config_mod.signature(cfg, h),
            "sampling_params columns": 0 if sampling_params is None else sampling_params.shape[1],
            "batch_groups": batch_groups, "fence": int(fence),
            "hops": (exchange.bytes_digest(repr(hops).encode()), hops),
@@ -613,8 +577,9 @@ def tail_signature(hidden_states, gamma, lm_head_weight_t, sampling_params, cfg:
     return [sig[n] if isinstance(sig[n], tuple) else (int(sig[n]), int(sig[n])) for n in TAIL_SIGNATURE]
 
 
-def _decode_tail_ranks(hidden_states, gamma, lm_head_weight_t, sampling_params, cfg, *, group,
+def _decode_tail_ranks(hidden_states, gamma, lm_head_weight_t, sampling_params, options, *, group,
                        hops, batch_groups, fence, timeout) -> TailOutput:
+    """decode_tail over a group; options() -> the call's TailConfig (config.resolve)."""
     hg = group if isinstance(group, exchange.HopGroups) else None
     parent = exchange.parent_group(hg.parent if hg else group)
     vtp = parent.size()
@@ -628,10 +593,16 @@ def _decode_tail_ranks(hidden_states, gamma, lm_head_weight_t, sampling_params, 
     gbs = hidden_states.shape[0] if shapes_ok else None
     if gbs:
         validate_layout(vtp, gbs, layout_hops, batch_groups)  # raises before any collective
+    try:
+        cfg, bad_option = options(), None
+    except ValueError as e:  # refused on every rank below, via the signature
+        cfg, bad_option = None, e
     if isinstance(cfg, TailConfig) and cfg.exchange == "candidates":
         candidates.check_vtp(vtp)
     local_error, sig, normed = None, None, None
     try:  # a rank's bad inputs become a ValueError on every rank (via the signature)
+        if bad_option is not None:
+            raise bad_option
         validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, sampling_params, cfg,
                              vocab_size=head_shard_width(lm_head_weight_t) * vtp if shapes_ok else 1,
                              rows=gbs // vtp if gbs else None)

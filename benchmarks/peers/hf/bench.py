@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from lmtail.bench import abba, format_table  # noqa: E402
 from lmtail.model import llama  # noqa: E402
-from lmtail.model.generate import DEFAULT_TAIL, decode_loop, default_head_input, local_step  # noqa: E402
+from lmtail.model.generate import DEFAULT_TAIL, decode_loop, default_head_input, local_step, step_config  # noqa: E402
 from lmtail.model.gguf_loader import load_model  # noqa: E402
 from lmtail.sampler import SamplingParams, greedy_rows  # noqa: E402
 
@@ -81,7 +81,8 @@ def lm_decode(bundle, ops, prompts: torch.Tensor, new: int):
     stamps = []
     params = [SamplingParams(temperature=0.0)] * prompts.shape[0]
     gen = decode_loop(bundle, prompts.tolist(), params, max_new_tokens=new, ops=ops,
-                      tail_step=local_step(DEFAULT_TAIL, bundle, 256, default_head_input(ops)),
+                      tail_step=local_step(DEFAULT_TAIL, bundle, step_config(bundle, k=256,
+                                                                             head_input=default_head_input(ops))),
                       on_step=lambda s, t, d: stamps.append(time.perf_counter()))
     end = time.perf_counter()
     return torch.tensor([list(t) for t in gen.token_ids]), end - stamps[0]
@@ -103,7 +104,7 @@ def greedy_tokens(bundle, h: torch.Tensor) -> torch.Tensor:
     """decode_tail's greedy tokens for hidden states h [T, H] fp32 -> [T] int64."""
     sp = greedy_rows(h.shape[0])  # [T, 5] greedy rows
     out = DEFAULT_TAIL(h.contiguous(), bundle.final_norm, bundle.lm_head_weight_t, eps=bundle.config.eps,
-                       k=8, sampling_params=sp)
+                       k=8, sampling_params=sp, emit_logits=False)
     return out.tokens
 
 

@@ -38,7 +38,7 @@ import torch
 from lmtail import candidates
 from lmtail import tail as tail_mod
 from lmtail.bench import abba, assert_bitwise, assert_within, format_table
-from lmtail.config import TailConfig
+from lmtail.config import GEMM_ORDERS, TailConfig
 from lmtail.kernels import cpu
 from lmtail.reference.tail import rms_ref
 from lmtail.sampler import SamplingParams, sampling_tensor
@@ -159,7 +159,7 @@ def stages_main(a) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stages", action="store_true", help="time decode_tail stage by stage (docstring)")
-    ap.add_argument("--orders", nargs="+", default=["amx32", "dp32"], help="--stages: GEMM orders")
+    ap.add_argument("--orders", nargs="+", default=["amx32", "dp32"], choices=GEMM_ORDERS, help="--stages: GEMM orders")
     ap.add_argument("--gbs", type=int, nargs="+", default=None, help="rows (default 128; --stages: 1 8 32 128)")
     ap.add_argument("--h", type=int, default=2880)
     ap.add_argument("--v", type=int, default=25136)

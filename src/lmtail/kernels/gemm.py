@@ -64,9 +64,10 @@ from lmtail.kernels._cc import kernel_library
 from lmtail.numerics import Decl, SumDecl
 
 ORDERS = ("chain", "amx32", "dp32")  # the orders gemm_bf16 and gemm_decl take
-# the orders the tail takes (TailConfig.gemm_order; receipts index it by position, so new
-# orders go last); the model body takes "chain" and "amx32" (model.llama.Ops checks its own)
+# the orders the tail takes (config.GEMM_ORDERS, TailConfig.gemm_order; each has its code by
+# name in config.OPTION_CODES) and the ones the model body takes (model.llama.Ops.gemm_order)
 TAIL_ORDERS = ("chain", "amx32", "dp32")
+BODY_ORDERS = ("amx32", "chain")
 DEFAULT_ORDER = "amx32"  # the one default GEMM order (gemm_bf16, gemm_decl, the body, the tail)
 
 

@@ -26,23 +26,25 @@ model reaches them as shared-memory buffers (lmtail.model.ranks: one fp32 buffer
 every body weight, one bf16 buffer of the declared body's linears, one bf16 head), mapped,
 not copied. Each rank (rank_decode):
   * runs the forward on ALL B rows (the body is replicated);
-  * pads the step's hidden states with zero rows to gbs = ceil(B / N) * N (decode_tail's
-    layout needs N | gbs; dummy rows are greedy, row-independent, and dropped);
-  * calls the tail with its vocab shard lm_head_weight_t[:, r*V_s:(r+1)*V_s] (V_s = V/N),
-    the sampling rows it owns (layout.owned_rows(r, N, gbs)) and group = the world:
-    decode_tail's vocab-parallel path (one bf16 all-to-all);
-  * all-gathers (token, logprob bits, truncated, top-k ids) of the owned rows, so every
-    rank feeds the same next tokens to its body.
+  * runs the rank step of lmtail.model.ranks (pad_step, rank_step, gathered_rows; the
+    server's ranks run the same): pads the step's hidden states with zero rows to gbs =
+    ceil(B / N) * N (decode_tail's layout needs N | gbs; dummy rows are greedy,
+    row-independent, and dropped); calls the tail with its vocab shard
+    lm_head_weight_t[:, r*V_s:(r+1)*V_s] (V_s = V/N), the sampling rows it owns
+    (layout.owned_rows(r, N, gbs)) and group = the world: decode_tail's vocab-parallel
+    path; all-gathers (token, logprob bits, truncated, top-k ids) of the owned rows, so
+    every rank feeds the same next tokens to its body.
 The exchange moves bytes only, so the tokens equal the single-rank tail's on the same
 hidden states, bitwise; and the bodies are the same computation, so the text is the same
 for every N. Rank 0's on_step calls are forwarded to the caller through a queue.
 
 The tail seam: `tail_fn(hidden_states [gbs, H] fp32, gamma [H] fp32, lm_head_weight_t
-(the head of head_input: [H, V_s] bf16, or the [V_s, H] Q8_0 QuantWeight for "fp32"), *,
-eps, k, sampling_params [R, 5] fp32, head_input[, group])` returning an object with
-`.tokens [R] int64`, `.logprobs [R] fp32`, `.topk_indices [R, k] int64`, `.truncated [R]
-bool` (the calling convention of lmtail.tail.decode_tail, the default; with ranks > 1 it is
-also given group= and must be picklable).
+(the head of config.head_input: [H, V_s] bf16, or the [V_s, H] Q8_0 QuantWeight for
+"fp32"), *, config: TailConfig, sampling_params [R, 5] fp32[, group])` returning an object
+with `.tokens [R] int64`, `.logprobs [R] fp32`, `.topk_indices [R, k] int64`, `.truncated
+[R] bool` (the calling convention of lmtail.tail.decode_tail, the default; config is
+step_config's, built once per generate() call; with ranks > 1 it is also given group= and
+must be picklable).
 
 Shape legend: B rows (requests), P padded prompt length, H hidden, V vocab, V_s = V / N
 vocab shard, gbs = B rounded up to a multiple of N, R = gbs / N owned rows, k candidates,
@@ -50,7 +52,6 @@ S decode steps.
 """
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -59,20 +60,21 @@ import numpy as np
 import torch
 
 from ..numerics import draw_u
-from ..sampler import COL, DEFAULT_U, SAMPLING_COLUMNS, SamplingParams, greedy_rows, sampling_tensor, seed_int64
-from ..config import EXCHANGES, TAIL_HEAD_INPUTS, TailConfig
+from ..sampler import COL, DEFAULT_U, SAMPLING_COLUMNS, SamplingParams, sampling_tensor, seed_int64
+from ..config import TailConfig
+from ..exchange import DEFAULT_TIMEOUT_S
 from ..kernels.gemm import weight_for
 from ..tail import decode_tail, head_shard
 from .gguf_loader import ModelBundle
 from .llama import Q32_BODY, Ops, forward, lmtail_ops, new_cache, prefill
-from .ranks import pack_bundle, run_ranks, unpack_bundle
+from .ranks import gathered_rows, pack_bundle, pad_step, rank_step, run_ranks, unpack_bundle
 
 __all__ = ["Generation", "TailTrace", "StepOut", "DEFAULT_TAIL", "generate", "check_request", "request_params",
            "step_params", "encode_prompts", "local_step", "group_step", "decode_loop", "rank_decode",
            "pack_bundle", "unpack_bundle", "DEFAULT_BODY", "default_ops", "default_head_input", "head_weight",
-           "weights_needed"]
+           "weights_needed", "step_config", "DecodeJob"]
 
-DEFAULT_TAIL = functools.partial(decode_tail, emit_logits=False)
+DEFAULT_TAIL = decode_tail  # generate()'s tail, called with step_config's TailConfig (emit_logits=False)
 DEFAULT_BODY = Q32_BODY  # generate()'s body: the file's own blocks on an fp32 stream, the Q8_0 head
 
 
@@ -87,6 +89,14 @@ def default_head_input(ops: Ops) -> str:
     """The tail's head input that goes with a body: "fp32" (the file's Q8_0 head) for the q32
     body, TailConfig's "bf16" (the bf16 head) for the others."""
     return "fp32" if ops.body == Q32_BODY else TailConfig.head_input
+
+
+def step_config(bundle: ModelBundle, *, k: int, head_input: str,
+                exchange: str = TailConfig.exchange) -> TailConfig:
+    """The TailConfig of a decode step (generate's and the server's, built once): the model's
+    eps, k candidates, exchange and head_input (checked by TailConfig: ValueError naming
+    the field), no logits returned (emit_logits=False), every other option at its default."""
+    return TailConfig(eps=bundle.config.eps, k=k, emit_logits=False, exchange=exchange, head_input=head_input)
 
 
 def weights_needed(body: str, head_input: str | None) -> str:
@@ -221,52 +231,35 @@ def step_head(w, pack: bool):
     return w
 
 
-def local_step(tail_fn, bundle: ModelBundle, k: int, head_input: str, pack: bool = False):
-    """tail_step(h [B, H], sp [B, 5]) -> StepOut on one rank (the full head of `head_input`;
-    pack: the default tail, which takes the head in any layout: step_head)."""
-    cfg = bundle.config
-    head = step_head(head_weight(bundle, head_input), pack)
+def local_step(tail_fn, bundle: ModelBundle, config: TailConfig, pack: bool = False):
+    """tail_step(h [B, H], sp [B, 5]) -> StepOut on one rank (the full head of
+    config.head_input; pack: the default tail, which takes the head in any layout: step_head)."""
+    head = step_head(head_weight(bundle, config.head_input), pack)
 
     def step(h, sp):
-        res = tail_fn(h, bundle.final_norm, head, eps=cfg.eps, k=k, sampling_params=sp, head_input=head_input)
+        res = tail_fn(h, bundle.final_norm, head, config=config, sampling_params=sp)
         return StepOut(res.tokens, res.logprobs, getattr(res, "topk_indices", None),
                        getattr(res, "truncated", None))
 
     return step
 
 
-def group_step(tail_fn, bundle: ModelBundle, k: int, rank: int, n: int, head_input: str,
-               pack: bool = False):
-    """tail_step for rank `rank` of an n-rank world (module docstring, "Ranks"): zero-row
-    padding to gbs, this rank's vocab shard of the head for `head_input`, owned rows'
-    params, one all-gather after."""
+def group_step(tail_fn, bundle: ModelBundle, config: TailConfig, rank: int, n: int, pack: bool = False):
+    """tail_step for rank `rank` of an n-rank world (module docstring, "Ranks"): the rank
+    step of lmtail.model.ranks (zero-row padding to gbs, the tail on this rank's vocab shard
+    of the head for config.head_input with the owned rows' params, one all-gather after)."""
     import torch.distributed as dist
 
-    from ..layout import owned_rows
+    w = step_head(head_shard(head_weight(bundle, config.head_input), rank, n), pack)
 
-    cfg = bundle.config
-    w = step_head(head_shard(head_weight(bundle, head_input), rank, n), pack)
+    def tail(xp, sp_owned):
+        return tail_fn(xp, bundle.final_norm, w, config=config, sampling_params=sp_owned, group=dist.group.WORLD)
 
     def step(h, sp):
-        b, hid = h.shape
-        gbs = -(-b // n) * n
-        hp = torch.zeros(gbs, hid, dtype=torch.float32)  # [gbs, H]
-        hp[:b] = h
-        spp = greedy_rows(gbs)  # [gbs, 5] padding rows
-        spp[:b] = sp
-        res = tail_fn(hp, bundle.final_norm, w, eps=cfg.eps, k=k, head_input=head_input,
-                      sampling_params=spp[owned_rows(rank, n, gbs)], group=dist.group.WORLD)
-        lp_bits = res.logprobs.view(torch.int32).to(torch.int64)  # [R] exact round trip
-        mine = torch.cat([res.tokens[:, None], lp_bits[:, None], res.truncated.to(torch.int64)[:, None],
-                          res.topk_indices], dim=1)  # [R, 3 + k] int64
-        got = [torch.empty_like(mine) for _ in range(n)]
-        dist.all_gather(got, mine)
-        rows = torch.tensor([r for q in range(n) for r in owned_rows(q, n, gbs)])  # [gbs]
-        full = torch.empty(gbs, mine.shape[1], dtype=torch.int64)
-        full[rows] = torch.cat(got)
-        full = full[:b]  # [B, 3 + k], dummies dropped
-        return StepOut(full[:, 0].clone(), full[:, 1].to(torch.int32).view(torch.float32).clone(),
-                       full[:, 3:].clone(), full[:, 2].bool())
+        xp, spp = pad_step(h, sp, n)
+        got = gathered_rows(rank_step(tail, xp, spp, rank=rank, n=n, values=False, timeout=DEFAULT_TIMEOUT_S),
+                            h.shape[0])
+        return StepOut(got.tokens, got.logprobs, got.topk_indices, got.truncated)
 
     return step
 
@@ -315,12 +308,24 @@ def decode_loop(bundle: ModelBundle, ids: list[list[int]], params: list[Sampling
         logprobs=tuple(tuple(x) for x in out_lp), texts=tuple(tok.decode(x) for x in out_ids),
         finished=tuple(done), prefill_s=t1 - t0, decode_s=t2 - t1, decode_steps=step, trace=tr)
 
-def rank_decode(bundle: ModelBundle, rank: int, n: int, ids, params, opts: dict, *, on_step=None) -> Generation:
+@dataclass(frozen=True)
+class DecodeJob:
+    """What every rank of generate(ranks=n) decodes with, besides the prompts (picklable)."""
+
+    tail_fn: Callable  # the tail seam (module docstring)
+    config: TailConfig  # its options (step_config)
+    ops: Ops  # the body
+    max_new_tokens: int
+    record: bool  # keep a TailTrace
+    pack: bool  # the head in step_head's layout (the default tail)
+
+
+def rank_decode(bundle: ModelBundle, rank: int, n: int, ids, params, job: DecodeJob, *, on_step=None) -> Generation:
     """One rank of generate(ranks=n): the decode loop on this rank's tail step (group_step);
     run by lmtail.model.ranks.run_ranks in each spawned rank."""
-    step = group_step(opts["tail_fn"], bundle, opts["k"], rank, n, opts["head_input"], opts["pack"])
-    return decode_loop(bundle, ids, params, max_new_tokens=opts["max_new_tokens"], ops=opts["ops"],
-                       tail_step=step, on_step=on_step, record=opts["record"])
+    step = group_step(job.tail_fn, bundle, job.config, rank, n, job.pack)
+    return decode_loop(bundle, ids, params, max_new_tokens=job.max_new_tokens, ops=job.ops,
+                       tail_step=step, on_step=on_step, record=job.record)
 
 
 # ---------------------------------------------------------------------------------------
@@ -346,7 +351,8 @@ def generate(bundle: ModelBundle, prompts: list[str], *, max_new_tokens: int = 6
     ranks are terminated after it). exchange, head_input: the default tail's exchange and
     GEMM activation (config.EXCHANGES, config.TAIL_HEAD_INPUTS; None: TailConfig's exchange
     and default_head_input(ops): "fp32", the file's Q8_0 head, for the q32 body, else "bf16");
-    only without tail_fn (a tail_fn gets the head of default_head_input(ops)).
+    only without tail_fn (a tail_fn gets the head of default_head_input(ops)). The tail's
+    options are one TailConfig (step_config), built once here and passed to every step.
     """
     t0 = time.perf_counter()
     if not prompts or not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
@@ -370,26 +376,24 @@ def generate(bundle: ModelBundle, prompts: list[str], *, max_new_tokens: int = 6
     if min(lens) < 1 or max(lens) + max_new_tokens > cfg.context_length:
         raise ValueError(f"prompt lengths must be >= 1 and + max_new_tokens <= {cfg.context_length}; "
                          f"got {lens} + {max_new_tokens}")
-    for name, val, allowed in (("exchange", exchange, EXCHANGES), ("head_input", head_input, TAIL_HEAD_INPUTS)):
-        if val is not None and (tail_fn is not None or val not in allowed):
-            raise ValueError(f"{name} must be one of {allowed} and applies to the default tail only; got "
-                             f"{name}={val!r} with tail_fn={'given' if tail_fn is not None else None}")
+    for name, val in (("exchange", exchange), ("head_input", head_input)):
+        if val is not None and tail_fn is not None:
+            raise ValueError(f"{name} applies to the default tail only; got {name}={val!r} with tail_fn given")
     ops = default_ops() if ops is None else ops
-    exchange = TailConfig.exchange if exchange is None else exchange
-    head_input = default_head_input(ops) if head_input is None else head_input
+    config = step_config(bundle, k=k, exchange=TailConfig.exchange if exchange is None else exchange,
+                         head_input=default_head_input(ops) if head_input is None else head_input)
     pack = tail_fn is None  # decode_tail takes a packed head; a given tail_fn gets it plain
-    if tail_fn is None:
-        tail_fn = functools.partial(DEFAULT_TAIL, exchange=exchange)
+    tail_fn = DEFAULT_TAIL if tail_fn is None else tail_fn
     if ranks == 1:
         gen = decode_loop(bundle, ids, params, max_new_tokens=max_new_tokens, ops=ops,
-                          tail_step=local_step(tail_fn, bundle, k, head_input, pack), on_step=on_step,
+                          tail_step=local_step(tail_fn, bundle, config, pack), on_step=on_step,
                           record=record, on_prefill=on_prefill)
     else:
-        opts = dict(tail_fn=tail_fn, ops=ops, k=k, max_new_tokens=max_new_tokens, record=record,
-                    head_input=head_input, pack=pack)
-        gens = run_ranks(rank_decode, bundle, (ids, params, opts), ranks=ranks, on_step=on_step,
+        job = DecodeJob(tail_fn=tail_fn, config=config, ops=ops, max_new_tokens=max_new_tokens, record=record,
+                        pack=pack)
+        gens = run_ranks(rank_decode, bundle, (ids, params, job), ranks=ranks, on_step=on_step,
                          timeout_s=timeout_s)
         assert all(g.token_ids == gens[0].token_ids for g in gens), "ranks decoded different tokens"
         gen = gens[0]
-    trace = None if gen.trace is None else replace(gen.trace, exchange=exchange, head_input=head_input)
+    trace = None if gen.trace is None else replace(gen.trace, exchange=config.exchange, head_input=config.head_input)
     return replace(gen, ranks=ranks, wall_s=time.perf_counter() - t0, trace=trace)

@@ -4,9 +4,9 @@
                     [--top-k K] [--top-p P] [--min-p P] [--seed S] [--ranks N] [--raw] [--threads N]
 
 configure / check / run, the protocol of lmtail.cli. check refuses every flag value generate
-cannot take before anything heavy happens (this module imports torch and the model code in
-run, so a bad flag costs no torch import); run loads the model, streams row 0's text and
-prints to stderr: the seed of a sampled run (a random one, printed, when --seed is not
+cannot take before anything heavy happens (this module imports the model code in run, so
+a bad flag costs no model import; the tail's choices come from lmtail.config); run loads
+the model, streams row 0's text and prints to stderr: the seed of a sampled run (a random one, printed, when --seed is not
 given), the timing, and which rows stopped at --max-new-tokens rather than on a stop token.
 The flags `lmtail demo` shares (--threads, --max-new-tokens, --ranks) take the same values in
 both (shared_rules).
@@ -20,11 +20,10 @@ import math
 import secrets
 import sys
 
+from ..config import EXCHANGES, TAIL_HEAD_INPUTS, TailConfig
 from ..flags import (GREEDY_TEMPERATURE, MASS_CHUNKS, SEED_LIMIT, SMOLLM2_CONTEXT, SMOLLM2_VOCAB, fp32_sampled,
                      ranks_words, refuse, shared_rules)
 
-EXCHANGE_CHOICES = ("candidates", "mirror")  # config.EXCHANGES (no torch import here; run checks)
-HEAD_INPUT_CHOICES = ("fp32", "bf16x2", "bf16")  # config.TAIL_HEAD_INPUTS
 BODY_CHOICES = ("q32", "declared", "quant")  # model.llama.BODIES less the fp32 reference
 RANDOM_SEEDS = 1 << 31  # a sampled run without --seed draws its seed from [0, 2**31): short to retype
 
@@ -52,10 +51,10 @@ def configure(ap: argparse.ArgumentParser) -> None:
                     help="the model body: 'q32' (the GGUF's own blocks on an fp32 stream, "
                          "the Q8_0 head; loads only the file's bytes), 'declared' (bf16 weights and "
                          "stream) or 'quant' (the declared body's linears on the Q4_1 blocks)")
-    ap.add_argument("--exchange", choices=EXCHANGE_CHOICES, default=None,
+    ap.add_argument("--exchange", choices=EXCHANGES, default=TailConfig.exchange,
                     help="the tail's exchange: 'candidates' (fp32 decisions, each shard's top-k + mass "
-                         "partials cross the all-to-all) or 'mirror' (the bf16 mirror); default: candidates")
-    ap.add_argument("--head-input", choices=HEAD_INPUT_CHOICES, default=None,
+                         "partials cross the all-to-all) or 'mirror' (the bf16 mirror); default: %(default)s")
+    ap.add_argument("--head-input", choices=TAIL_HEAD_INPUTS, default=None,
                     help="the head GEMM's activation: 'fp32' (the file's Q8_0 head, fp32 input), "
                          "'bf16x2' (hi + lo bf16 rows on the bf16 head, 16 bits) or 'bf16'; "
                          "default: 'fp32' with --body q32, else 'bf16'")
@@ -67,7 +66,7 @@ def check(args: argparse.Namespace) -> None:
     checked by generate() right after the load)."""
     n = len(args.prompt)
     rules = shared_rules(threads=args.threads, max_new_tokens=args.max_new_tokens, ranks=args.ranks,
-                         exchange=args.exchange or "candidates") + [
+                         exchange=args.exchange) + [
         ("--temperature", args.temperature, math.isfinite(args.temperature) and args.temperature >= 0,
          "a finite number >= 0 (< 1e-5: greedy)"),
         ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
@@ -129,12 +128,10 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from .. import candidates, sampler
-    from ..config import EXCHANGES, TAIL_HEAD_INPUTS
     from .generate import generate, weights_needed
     from .gguf_loader import ModelFileMissing, load_model
     from .llama import BODIES, lmtail_ops
 
-    assert set(EXCHANGE_CHOICES) == set(EXCHANGES) and set(HEAD_INPUT_CHOICES) == set(TAIL_HEAD_INPUTS), "CLI choices"
     assert set(BODY_CHOICES) == set(BODIES) - {"fp32"}, "CLI choices"
     assert (MASS_CHUNKS, GREEDY_TEMPERATURE) == (candidates.MASS_CHUNKS, sampler.GREEDY_TEMPERATURE), "CLI rules"
 

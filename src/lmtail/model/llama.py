@@ -98,7 +98,8 @@ class Ops:
     declared `gemm_order`, attention / rope / silu by model.body's declared orders) or
     "quant" (the declared body with every linear on kernels.quant.gemm_q over the GGUF's
     own Q4_1 / Q8_0 blocks, its bf16 input widened exactly to fp32; gemm_order unused);
-    gemm_order: the order of gemm_bf16 for the declared body ("amx32" or "chain");
+    gemm_order: the order of gemm_bf16 for the declared body (kernels.gemm.BODY_ORDERS:
+    "amx32" or "chain");
     fused_norm_lanes: None, or T when add_rms_bf16 IS lmtail.norms.add_rms in the plain
     order strided(T) (the caller's statement; lmtail_ops sets it): the declared body then
     runs kernels.body.add_rms_rows, the same bytes in one C pass per row;
@@ -118,8 +119,9 @@ class Ops:
     def __post_init__(self):
         if self.body not in BODIES:
             raise ValueError(f"body must be one of {BODIES}; got {self.body!r}")
-        if self.gemm_order not in ("amx32", "chain"):
-            raise ValueError(f"gemm_order must be 'amx32' or 'chain'; got {self.gemm_order!r}")
+        if self.gemm_order not in gemm_mod.BODY_ORDERS:
+            raise ValueError(f"gemm_order must be {' or '.join(map(repr, gemm_mod.BODY_ORDERS))}; "
+                             f"got {self.gemm_order!r}")
         if self.body in ("declared", "quant") and self.add_rms_bf16 is None:
             raise ValueError(f"the {self.body} body needs add_rms_bf16 (a bf16 add_rms); got None")
         lanes = self.fused_norm_lanes

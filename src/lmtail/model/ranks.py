@@ -5,6 +5,15 @@
     run_ranks(entry, bundle, args, ...)      lmtail.launch N ranks of rank_main; rank 0's
                                              on_step calls reach the caller through a queue
 
+One tail step over N vocab-parallel ranks, the same on every rank (generate's group_step
+and the server's serve.ranks both run it):
+    pad_step(x [B, H], sp [B, 5], N) -> xp [gbs, H], spp [gbs, 5]   zero rows after B, greedy dummies
+    rank_step(tail, xp, spp, rank=r, n=N, ...) -> [gbs, 3 + k (+ k)] int64
+        tail(xp, spp[owned_rows(r, N, gbs)]): the tail on this rank's shard (collective),
+        then one all-gather of each rank's owned rows (token, logprob bits, truncated,
+        top-k ids[, top-k value bits]) put back in global row order
+    gathered_rows(full, B, value_dtype) -> GatheredRows     the B real rows, bits exact
+
 rank_main(rank, entry, parcel, args, queue) runs in each spawned rank: it rebuilds the bundle
 from the parcel and returns entry(bundle, rank, world, *args, on_step=...). `entry` must be a
 module-level function (it is pickled by name); lmtail.model.generate's rank_decode is the one
@@ -12,20 +21,25 @@ generate() uses. Pickling the parcel to a spawned rank passes a few file descrip
 of ~400 tensors (torch's per-storage fd passing takes seconds per rank).
 
 Shape legend: N fp32 elements of the body buffer, N16 bf16 elements of the linears buffer,
-H hidden, V vocab.
+H hidden, V vocab; a step: B rows, gbs = B rounded up to a multiple of the N ranks, R = gbs / N
+rows a rank owns, k candidates.
 """
 from __future__ import annotations
 
 import threading
-from dataclasses import fields
+from dataclasses import dataclass, fields
+from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..exchange import ExchangeError
 from ..launch import launch
 from ..kernels.quant import QuantWeight
+from ..layout import owned_rows
+from ..sampler import greedy_rows
 from .gguf_loader import LayerWeights, Linears16, ModelBundle, load_model
 
 _ALIGN = 16  # fp32 elements (64 bytes) between tensor starts
@@ -116,3 +130,73 @@ def run_ranks(entry, bundle: ModelBundle, args: tuple, *, ranks: int, on_step=No
         if queue is not None:
             queue.put(None)
             pump.join()
+
+
+# ---------------------------------------------------------------------------------------
+# one tail step over the ranks
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GatheredRows:
+    """One tail step's rows as every rank holds them after rank_step (rows in call order)."""
+
+    tokens: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] fp32
+    truncated: torch.Tensor  # [B] bool
+    topk_indices: torch.Tensor  # [B, k] int64 global ids
+    topk_values: torch.Tensor | None = None  # [B, k] fp32 ("candidates") or bf16 ("mirror"); None if not gathered
+
+
+def pad_step(x: torch.Tensor, sp: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(xp [gbs, H] fp32: x then zero rows, spp [gbs, 5] fp32: sp then greedy dummies), gbs
+    = B rounded up to a multiple of n (decode_tail's layout needs n | gbs; a dummy row is
+    row-independent and dropped by gathered_rows)."""
+    b, hid = x.shape
+    gbs = -(-b // n) * n
+    xp = torch.zeros(gbs, hid, dtype=torch.float32)  # [gbs, H]
+    xp[:b] = x
+    spp = greedy_rows(gbs)  # [gbs, 5] padding rows
+    spp[:b] = sp
+    return xp, spp
+
+
+def rank_step(tail, xp: torch.Tensor, spp: torch.Tensor, *, rank: int, n: int, values: bool,
+              timeout: float) -> torch.Tensor:
+    """Rank `rank`'s part of one padded step (collective over the default group of n ranks):
+    res = tail(xp, spp[owned rows]) (decode_tail's outputs for the rows this rank owns,
+    layout.owned_rows(rank, n, gbs)), then one all-gather of [R, 3 + k (+ k with values)]
+    int64 per rank: token, logprob bits, truncated, top-k ids (and top-k value bits).
+    Returns [gbs, 3 + k (+ k)] int64 in global row order (the bits of every rank's rows).
+    ExchangeError when the all-gather fails or takes longer than timeout s."""
+    gbs = xp.shape[0]
+    res = tail(xp, spp[owned_rows(rank, n, gbs)])
+    cols = [res.tokens[:, None], res.logprobs.view(torch.int32).to(torch.int64)[:, None],
+            res.truncated.to(torch.int64)[:, None], res.topk_indices]
+    if values:
+        v = res.topk_values
+        cols.append(v.view(torch.int32 if v.dtype == torch.float32 else torch.int16).to(torch.int64))
+    mine = torch.cat(cols, dim=1).contiguous()  # [R, 3 + k (+ k)] int64, bits exact
+    got = [torch.empty_like(mine) for _ in range(n)]
+    work = dist.all_gather(got, mine, async_op=True)
+    try:
+        work.wait(timeout=timedelta(seconds=timeout))
+    except Exception as e:  # gloo raises RuntimeError on a timeout or a reset connection
+        raise ExchangeError(f"rank step: the result all-gather failed on rank {rank} (timeout {timeout} s): "
+                            f"a peer rank failed, died or is hanging ({type(e).__name__}: {e})") from e
+    order = torch.tensor([r for q in range(n) for r in owned_rows(q, n, gbs)])  # [gbs]
+    full = torch.empty(gbs, mine.shape[1], dtype=torch.int64)
+    full[order] = torch.cat(got)
+    return full
+
+
+def gathered_rows(full: torch.Tensor, b: int, value_dtype: torch.dtype | None = None) -> GatheredRows:
+    """The first b rows of rank_step's [gbs, 3 + k (+ k)] int64 (dummies dropped) as tensors,
+    bits exact; value_dtype: the top-k values' dtype (torch.float32 | torch.bfloat16) when
+    they were gathered (values=True), else None."""
+    full = full[:b]
+    k = (full.shape[1] - 3) // (1 if value_dtype is None else 2)
+    vals = None
+    if value_dtype is not None:
+        ibits = torch.int32 if value_dtype == torch.float32 else torch.int16
+        vals = full[:, 3 + k:].to(ibits).view(value_dtype).clone()
+    return GatheredRows(tokens=full[:, 0].clone(), logprobs=full[:, 1].to(torch.int32).view(torch.float32).clone(),
+                    truncated=full[:, 2].bool(), topk_indices=full[:, 3:3 + k].clone(), topk_values=vals)

@@ -24,6 +24,8 @@ import sys
 import threading
 import time
 
+from ..config import EXCHANGES, TAIL_HEAD_INPUTS, TailConfig
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_BODY = 1 << 20  # app.DEFAULT_MAX_BODY (not imported: the app pulls in starlette)
 SHUTDOWN_MARGIN_S = 5.0  # uvicorn's cut comes this long after the app's grace period
@@ -42,15 +44,15 @@ def configure(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-batch", type=int, default=16, help="requests decoding at once")
     ap.add_argument("--max-queue", type=int, default=64, help="requests waiting at most (beyond: HTTP 429)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--k", type=int, default=256, help="the tail's candidates (the largest top_k accepted)")
+    ap.add_argument("--k", type=int, default=TailConfig.k, help="the tail's candidates (the largest top_k accepted)")
     ap.add_argument("--model-name", default=DEFAULT_MODEL_NAME, help="the id clients pass as `model`")
-    ap.add_argument("--exchange", choices=("candidates", "mirror"), default="candidates",
-                    help="the tail's exchange: 'candidates' (decisions on the fp32 logits, the default) or "
-                         "'mirror' (on their bf16 mirror)")
+    ap.add_argument("--exchange", choices=EXCHANGES, default=TailConfig.exchange,
+                    help="the tail's exchange: 'candidates' (decisions on the fp32 logits) or 'mirror' (on their "
+                         "bf16 mirror); default: %(default)s")
     ap.add_argument("--body", choices=("q32", "declared"), default="q32",
                     help="the model body: 'q32' (the default: the GGUF's own blocks on an fp32 stream, the "
                          "Q8_0 head; loads only the file's bytes) or 'declared' (bf16 weights and stream)")
-    ap.add_argument("--head-input", choices=("fp32", "bf16", "bf16x2"), default=None,
+    ap.add_argument("--head-input", choices=TAIL_HEAD_INPUTS, default=None,
                     help="the head GEMM's activation: 'fp32' (the file's Q8_0 head; the default with --body "
                          "q32), 'bf16' (the bf16 head; the default with --body declared) or 'bf16x2' (hi + lo "
                          "bf16 rows on the bf16 head: 16 bits, two GEMM rows per request)")

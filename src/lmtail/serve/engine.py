@@ -41,19 +41,17 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
 
-from ..kernels.rowmass import row_mass
 from ..model.gguf_loader import ModelBundle
 from ..kernels.step import StepBuffers, StepShape
-from ..model.generate import default_head_input, default_ops, head_weight, step_head
+from ..model.generate import default_head_input, default_ops, head_weight, step_config, step_head
 from ..model.llama import Q32_BODY, KVCache, Ops, forward
-from ..numerics import log64
 from ..sampler import SamplingParams, greedy_rows, sampling_tensor
-from ..config import EXCHANGES, TAIL_HEAD_INPUTS, TailConfig
+from ..config import TailConfig
 from ..tail import decode_tail
 from . import batch
 
@@ -137,29 +135,12 @@ class Failed:
 
 
 # ---------------------------------------------------------------------------------------
-# logprobs from the tail's mirror (the sampler's declared numerics)
+# logprobs of other tokens (the sampler's declared numerics)
 # ---------------------------------------------------------------------------------------
-def mirror_lse(logits: torch.Tensor) -> torch.Tensor:
-    """The sampler's full-row log-sum-exp at T = 1 of logits [R, V] fp32: lse1 =
-    m + log64(s) of kernels.rowmass.row_mass over the bf16 mirror widened to float64
-    (sampler.sampling_plan's `lse1`). Returns [R] float64."""
-    row64 = logits.to(torch.bfloat16).double()  # [R, V]
-    m, s, _ = row_mass(row64, torch.ones(row64.shape[0], dtype=torch.float64))
-    return m + log64(s)
-
-
-def tail_lse(out, rows: torch.Tensor, exchange: str) -> torch.Tensor:
-    """The sampler's lse1 [n] float64 of the rows `rows` ([R] bool) of a decode_tail output
-    (run with debug_taps and emit_logits): the candidates exchange's merged m1 + log64(S1)
-    (its taps), or mirror_lse of the mirror."""
-    if exchange == "candidates":
-        return out.taps["m1"][rows] + log64(out.taps["S1"][rows])
-    return mirror_lse(out.logits[rows])
-
-
 def values_logprobs(values: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """fp32(v - lse1) for values [R, n] (bf16 mirror or fp32 candidates, widened exactly)
-    and lse [R] float64: the sampler's logprob of a token whose value is v. Returns [R, n] fp32."""
+    and lse [R] float64 (decode_tail's TailOutput.lse): the sampler's logprob of a token
+    whose value is v. Returns [R, n] fp32."""
     return (values.double() - lse[:, None]).to(torch.float32)
 
 
@@ -254,11 +235,9 @@ class Engine:
         if self.ops.body not in ("declared", Q32_BODY):
             raise ValueError(f"ops.body must be 'declared' or 'q32'; got {self.ops.body!r}")
         head_input = default_head_input(self.ops) if head_input is None else head_input
-        if exchange not in EXCHANGES or head_input not in TAIL_HEAD_INPUTS:
-            raise ValueError(f"exchange must be one of {EXCHANGES} and head_input one of {TAIL_HEAD_INPUTS}; got "
-                             f"{exchange!r}, {head_input!r}")
+        # the tail's options, built (and checked) once: every step, rank and score call passes it
+        self.tail_config = step_config(bundle, k=k, exchange=exchange, head_input=head_input)
         self.bundle, self.max_batch, self.max_queue, self.k, self.body = bundle, max_batch, max_queue, k, body
-        self.tail_kw = dict(exchange=exchange, head_input=head_input)
         self.head = step_head(head_weight(bundle, head_input), True)  # the full head, its fastest layout
         self._scratch = None  # the q32 native rows step's buffers (kernels.step.StepBuffers), kept across steps
         if not isinstance(ranks, int) or ranks < 1 or bundle.config.vocab % ranks:
@@ -268,7 +247,7 @@ class Engine:
         if ranks > 1:
             from .ranks import RankTail
 
-            self._ranks = RankTail(bundle, ranks, k=k, timeout_s=rank_timeout_s, **self.tail_kw)
+            self._ranks = RankTail(bundle, ranks, config=self.tail_config, timeout_s=rank_timeout_s)
         self._pending: collections.deque[Job] = collections.deque()
         self._rows: list[Row] = []
         self._admitting = 0  # jobs taken from _pending, not yet in _rows (being prefilled)
@@ -408,7 +387,8 @@ class Engine:
         if echo_n is not None and len(ids) == 1:
             prompt = Prompt([], [] if echo_n else None)
         elif echo_n is not None:
-            lps, top = score_positions(self.bundle, hall[:-1], torch.tensor(ids[1:]), n=echo_n, **self.tail_kw)
+            lps, top = score_positions(self.bundle, hall[:-1], torch.tensor(ids[1:]), n=echo_n,
+                                       config=self.tail_config)
             prompt = Prompt(lps, top)
         return hall[-1].contiguous(), prompt
 
@@ -509,32 +489,25 @@ class Engine:
         [R], top_out with topk_values / topk_indices of the `want` rows in order (or None),
         their lse1 [R_want] float64 (or None)).
 
-        ranks = 1: one decode_tail call over all rows (emit_logits / debug_taps only when
-        some row wants top alternatives). ranks > 1: tokens and logprobs from the ranks
-        (RankTail.tail: the single-rank bytes); the want rows' top alternatives and lse1
-        from a local full-head decode_tail over those rows only (row-invariant: the same
-        bytes as inside the all-row call), whose tokens must equal the ranks' (checked:
-        RuntimeError otherwise)."""
-        cand = self.tail_kw["exchange"] == "candidates"
+        ranks = 1: one decode_tail call over all rows (self.tail_config; lse1 is its
+        TailOutput.lse). ranks > 1: tokens and logprobs from the ranks (RankTail.tail: the
+        single-rank bytes); the want rows' top alternatives and lse1 from a local full-head
+        decode_tail over those rows only (row-invariant: the same bytes as inside the
+        all-row call), whose tokens must equal the ranks' (checked: RuntimeError otherwise)."""
         mask = torch.tensor(want, dtype=torch.bool)  # [R]
         if self._ranks is None:
-            out = decode_tail(x, self.bundle.final_norm, self.head, eps=self.bundle.config.eps,
-                              k=self.k, sampling_params=sp, emit_logits=any(want), debug_taps=any(want) and cand,
-                              **self.tail_kw)
+            out = decode_tail(x, self.bundle.final_norm, self.head, config=self.tail_config, sampling_params=sp)
             if not any(want):
                 return out, None, None
-            lse = tail_lse(out, mask, self.tail_kw["exchange"])  # [R_want]
-            return out, _Top(out.topk_values[mask], out.topk_indices[mask]), lse
+            return out, _Top(out.topk_values[mask], out.topk_indices[mask]), out.lse[mask]  # lse [R_want]
         out = self._ranks.tail(x, sp)
         if not any(want):
             return out, None, None
-        loc = decode_tail(x[mask].contiguous(), self.bundle.final_norm, self.head,
-                          eps=self.bundle.config.eps, k=self.k, sampling_params=sp[mask].contiguous(),
-                          emit_logits=True, debug_taps=cand, **self.tail_kw)
+        loc = decode_tail(x[mask].contiguous(), self.bundle.final_norm, self.head, config=self.tail_config,
+                          sampling_params=sp[mask].contiguous())
         if not torch.equal(loc.tokens, out.tokens[mask]):
             raise RuntimeError("the ranks' tokens differ from the local tail's on the same rows (a bug)")
-        ones = torch.ones(int(mask.sum()), dtype=torch.bool)
-        return out, _Top(loc.topk_values, loc.topk_indices), tail_lse(loc, ones, self.tail_kw["exchange"])
+        return out, _Top(loc.topk_values, loc.topk_indices), loc.lse
 
     def step_params(self, rows: list[Row]) -> torch.Tensor:
         """[R, 5] fp32 sampling rows: each row's params, u drawn at ITS OWN position."""
@@ -579,27 +552,24 @@ def _emit(job: Job, event) -> None:
 
 
 def score_positions(bundle: ModelBundle, h: torch.Tensor, targets: torch.Tensor, *, n: int | None,
-                    k: int = 1, exchange: str = TailConfig.exchange,
-                    head_input: str = TailConfig.head_input) -> tuple[list[float], list[list[tuple[int, float]]] | None]:
+                    config: TailConfig) -> tuple[list[float], list[list[tuple[int, float]]] | None]:
     """Teacher-forced logprobs: row p of h [P', H] (the hidden state at position p) scores
-    targets[p] (the token at p + 1), by the tail's norm + head GEMM (decode_tail, no
-    sampling) and the sampler's declared logprob fp32(v - lse1): the bytes decode_tail
-    reports when it emits that token from that hidden state (with the same exchange and
-    head_input). n: top alternatives per position (None: none). Returns ([P'] floats,
-    [P'] x n (id, logprob) or None)."""
-    head = head_weight(bundle, head_input)
+    targets[p] (the token at p + 1), by the tail's norm + head GEMM (decode_tail on greedy
+    rows) and the sampler's declared logprob fp32(v - lse1) (lse1: TailOutput.lse): the
+    bytes decode_tail reports when it emits that token from that hidden state with the
+    options of `config` (the step's: generate.step_config; its eps, exchange, head_input
+    and GEMM order apply; k becomes max(n, 1) and the logits are returned). n: top
+    alternatives per position (None: none). Returns ([P'] floats, [P'] x n (id, logprob) or None)."""
+    cfg = replace(config, k=n or 1, emit_logits=True)
+    head = head_weight(bundle, cfg.head_input)
     lps: list[float] = []
     tops: list[list[tuple[int, float]]] | None = [] if n else None
-    cfg = bundle.config
     for p0 in range(0, h.shape[0], SCORE_ROWS):
         hb = h[p0:p0 + SCORE_ROWS].contiguous()  # [c, H]
-        # greedy rows: the candidates exchange computes its row masses (lse1) only for a sampled call
-        greedy = greedy_rows(hb.shape[0])  # [c, 5]
-        out = decode_tail(hb, bundle.final_norm, head, eps=cfg.eps, k=max(k, n or 1),
-                          emit_logits=True, debug_taps=exchange == "candidates", exchange=exchange,
-                          head_input=head_input, sampling_params=greedy if exchange == "candidates" else None)
-        lse = tail_lse(out, torch.ones(hb.shape[0], dtype=torch.bool), exchange)  # [c]
-        decided = out.logits if exchange == "candidates" else out.logits.to(torch.bfloat16)  # what decisions see
+        # greedy rows: lse1 (TailOutput.lse) comes with a sampled call
+        out = decode_tail(hb, bundle.final_norm, head, config=cfg, sampling_params=greedy_rows(hb.shape[0]))
+        lse = out.lse  # [c] float64
+        decided = out.logits if cfg.exchange == "candidates" else out.logits.to(torch.bfloat16)  # what decisions see
         v = decided.gather(1, targets[p0:p0 + SCORE_ROWS, None])  # [c, 1]
         lps += values_logprobs(v, lse)[:, 0].tolist()
         if n:

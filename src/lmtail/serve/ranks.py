@@ -1,17 +1,18 @@
 """The server's vocab-parallel decode tail: `lmtail serve --ranks N` (N > 1).
 
-    RankTail(bundle, N, k=..., exchange=..., head_input=...)   in the server process (rank 0)
+    RankTail(bundle, N, config=TailConfig(...))   in the server process (rank 0)
       |-- spawn ranks 1..N-1 (daemon, spawn context; each dies with the server)
       |   each gets gamma [H] fp32 and ITS head shard w[:, r*V_s:(r+1)*V_s] [H, V_s] bf16
       |   (shared memory, mapped), a command pipe, and joins the gloo group (tcp store on
       |   127.0.0.1, rank 0 = the server process: the default process group)
-    tail(x [B, H] fp32, sp [B, 5] fp32) -> RankOut, every call:
-      rank 0 pads to gbs = ceil(B / N) * N (zero rows, greedy dummies: generate.group_step's
-      padding), sends (gbs, x, sp) down each command pipe (raw bytes: an idle server holds no
-      collective open, so idle time never trips a gloo timeout); every rank runs
-      decode_tail(group=WORLD) on its shard with the sampling rows it owns
-      (layout.owned_rows), then one all-gather of [R, 3 + 2k] int64 per rank (token,
-      logprob bits, truncated, top-k ids, top-k value bits) assembles all rows in row order.
+    tail(x [B, H] fp32, sp [B, 5] fp32) -> RankOut, every call: the rank step of
+      lmtail.model.ranks (generate's group_step runs the same): rank 0 pads to gbs =
+      ceil(B / N) * N (pad_step: zero rows, greedy dummies), sends (gbs, x, sp) down each
+      command pipe (raw bytes: an idle server holds no collective open, so idle time never
+      trips a gloo timeout); every rank runs rank_step: decode_tail(config=..., group=WORLD)
+      on its shard with the sampling rows it owns (layout.owned_rows), then one all-gather
+      of [R, 3 + 2k] int64 per rank (token, logprob bits, truncated, top-k ids, top-k value
+      bits) assembles all rows in row order (gathered_rows).
     close(): a stop command down every pipe, join (bounded), terminate leftovers, destroy
     the process group.
 
@@ -34,7 +35,6 @@ from __future__ import annotations
 import os
 import struct
 import sys
-from dataclasses import dataclass
 from datetime import timedelta
 
 import numpy as np
@@ -43,82 +43,38 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..candidates import check_vtp
+from ..config import TailConfig
 from ..exchange import ExchangeError
 from ..launch import stop_processes
-from ..layout import owned_rows
 from ..kernels.quant import QuantWeight
 from ..model.generate import head_weight, step_head
-from ..sampler import greedy_rows
+from ..model.ranks import GatheredRows, gathered_rows, pad_step, rank_step
 from ..tail import head_shard
 
 _CMD_TAIL, _CMD_STOP = 1, 0
 _HEADER = struct.Struct("<qq")  # (command, gbs)
 
 
-@dataclass(frozen=True)
-class RankOut:
-    """One tail step over all B rows (rank 0's view, rows in call order)."""
-
-    tokens: torch.Tensor  # [B] int64
-    logprobs: torch.Tensor  # [B] fp32
-    truncated: torch.Tensor  # [B] bool
-    topk_indices: torch.Tensor  # [B, k] int64 global ids
-    topk_values: torch.Tensor  # [B, k] fp32 (exchange "candidates") or bf16 ("mirror")
+RankOut = GatheredRows  # one tail step over all B rows (rank 0's view, rows in call order; topk_values gathered)
 
 
 def _value_dtype(exchange: str) -> torch.dtype:
     return torch.float32 if exchange == "candidates" else torch.bfloat16
 
 
-def _pad(x: torch.Tensor, sp: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x [gbs, H] fp32 with zero rows after B, sp [gbs, 5] fp32 with greedy dummies)."""
-    b, hid = x.shape
-    gbs = -(-b // n) * n
-    xp = torch.zeros(gbs, hid, dtype=torch.float32)
-    xp[:b] = x
-    spp = greedy_rows(gbs)  # [gbs, 5] padding rows
-    spp[:b] = sp
-    return xp, spp
-
-
-def _rank_step(rank: int, n: int, xp, spp, gamma, w, opts: dict) -> torch.Tensor:
-    """This rank's part of one step (collective over the world): decode_tail on its shard,
-    then the all-gather. Returns [gbs, 3 + 2k] int64 rows in global row order."""
+def _rank_step(rank: int, n: int, xp, spp, gamma, w, config: TailConfig, timeout: float) -> torch.Tensor:
+    """This rank's part of one step (collective over the world): model.ranks.rank_step with
+    decode_tail on this rank's shard. Returns [gbs, 3 + 2k] int64 rows in global row order."""
     from ..tail import decode_tail
 
-    gbs, k, timeout = xp.shape[0], opts["k"], opts["timeout"]
-    res = decode_tail(xp, gamma, w, eps=opts["eps"], k=k, sampling_params=spp[owned_rows(rank, n, gbs)],
-                      group=dist.group.WORLD, emit_logits=False, exchange=opts["exchange"],
-                      head_input=opts["head_input"], timeout=timeout)
-    vbits = res.topk_values.view(torch.int32 if res.topk_values.dtype == torch.float32 else torch.int16)
-    mine = torch.cat([res.tokens[:, None], res.logprobs.view(torch.int32).to(torch.int64)[:, None],
-                      res.truncated.to(torch.int64)[:, None], res.topk_indices,
-                      vbits.to(torch.int64)], dim=1).contiguous()  # [R, 3 + 2k] int64, bits exact
-    got = [torch.empty_like(mine) for _ in range(n)]
-    work = dist.all_gather(got, mine, async_op=True)
-    try:
-        work.wait(timeout=timedelta(seconds=timeout))
-    except Exception as e:  # gloo raises RuntimeError on a timeout or a reset connection
-        raise ExchangeError(f"serve ranks: the result all-gather failed on rank {rank} (timeout {timeout} s): "
-                            f"a peer rank failed, died or is hanging ({type(e).__name__}: {e})") from e
-    order = torch.tensor([r for q in range(n) for r in owned_rows(q, n, gbs)])  # [gbs]
-    full = torch.empty(gbs, mine.shape[1], dtype=torch.int64)
-    full[order] = torch.cat(got)
-    return full
+    def tail(x, sp_owned):
+        return decode_tail(x, gamma, w, config=config, sampling_params=sp_owned, group=dist.group.WORLD,
+                           timeout=timeout)
+
+    return rank_step(tail, xp, spp, rank=rank, n=n, values=True, timeout=timeout)
 
 
-def _unpack(full: torch.Tensor, b: int, k: int, exchange: str) -> RankOut:
-    full = full[:b]  # dummies dropped
-    vdt = _value_dtype(exchange)
-    ibits = torch.int32 if vdt == torch.float32 else torch.int16
-    return RankOut(tokens=full[:, 0].clone(),
-                   logprobs=full[:, 1].to(torch.int32).view(torch.float32).clone(),
-                   truncated=full[:, 2].bool(),
-                   topk_indices=full[:, 3:3 + k].clone(),
-                   topk_values=full[:, 3 + k:].to(ibits).view(vdt).clone())
-
-
-def _worker(rank, n, port, gamma, w, opts, conn, parent_pid, threads):
+def _worker(rank, n, port, gamma, w, config, timeout, conn, parent_pid, threads):
     """Rank `rank` (>= 1): join the group, then serve tail commands from the pipe until a
     stop command, EOF or a failed collective."""
     from ..launch import _die_with_parent
@@ -127,7 +83,7 @@ def _worker(rank, n, port, gamma, w, opts, conn, parent_pid, threads):
     code = 0
     try:
         torch.set_num_threads(threads)
-        td = timedelta(seconds=opts["timeout"])
+        td = timedelta(seconds=timeout)
         store = dist.TCPStore("127.0.0.1", port, n, False, timeout=td)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=n, timeout=td)
         hid = gamma.shape[0]
@@ -144,7 +100,7 @@ def _worker(rank, n, port, gamma, w, opts, conn, parent_pid, threads):
             xp = torch.from_numpy(body[:gbs * hid].copy()).view(gbs, hid)
             spp = torch.from_numpy(body[gbs * hid:].copy()).view(gbs, 5)
             try:
-                _rank_step(rank, n, xp, spp, gamma, w, opts)
+                _rank_step(rank, n, xp, spp, gamma, w, config, timeout)
             except ExchangeError as e:
                 print(f"lmtail serve rank {rank}: {e}", file=sys.stderr, flush=True)
                 code = 1
@@ -172,26 +128,27 @@ class RankTail:
 
     bundle: the loaded model (its final_norm [H] fp32 and lm_head_weight_t [H, V] bf16);
     ranks: N > 1 dividing V (and 256 with exchange "candidates": candidates.check_vtp);
-    k, exchange, head_input: decode_tail's; timeout_s bounds the start (spawn + group
-    init) and every collective (exchange.ExchangeError past it); threads: torch threads
-    per rank (default: this process's count)."""
+    config: decode_tail's options on every rank (generate.step_config: its k, exchange,
+    head_input ...); timeout_s bounds the start (spawn + group init) and every collective
+    (exchange.ExchangeError past it); threads: torch threads per rank (default: this
+    process's count)."""
 
-    def __init__(self, bundle, ranks: int, *, k: int, exchange: str, head_input: str,
-                 timeout_s: float = 120.0, threads: int | None = None):
+    def __init__(self, bundle, ranks: int, *, config: TailConfig, timeout_s: float = 120.0,
+                 threads: int | None = None):
         v = bundle.config.vocab
         if not isinstance(ranks, int) or ranks < 2 or v % ranks:
             raise ValueError(f"ranks must be an int >= 2 dividing the vocab {v}; got {ranks!r}")
-        if exchange == "candidates":
+        if not isinstance(config, TailConfig):
+            raise ValueError(f"config must be a TailConfig; got {type(config).__name__}")
+        if config.exchange == "candidates":
             check_vtp(ranks)
         if dist.is_initialized():
             raise RuntimeError("RankTail needs this process's default process group, which already exists "
                                "(one RankTail per process; close the other first)")
-        self.n, self.k, self.exchange = ranks, k, exchange
+        self.n, self.config, self.timeout = ranks, config, float(timeout_s)
         self.hidden = bundle.final_norm.shape[-1]
-        self.opts = dict(k=k, eps=bundle.config.eps, exchange=exchange, head_input=head_input,
-                         timeout=float(timeout_s))
         self.gamma = bundle.final_norm.reshape(-1).to(torch.float32).contiguous()  # [H]
-        head = head_weight(bundle, head_input)  # [H, V] bf16, or the [V, H] Q8_0 QuantWeight ("fp32")
+        head = head_weight(bundle, config.head_input)  # [H, V] bf16, or the [V, H] Q8_0 QuantWeight ("fp32")
         self.w = step_head(head_shard(head, 0, ranks), True)  # rank 0's shard, its fastest layout
         self.broken: str | None = None
         self.procs, self.conns = [], []
@@ -205,7 +162,7 @@ class RankTail:
                 recv_end, send_end = ctx.Pipe(duplex=False)
                 p = ctx.Process(target=_worker, daemon=True, name=f"lmtail-serve-rank{r}",
                                 args=(r, ranks, self._store.port, self.gamma.clone().share_memory_(), shard,
-                                      self.opts, recv_end, os.getpid(), threads))
+                                      config, self.timeout, recv_end, os.getpid(), threads))
                 p.start()
                 recv_end.close()
                 self.procs.append(p)
@@ -218,7 +175,7 @@ class RankTail:
     def tail(self, x: torch.Tensor, sp: torch.Tensor) -> RankOut:
         """decode_tail's sampling outputs for x [B, H] fp32 (the rows' pre-final-norm hidden
         states) and sp [B, 5] fp32 (sampler.sampling_tensor rows), over the ranks: the bytes
-        of the single-rank decode_tail(x, gamma, w, k=k, sampling_params=sp) (module
+        of the single-rank decode_tail(x, gamma, w, config=config, sampling_params=sp) (module
         docstring). ValueError for inputs decode_tail refuses (the ranks stay up);
         ExchangeError when a rank fails (the RankTail is then broken: RuntimeError after)."""
         if self.broken is not None:
@@ -227,18 +184,18 @@ class RankTail:
             raise ValueError(f"x must be [B, {self.hidden}] fp32; got {tuple(x.shape)} {x.dtype}")
         if sp.shape != (x.shape[0], 5) or sp.dtype != torch.float32:
             raise ValueError(f"sp must be [{x.shape[0]}, 5] fp32; got {tuple(sp.shape)} {sp.dtype}")
-        xp, spp = _pad(x, sp, self.n)
+        xp, spp = pad_step(x, sp, self.n)
         msg = _HEADER.pack(_CMD_TAIL, xp.shape[0]) + xp.numpy().tobytes() + spp.numpy().tobytes()
         try:
             for c in self.conns:
                 c.send_bytes(msg)
-            full = _rank_step(0, self.n, xp, spp, self.gamma, self.w, self.opts)
+            full = _rank_step(0, self.n, xp, spp, self.gamma, self.w, self.config, self.timeout)
         except ValueError:
             raise
         except Exception as e:
             self.broken = f"{type(e).__name__}: {e}"
             raise
-        return _unpack(full, x.shape[0], self.k, self.exchange)
+        return gathered_rows(full, x.shape[0], _value_dtype(self.config.exchange))
 
     def alive(self) -> list[int]:
         """The pids of rank processes still running."""
