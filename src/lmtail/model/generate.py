@@ -59,6 +59,7 @@ import numpy as np
 import torch
 
 from ..numerics import draw_u
+from ..processors import Processors
 from ..sampler import DEFAULT_U, SamplingParams, greedy_rows, sampling_tensor, seed_int64
 from ..config import EXCHANGES, TAIL_HEAD_INPUTS, TailConfig
 from ..kernels.gemm import weight_for
@@ -221,13 +222,17 @@ def step_head(w, pack: bool):
 
 
 def local_step(tail_fn, bundle: ModelBundle, k: int, head_input: str, pack: bool = False):
-    """tail_step(h [B, H], sp [B, 5]) -> StepOut on one rank (the full head of `head_input`;
-    pack: the default tail, which takes the head in any layout: step_head)."""
+    """tail_step(h [B, H], sp [B, 5], processing=None) -> StepOut on one rank (the full head
+    of `head_input`; pack: the default tail, which takes the head in any layout:
+    step_head). processing: None or B entries (processors.LogitProcessing | None), handed
+    to tail_fn as processing= (only when given)."""
     cfg = bundle.config
     head = step_head(head_weight(bundle, head_input), pack)
 
-    def step(h, sp):
-        res = tail_fn(h, bundle.final_norm, head, eps=cfg.eps, k=k, sampling_params=sp, head_input=head_input)
+    def step(h, sp, processing=None):
+        extra = {} if processing is None else {"processing": processing}
+        res = tail_fn(h, bundle.final_norm, head, eps=cfg.eps, k=k, sampling_params=sp, head_input=head_input,
+                      **extra)
         return StepOut(res.tokens, res.logprobs, getattr(res, "topk_indices", None),
                        getattr(res, "truncated", None))
 
@@ -238,7 +243,8 @@ def group_step(tail_fn, bundle: ModelBundle, k: int, rank: int, n: int, head_inp
                pack: bool = False):
     """tail_step for rank `rank` of an n-rank world (module docstring, "Ranks"): zero-row
     padding to gbs, this rank's vocab shard of the head for `head_input`, owned rows'
-    params, one all-gather after."""
+    params, one all-gather after. processing (None or B entries) is padded with None to
+    gbs (every rank passes all gbs rows: each edits its own shard's lanes)."""
     import torch.distributed as dist
 
     from ..layout import owned_rows
@@ -246,15 +252,16 @@ def group_step(tail_fn, bundle: ModelBundle, k: int, rank: int, n: int, head_inp
     cfg = bundle.config
     w = step_head(head_shard(head_weight(bundle, head_input), rank, n), pack)
 
-    def step(h, sp):
+    def step(h, sp, processing=None):
         b, hid = h.shape
         gbs = -(-b // n) * n
         hp = torch.zeros(gbs, hid, dtype=torch.float32)  # [gbs, H]
         hp[:b] = h
         spp = greedy_rows(gbs)  # [gbs, 5] padding rows
         spp[:b] = sp
+        extra = {} if processing is None else {"processing": list(processing) + [None] * (gbs - b)}
         res = tail_fn(hp, bundle.final_norm, w, eps=cfg.eps, k=k, head_input=head_input,
-                      sampling_params=spp[owned_rows(rank, n, gbs)], group=dist.group.WORLD)
+                      sampling_params=spp[owned_rows(rank, n, gbs)], group=dist.group.WORLD, **extra)
         lp_bits = res.logprobs.view(torch.int32).to(torch.int64)  # [R] exact round trip
         mine = torch.cat([res.tokens[:, None], lp_bits[:, None], res.truncated.to(torch.int64)[:, None],
                           res.topk_indices], dim=1)  # [R, 3 + k] int64
@@ -272,9 +279,11 @@ def group_step(tail_fn, bundle: ModelBundle, k: int, rank: int, n: int, head_inp
 
 def decode_loop(bundle: ModelBundle, ids: list[list[int]], params: list[SamplingParams], *,
                 max_new_tokens: int, ops: Ops, tail_step, on_step=None, record=False,
-                on_prefill=None) -> Generation:
+                on_prefill=None, processors: list[Processors | None] | None = None) -> Generation:
     """Prefill the left-padded batch (in chunks; on_prefill(done, P) after each), then one
-    tail step + one forward per token."""
+    tail step + one forward per token. processors (None or one per row): each step's
+    LogitProcessing per row from its prompt and the tokens it has generated so far
+    (a stopped row's later tokens are not counted: they are dropped)."""
     cfg, tok, b_n = bundle.config, bundle.tokenizer, len(ids)
     lens = np.array([len(x) for x in ids], dtype=np.int64)  # [B]
     p_len = int(lens.max())
@@ -286,15 +295,19 @@ def decode_loop(bundle: ModelBundle, ids: list[list[int]], params: list[Sampling
     x = prefill(bundle, batch, cache, ops=ops, on_progress=on_prefill).contiguous()  # [B, H]
     t1 = time.perf_counter()
     step = 0
+    counts = [{} for _ in range(b_n)]  # per row: {token id: times generated}
     while True:
         sp = step_params(params, lens + step)  # [B, 5]
         active = torch.tensor([not d for d in done])
-        res = tail_step(x, sp)
+        proc = None if processors is None else [None if q is None else q.at(ids[b], counts[b])
+                                                  for b, q in enumerate(processors)]
+        res = tail_step(x, sp) if proc is None else tail_step(x, sp, proc)
         if record:
             trace.append((x, sp, res.tokens, res.topk_indices, res.truncated, active))
         new = res.tokens.tolist()
         for b in range(b_n):
             if not done[b]:
+                counts[b][new[b]] = counts[b].get(new[b], 0) + 1
                 out_ids[b].append(new[b])
                 out_lp[b].append(float(res.logprobs[b]))
                 done[b] = new[b] in tok.stop_ids
@@ -319,7 +332,7 @@ def rank_decode(bundle: ModelBundle, rank: int, n: int, ids, params, opts: dict,
     run by lmtail.model.ranks.run_ranks in each spawned rank."""
     step = group_step(opts["tail_fn"], bundle, opts["k"], rank, n, opts["head_input"], opts["pack"])
     return decode_loop(bundle, ids, params, max_new_tokens=opts["max_new_tokens"], ops=opts["ops"],
-                       tail_step=step, on_step=on_step, record=opts["record"])
+                       tail_step=step, on_step=on_step, record=opts["record"], processors=opts.get("processors"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -331,7 +344,8 @@ def generate(bundle: ModelBundle, prompts: list[str], *, max_new_tokens: int = 6
              ranks: int = 1, k: int = 256, chat: bool = True, tail_fn: Callable | None = None,
              ops: Ops | None = None, on_step: Callable | None = None, record: bool = False,
              timeout_s: float = 600.0, on_prefill: Callable | None = None,
-             exchange: str | None = None, head_input: str | None = None) -> Generation:
+             exchange: str | None = None, head_input: str | None = None,
+             processors: list[Processors | None] | None = None) -> Generation:
     """Generate up to max_new_tokens for each prompt (module docstring).
 
     Sampling: the scalars (temperature < 1e-5 is greedy; top_k <= 0 disables; seed one int
@@ -346,6 +360,10 @@ def generate(bundle: ModelBundle, prompts: list[str], *, max_new_tokens: int = 6
     GEMM activation (config.EXCHANGES, config.TAIL_HEAD_INPUTS; None: TailConfig's exchange
     and default_head_input(ops): "fp32", the file's Q8_0 head, for the q32 body, else "bf16");
     only without tail_fn (a tail_fn gets the head of default_head_input(ops)).
+    processors: None, or one processors.Processors (or None) per prompt: logit_bias and the
+    presence / frequency / repetition penalties, applied at the tail's logits-processor seam
+    each step (lmtail.processors; a tail_fn then gets processing=); not with record (the
+    certification covers the unprocessed tail).
     """
     t0 = time.perf_counter()
     if not prompts or not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
@@ -363,6 +381,18 @@ def generate(bundle: ModelBundle, prompts: list[str], *, max_new_tokens: int = 6
         raise ValueError(f"params must hold one SamplingParams per prompt ({b_n}); got {len(params)}")
     for i, p in enumerate(params):
         check_request(i, p)
+    if processors is not None:
+        if not isinstance(processors, (list, tuple)) or len(processors) != b_n:
+            raise ValueError(f"processors must be None or one Processors (or None) per prompt ({b_n}); got "
+                             f"{processors!r:.80}")
+        for i, q in enumerate(processors):
+            if q is not None:
+                if not isinstance(q, Processors):
+                    raise ValueError(f"processors[{i}] must be a Processors or None; got {type(q).__name__}")
+                q.check(cfg.vocab, f"processors[{i}]")
+        if record:
+            raise ValueError("record=True certifies the unprocessed tail; got processors as well")
+        processors = None if all(q is None or q.neutral for q in processors) else list(processors)
     k = min(max([k] + [int(p.top_k) for p in params]), cfg.vocab)  # decode_tail needs 1 <= k <= V
     ids = encode_prompts(bundle, list(prompts), chat=chat)
     lens = [len(x) for x in ids]
@@ -382,10 +412,10 @@ def generate(bundle: ModelBundle, prompts: list[str], *, max_new_tokens: int = 6
     if ranks == 1:
         gen = decode_loop(bundle, ids, params, max_new_tokens=max_new_tokens, ops=ops,
                           tail_step=local_step(tail_fn, bundle, k, head_input, pack), on_step=on_step,
-                          record=record, on_prefill=on_prefill)
+                          record=record, on_prefill=on_prefill, processors=processors)
     else:
         opts = dict(tail_fn=tail_fn, ops=ops, k=k, max_new_tokens=max_new_tokens, record=record,
-                    head_input=head_input, pack=pack)
+                    head_input=head_input, pack=pack, processors=processors)
         gens = run_ranks(rank_decode, bundle, (ids, params, opts), ranks=ranks, on_step=on_step,
                          timeout_s=timeout_s)
         assert all(g.token_ids == gens[0].token_ids for g in gens), "ranks decoded different tokens"

@@ -5,9 +5,10 @@
       |   each gets gamma [H] fp32 and ITS head shard w[:, r*V_s:(r+1)*V_s] [H, V_s] bf16
       |   (shared memory, mapped), a command pipe, and joins the gloo group (tcp store on
       |   127.0.0.1, rank 0 = the server process: the default process group)
-    tail(x [B, H] fp32, sp [B, 5] fp32) -> RankOut, every call:
+    tail(x [B, H] fp32, sp [B, 5] fp32[, processing]) -> RankOut, every call:
       rank 0 pads to gbs = ceil(B / N) * N (zero rows, greedy dummies: generate.group_step's
-      padding), sends (gbs, x, sp) down each command pipe (raw bytes: an idle server holds no
+      padding; processing padded with None), sends (gbs, x, sp[, the pickled processing
+      list, when some row has one]) down each command pipe (raw bytes: an idle server holds no
       collective open, so idle time never trips a gloo timeout); every rank runs
       decode_tail(group=WORLD) on its shard with the sampling rows it owns
       (layout.owned_rows), then one all-gather of [R, 3 + 2k] int64 per rank (token,
@@ -32,6 +33,7 @@ rank owns, H hidden, V vocab, V_s = V / N vocab shard, k candidates.
 from __future__ import annotations
 
 import os
+import pickle
 import struct
 import sys
 from dataclasses import dataclass
@@ -51,7 +53,7 @@ from ..model.generate import head_weight, step_head
 from ..sampler import greedy_rows
 from ..tail import head_shard
 
-_CMD_TAIL, _CMD_STOP = 1, 0
+_CMD_TAIL, _CMD_STOP, _CMD_TAIL_PROC = 1, 0, 2  # _CMD_TAIL_PROC: the floats, then the pickled processing
 _HEADER = struct.Struct("<qq")  # (command, gbs)
 
 
@@ -81,15 +83,16 @@ def _pad(x: torch.Tensor, sp: torch.Tensor, n: int) -> tuple[torch.Tensor, torch
     return xp, spp
 
 
-def _rank_step(rank: int, n: int, xp, spp, gamma, w, opts: dict) -> torch.Tensor:
-    """This rank's part of one step (collective over the world): decode_tail on its shard,
-    then the all-gather. Returns [gbs, 3 + 2k] int64 rows in global row order."""
+def _rank_step(rank: int, n: int, xp, spp, gamma, w, opts: dict, processing=None) -> torch.Tensor:
+    """This rank's part of one step (collective over the world): decode_tail on its shard
+    (processing: None or gbs entries, the same on every rank), then the all-gather.
+    Returns [gbs, 3 + 2k] int64 rows in global row order."""
     from ..tail import decode_tail
 
     gbs, k, timeout = xp.shape[0], opts["k"], opts["timeout"]
     res = decode_tail(xp, gamma, w, eps=opts["eps"], k=k, sampling_params=spp[owned_rows(rank, n, gbs)],
                       group=dist.group.WORLD, emit_logits=False, exchange=opts["exchange"],
-                      head_input=opts["head_input"], timeout=timeout)
+                      head_input=opts["head_input"], timeout=timeout, processing=processing)
     vbits = res.topk_values.view(torch.int32 if res.topk_values.dtype == torch.float32 else torch.int16)
     mine = torch.cat([res.tokens[:, None], res.logprobs.view(torch.int32).to(torch.int64)[:, None],
                       res.truncated.to(torch.int64)[:, None], res.topk_indices,
@@ -140,11 +143,13 @@ def _worker(rank, n, port, gamma, w, opts, conn, parent_pid, threads):
             cmd, gbs = _HEADER.unpack_from(msg)
             if cmd == _CMD_STOP:
                 break
-            body = np.frombuffer(msg, dtype=np.float32, offset=_HEADER.size)
+            nf = gbs * (hid + 5)  # the floats: x then sp
+            body = np.frombuffer(msg, dtype=np.float32, offset=_HEADER.size, count=nf)
             xp = torch.from_numpy(body[:gbs * hid].copy()).view(gbs, hid)
             spp = torch.from_numpy(body[gbs * hid:].copy()).view(gbs, 5)
+            proc = pickle.loads(msg[_HEADER.size + 4 * nf:]) if cmd == _CMD_TAIL_PROC else None
             try:
-                _rank_step(rank, n, xp, spp, gamma, w, opts)
+                _rank_step(rank, n, xp, spp, gamma, w, opts, proc)
             except ExchangeError as e:
                 print(f"lmtail serve rank {rank}: {e}", file=sys.stderr, flush=True)
                 code = 1
@@ -215,11 +220,12 @@ class RankTail:
             self._reap(0.0)
             raise
 
-    def tail(self, x: torch.Tensor, sp: torch.Tensor) -> RankOut:
+    def tail(self, x: torch.Tensor, sp: torch.Tensor, processing=None) -> RankOut:
         """decode_tail's sampling outputs for x [B, H] fp32 (the rows' pre-final-norm hidden
-        states) and sp [B, 5] fp32 (sampler.sampling_tensor rows), over the ranks: the bytes
-        of the single-rank decode_tail(x, gamma, w, k=k, sampling_params=sp) (module
-        docstring). ValueError for inputs decode_tail refuses (the ranks stay up);
+        states), sp [B, 5] fp32 (sampler.sampling_tensor rows) and processing (None or B
+        entries of processors.LogitProcessing | None: padded with None to gbs, pickled down
+        each pipe), over the ranks: the bytes of the single-rank decode_tail(x, gamma, w,
+        k=k, sampling_params=sp, processing=processing) (module docstring). ValueError for inputs decode_tail refuses (the ranks stay up);
         ExchangeError when a rank fails (the RankTail is then broken: RuntimeError after)."""
         if self.broken is not None:
             raise RuntimeError(f"the serve ranks are down: {self.broken}")
@@ -228,11 +234,13 @@ class RankTail:
         if sp.shape != (x.shape[0], 5) or sp.dtype != torch.float32:
             raise ValueError(f"sp must be [{x.shape[0]}, 5] fp32; got {tuple(sp.shape)} {sp.dtype}")
         xp, spp = _pad(x, sp, self.n)
-        msg = _HEADER.pack(_CMD_TAIL, xp.shape[0]) + xp.numpy().tobytes() + spp.numpy().tobytes()
+        proc = None if processing is None else list(processing) + [None] * (xp.shape[0] - x.shape[0])
+        msg = (_HEADER.pack(_CMD_TAIL if proc is None else _CMD_TAIL_PROC, xp.shape[0]) + xp.numpy().tobytes()
+               + spp.numpy().tobytes() + (b"" if proc is None else pickle.dumps(proc)))
         try:
             for c in self.conns:
                 c.send_bytes(msg)
-            full = _rank_step(0, self.n, xp, spp, self.gamma, self.w, self.opts)
+            full = _rank_step(0, self.n, xp, spp, self.gamma, self.w, self.opts, proc)
         except ValueError:
             raise
         except Exception as e:
