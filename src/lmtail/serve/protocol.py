@@ -202,7 +202,8 @@ def _penalty(lo: float, hi: float, *, lo_open: bool = False):
         if v is None:
             return None
         if not (_is_num(v) and (v > lo if lo_open else v >= lo) and v <= hi):
-            raise bad(name, f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]", v)
+            raise bad(name, f"a finite number > {lo:g}" if hi == math.inf else
+                      f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]", v)
         if lo_open and not 0 < abs(_fp32_or_inf(float(v))) < math.inf:
             raise ApiError(400, f"{name} must be > 0 and finite in fp32 (the tail's dtype); got {v!r}, which is "
                                 f"{_fp32_or_inf(float(v))!r} in fp32", param=name)
