@@ -248,3 +248,26 @@ def test_http_logit_bias_and_penalties(bundle):
             c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], presence_penalty=3)
     finally:
         assert srv.stop(30) and engine.close(10)
+
+
+# ---------------------------------------------------------------------------------------
+# the model-level decode: generate(processors=...)
+# ---------------------------------------------------------------------------------------
+def test_generate_with_processors_on_1_and_2_ranks(bundle):
+    """generate(processors=[...]) (chat prompts): the penalised greedy row == the float64
+    reference's greedy decode, the plain row == generate without processors, and ranks=2
+    gives every token of ranks=1."""
+    from lmtail.model.generate import generate
+
+    prompts = [REQUESTS[0][0], REQUESTS[3][0]]
+    params = [SamplingParams(temperature=0.0, seed=1), SamplingParams(temperature=0.9, top_p=0.9, seed=4)]
+    one = generate(bundle, prompts, params=params, processors=[REP, None], max_new_tokens=10)
+    assert list(one.token_ids[0]) == greedy_reference(bundle, chat_ids(bundle, prompts[0]), 10, REP)
+    plain = generate(bundle, prompts[1:], params=params[1:], max_new_tokens=10)
+    assert one.token_ids[1] == plain.token_ids[0] and one.logprobs[1] == plain.logprobs[0]
+    two = generate(bundle, prompts, params=params, processors=[REP, None], max_new_tokens=10, ranks=2)
+    assert two.token_ids == one.token_ids and two.logprobs == one.logprobs
+    with pytest.raises(ValueError, match=r"processors\[0\].frequency_penalty must be a number in \[-2, 2\]"):
+        generate(bundle, prompts[:1], processors=[Processors(frequency_penalty=9)], max_new_tokens=2)
+    with pytest.raises(ValueError, match="record=True certifies the unprocessed tail"):
+        generate(bundle, prompts[:1], processors=[REP], max_new_tokens=2, record=True)
