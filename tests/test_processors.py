@@ -159,14 +159,14 @@ def _planted(kind):
     def edit(flat, idx, rep, r, freq, f, c, pres, p, hb, b):
         g = flat[idx]
         if kind == "bias_first":
-            g = torch.where(hb, g + b, g)
-        g = torch.where(rep, torch.where(g > 0, g / r, g * r), g)
-        g = torch.where(freq, g - f * c, g)
-        g = torch.where(pres, g - p, g)
+            g = np.where(hb, g + b, g)
+        g = np.where(rep, np.where(g > 0, g / r, g * r), g)
+        g = np.where(freq, g - f * c, g)
+        g = np.where(pres, g - p, g)
         if kind != "bias_first":
-            g = torch.where(hb, g + b, g)
+            g = np.where(hb, g + b, g)
         if kind == "bias_twice":
-            g = torch.where(hb, g + b, g)
+            g = np.where(hb, g + b, g)
         flat[idx] = g
     return edit
 

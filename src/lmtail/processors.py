@@ -25,8 +25,9 @@ as two declared subtractions). Declared: `processors_decl()`; the tail's declara
 (tail.tail_decl) names the seam as its rounding point "processors"; docs/numerics.md.
 
 Efficiency: per call, the listed ids of every row are gathered into one flat index list
-and edited with one torch op per step (no dense [gbs, V] pass); the mask is one
-masked_fill per masked row. With processing None (or all None) nothing runs.
+and edited with one numpy op per step on a view of the logits (no dense [gbs, V] pass, no
+thread-pool wake-up); the mask is one masked store per masked row. With processing None
+(or all None) nothing runs.
 
 Validation (`plan_processing`, the seam's one boundary check): ValueError naming the
 field (processing[b].<field>) with expected vs got: ids ints in [0, V) (logit_bias and
@@ -124,10 +125,28 @@ def _ids(name: str, values, v: int) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
-def _pairs(name: str, pairs) -> tuple[list, list]:
-    if not isinstance(pairs, (tuple, list)) or not all(isinstance(q, (tuple, list)) and len(q) == 2 for q in pairs):
+def _pairs(name: str, pairs) -> tuple[tuple, tuple]:
+    """(ids, values) of a sequence of (id, value) pairs."""
+    ok = isinstance(pairs, (tuple, list))
+    if ok and not pairs:
+        return (), ()
+    try:
+        ok = ok and set(map(len, pairs)) == {2}
+    except TypeError:
+        ok = False
+    if not ok:
         raise ValueError(f"{name} must be a tuple of (token id, value) pairs; got {pairs!r:.120}")
-    return [q[0] for q in pairs], [q[1] for q in pairs]
+    ids, vals = zip(*pairs)
+    return ids, vals
+
+
+def _numbers(name: str, vals, what: str) -> np.ndarray:
+    """[n] float64 of a sequence of real numbers (ints or floats, not bools)."""
+    arr = np.asarray(vals) if vals else np.zeros(0)
+    if arr.ndim != 1 or arr.dtype.kind not in "iuf":
+        bad = next((x for x in vals if not is_real(x)), vals[0])
+        raise ValueError(f"{name} must map ids to {what}; got {bad!r}")
+    return arr
 
 
 def _unique(name: str, ids: np.ndarray) -> np.ndarray:
@@ -159,15 +178,17 @@ def plan_row(p: LogitProcessing, v: int, name: str = "processing") -> RowPlan | 
                          + (f", which is {r!r} in fp32" if is_real(rp) and math.isfinite(rp) and rp > 0 else ""))
     b_ids, b_vals = _pairs(f"{name}.logit_bias", p.logit_bias)
     bias_ids = _ids(f"{name}.logit_bias", b_ids, v)
-    for b in b_vals:
-        if not (is_real(b) and math.isfinite(_f32(float(b)))):
-            raise ValueError(f"{name}.logit_bias must map ids to numbers finite in fp32; got {b!r}")
-    bias = np.asarray(b_vals, dtype=np.float32).reshape(-1)
+    with np.errstate(over="ignore"):
+        bias = _numbers(f"{name}.logit_bias", b_vals, "numbers finite in fp32").astype(np.float32)
+    if not np.isfinite(bias).all():
+        bad = b_vals[int(np.nonzero(~np.isfinite(bias))[0][0])]
+        raise ValueError(f"{name}.logit_bias must map ids to numbers finite in fp32; got {bad!r}")
     c_ids, c_vals = _pairs(f"{name}.output_counts", p.output_counts)
     cnt_ids = _ids(f"{name}.output_counts", c_ids, v)
-    for c in c_vals:
-        if not (is_int(c) and 1 <= c < MAX_COUNT):
-            raise ValueError(f"{name}.output_counts must map ids to int counts in [1, 2**24); got {c!r}")
+    cnts = _numbers(f"{name}.output_counts", c_vals, "int counts in [1, 2**24)")
+    if cnts.size and (cnts.dtype.kind == "f" or cnts.min() < 1 or cnts.max() >= MAX_COUNT):
+        bad = next(x for x in c_vals if not (is_int(x) and 1 <= x < MAX_COUNT))
+        raise ValueError(f"{name}.output_counts must map ids to int counts in [1, 2**24); got {bad!r}")
     prompt = _ids(f"{name}.prompt_ids", p.prompt_ids, v)
     allowed = p.allowed
     if allowed is not None:
@@ -176,7 +197,7 @@ def plan_row(p: LogitProcessing, v: int, name: str = "processing") -> RowPlan | 
             got = (f"{tuple(allowed.shape)} {allowed.dtype}" if isinstance(allowed, torch.Tensor)
                    else type(allowed).__name__)
             raise ValueError(f"{name}.allowed must be a CPU [V={v}] bool tensor; got {got}")
-        if not bool(allowed.any()):
+        if not allowed.numpy().any():
             raise ValueError(f"{name}.allowed must allow at least one token; got none allowed")
     bo = _unique(f"{name}.logit_bias", bias_ids)
     co = _unique(f"{name}.output_counts", cnt_ids)
@@ -185,7 +206,7 @@ def plan_row(p: LogitProcessing, v: int, name: str = "processing") -> RowPlan | 
     empty = np.zeros(0, dtype=np.int64)
     return RowPlan(rep_ids=np.union1d(prompt, cnt_ids) if r != 1 else empty, r=r,
                    cnt_ids=cnt_ids[co] if (f != 0 or pr != 0) else empty,
-                   cnts=np.asarray(c_vals, dtype=np.float32).reshape(-1)[co] if (f != 0 or pr != 0)
+                   cnts=cnts.astype(np.float32)[co] if (f != 0 or pr != 0)
                    else np.zeros(0, dtype=np.float32),
                    f=f, p=pr, bias_ids=bias_ids[bo], bias=bias[bo], allowed=allowed)
 
@@ -210,7 +231,7 @@ def plan_processing(processing, *, rows: int, vocab_size: int) -> list[RowPlan |
 # ---------------------------------------------------------------------------------------
 def _lanes(pl: RowPlan, v0: int, vs: int) -> np.ndarray:
     """The row's listed global ids that fall in [v0, v0 + vs), sorted unique."""
-    ids = np.union1d(np.union1d(pl.rep_ids, pl.cnt_ids), pl.bias_ids)
+    ids = np.unique(np.concatenate([pl.rep_ids, pl.cnt_ids, pl.bias_ids]))
     return ids[(ids >= v0) & (ids < v0 + vs)]
 
 
@@ -241,21 +262,24 @@ def apply_plans(logits: torch.Tensor, plans: Sequence[RowPlan | None], *, v0: in
         m = lanes.size
         parts.append((lanes - v0 + i * vs, rep, np.full(m, pl.r, np.float32), cnt & (pl.f != 0),
                       np.full(m, pl.f, np.float32), c, cnt & (pl.p != 0), np.full(m, pl.p, np.float32), hb, b))
+    x = logits.numpy()  # [n, V_s] fp32, a view: the edits land in logits
     if parts:
-        _edit(logits.view(-1), *(torch.from_numpy(np.concatenate(col)) for col in zip(*parts)))
+        _edit(x.reshape(-1), *(np.concatenate(col) for col in zip(*parts)))
     for i, pl in enumerate(plans):
         if pl is not None and pl.allowed is not None:
-            logits[i].masked_fill_(~pl.allowed[v0:v0 + vs], -math.inf)
+            x[i][~pl.allowed.numpy()[v0:v0 + vs]] = -np.inf
     return logits
 
 
 def _edit(flat, idx, rep, r, freq, f, c, pres, p, hb, b) -> None:
-    """Steps 1-4 on the listed lanes flat[idx] [n], each one torch op, fp32 rounding each."""
+    """Steps 1-4 on the listed lanes flat[idx] [n], fp32 arrays, one fp32 rounding each
+    (numpy float32 arithmetic: IEEE, nearest even)."""
     g = flat[idx]  # [n] fp32
-    g = torch.where(rep, torch.where(g > 0, g / r, g * r), g)  # 1 repetition
-    g = torch.where(freq, g - f * c, g)  # 2 frequency: fp32(f*c), then fp32(l - that)
-    g = torch.where(pres, g - p, g)  # 3 presence
-    g = torch.where(hb, g + b, g)  # 4 logit_bias
+    with np.errstate(all="ignore"):  # inf - inf, NaN compares: IEEE results, no warnings
+        g = np.where(rep, np.where(g > 0, g / r, g * r), g)  # 1 repetition
+        g = np.where(freq, g - f * c, g)  # 2 frequency: fp32(f*c), then fp32(l - that)
+        g = np.where(pres, g - p, g)  # 3 presence
+        g = np.where(hb, g + b, g)  # 4 logit_bias
     flat[idx] = g
 
 
