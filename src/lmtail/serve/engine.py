@@ -482,7 +482,10 @@ class Engine:
         sp = self.step_params(rows)  # [R, 5]
         want = [r.job.logprobs is not None and r.job.logprobs > 0 for r in rows]
         proc = [r.processing() for r in rows]
-        out, top_out, lse = self._tail(x, sp, want, None if all(p is None for p in proc) else proc)
+        if all(p is None for p in proc):  # no row has processors: the plain call
+            out, top_out, lse = self._tail(x, sp, want)
+        else:
+            out, top_out, lse = self._tail(x, sp, want, proc)
         res, w = [], 0
         for i, r in enumerate(rows):
             top = None
