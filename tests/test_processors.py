@@ -345,13 +345,21 @@ def _ranks_job(rank: int, cases):
         o = decode_tail(x, gamma, head_shard(w, rank, 2), k=K, sampling_params=sp[rows], processing=proc,
                         exchange=exchange, group=dist.group.WORLD)
         outs.append((rows, {f: getattr(o, f) for f in FIELDS}))
+    x, gamma, w, sp = tail_problem(8, 0, 512)  # the ranks disagree on one row's processing
+    proc = [None] * 7 + [LogitProcessing(logit_bias=((5, 1.0 + rank),))]
+    try:
+        decode_tail(x, gamma, head_shard(w, rank, 2), k=K, processing=proc, group=dist.group.WORLD)
+        outs.append("no error")
+    except ValueError as e:
+        outs.append(str(e))
     return outs
 
 
 def test_two_ranks_equal_one_rank():
     """decode_tail(processing=...) vocab-parallel over 2 gloo ranks (both exchanges, ids
     at the shard edges, masks): every owned row's outputs == the single-rank call's, and
-    each rank's logits are its shard of the single-rank processed logits."""
+    each rank's logits are its shard of the single-rank processed logits. Ranks given
+    different processing raise a ValueError naming it on every rank."""
     cases = [(0, "candidates"), (1, "mirror"), (2, "candidates")]
     res = launch(_ranks_job, 2, args=(cases,), timeout_s=240, threads=1)
     for c, (seed, exchange) in enumerate(cases):
@@ -359,6 +367,7 @@ def test_two_ranks_equal_one_rank():
         proc = rand_processing(8, 512, seed, edges=(0, 255, 256, 511))
         one = decode_tail(x, gamma, w, k=K, sampling_params=sp, processing=proc, exchange=exchange)
         for rank in range(2):
+            assert "processing checksum" in res[rank][-1], res[rank][-1]  # refused on every rank
             rows, o = res[rank][c]
             assert same_bits(o["logits"], one.logits[:, rank * 256:(rank + 1) * 256]), (seed, rank)
             for f in FIELDS[1:]:

@@ -37,6 +37,11 @@ The exchange moves bytes only, so the tokens equal the single-rank tail's on the
 hidden states, bitwise; and the bodies are the same computation, so the text is the same
 for every N. Rank 0's on_step calls are forwarded to the caller through a queue.
 
+Processors: generate(processors=[processors.Processors | None] * B) (logit_bias, presence /
+frequency / repetition penalties): each step, row b's LogitProcessing is built from its
+prompt and the tokens it has generated so far and handed to the tail as processing= (on
+every rank: each edits its own vocab shard; lmtail.processors).
+
 The tail seam: `tail_fn(hidden_states [gbs, H] fp32, gamma [H] fp32, lm_head_weight_t
 (the head of head_input: [H, V_s] bf16, or the [V_s, H] Q8_0 QuantWeight for "fp32"), *,
 eps, k, sampling_params [R, 5] fp32, head_input[, group])` returning an object with
