@@ -546,7 +546,7 @@ class Engine:
                 return out, None, None
             lse = tail_lse(out, mask, self.tail_kw["exchange"])  # [R_want]
             return out, _Top(out.topk_values[mask], out.topk_indices[mask]), lse
-        out = self._ranks.tail(x, sp, processing)
+        out = self._ranks.tail(x, sp) if processing is None else self._ranks.tail(x, sp, processing)
         if not any(want):
             return out, None, None
         loc = decode_tail(x[mask].contiguous(), self.bundle.final_norm, self.head,
