@@ -398,3 +398,20 @@ def test_declaration_lists_one_fp32_point_per_step():
     d = P.processors_decl()
     assert d.sums == () and sum(":fp32" in p for p in d.rounding_points) == 5
     assert not math.isnan(P._f32(1e39)) and P._f32(1e39) == math.inf
+
+
+@pytest.mark.parametrize("exchange", ["candidates", "mirror"])
+def test_a_mask_narrower_than_k_samples_only_allowed_ids(exchange):
+    """allowed holds 3 ids (< k = 16): sampled rows (top_k off, top_p 1) draw among them
+    with finite logprobs; -inf fills the rest of the candidates; the emitted logits are the
+    plain ones on the 3 lanes (bit for bit) and -inf elsewhere."""
+    x, gamma, w, _ = tail_problem(6, 5)
+    ok = torch.zeros(V, dtype=torch.bool)
+    ok[[3, 250, V - 1]] = True
+    sp = torch.tensor([[0.0, 1.0, 1.0, u, 0.0] for u in (0.01, 0.2, 0.4, 0.6, 0.8, 0.99)])
+    out = decode_tail(x, gamma, w, k=K, sampling_params=sp, processing=[LogitProcessing(allowed=ok)] * 6,
+                      exchange=exchange)
+    assert set(out.tokens.tolist()) <= {3, 250, V - 1} and torch.isfinite(out.logprobs).all()
+    assert torch.isinf(out.topk_values[:, 3:].float()).all() and set(out.topk_indices[0, :3].tolist()) == {3, 250, V - 1}
+    plain = decode_tail(x, gamma, w, k=K, exchange=exchange).logits
+    assert same_bits(out.logits[:, ok], plain[:, ok]) and bool((out.logits[:, ~ok] == -math.inf).all())

@@ -141,7 +141,7 @@ def _pairs(name: str, pairs) -> tuple[tuple, tuple]:
 
 
 def _numbers(name: str, vals, what: str) -> np.ndarray:
-    """[n] float64 of a sequence of real numbers (ints or floats, not bools)."""
+    """[n] int or float array of a sequence of real numbers (ints or floats, not bools)."""
     arr = np.asarray(vals) if vals else np.zeros(0)
     if arr.ndim != 1 or arr.dtype.kind not in "iuf":
         bad = next((x for x in vals if not is_real(x)), vals[0])

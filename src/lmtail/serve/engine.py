@@ -226,11 +226,16 @@ class Row:
     text: TextTracker
     generated: int = 0
     counts: dict = field(default_factory=dict)  # {token id: times generated} (the penalties' counts)
+    _prompt: tuple | None = field(default=None, repr=False)
 
     def processing(self):
         """This step's processors.LogitProcessing of the row, or None."""
         q = self.job.processors
-        return None if q is None else q.at(self.job.prompt_ids, self.counts)
+        if q is None:
+            return None
+        if self._prompt is None:  # once: the prompt as the tuple every step's LogitProcessing shares
+            self._prompt = tuple(self.job.prompt_ids)
+        return q.at(self._prompt, self.counts)
 
     @property
     def position(self) -> int:
