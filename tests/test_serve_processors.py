@@ -271,3 +271,44 @@ def test_generate_with_processors_on_1_and_2_ranks(bundle):
         generate(bundle, prompts[:1], processors=[Processors(frequency_penalty=9)], max_new_tokens=2)
     with pytest.raises(ValueError, match="record=True certifies the unprocessed tail"):
         generate(bundle, prompts[:1], processors=[REP], max_new_tokens=2, record=True)
+
+
+@pytest.mark.slow
+def test_http_ranks2_concurrent_equals_ranks1_alone(bundle):
+    """Over HTTP: requests with logit_bias / penalties and plain ones sent concurrently to
+    a --ranks 2 server == each sent alone to a ranks 1 server (ids, logprobs)."""
+    import concurrent.futures as cf
+
+    specs = [dict(messages=[{"role": "user", "content": "Repeat the word cat five times."}], max_tokens=8,
+                  temperature=0.0, frequency_penalty=0.7, presence_penalty=0.4, extra_body={"repetition_penalty": 1.8}),
+             dict(messages=[{"role": "user", "content": "Name three fruits."}], max_tokens=6, temperature=0.9,
+                  seed=11),
+             dict(messages=[{"role": "user", "content": "Say hello."}], max_tokens=5, temperature=0.8, seed=5,
+                  logit_bias={"28": 100}),
+             dict(messages=[{"role": "user", "content": "Write a haiku."}], max_tokens=7, temperature=1.1, seed=12,
+                  frequency_penalty=-1.5, logit_bias={"30": -100, "1000": 5.5})]
+
+    def call(c, kw):
+        r = c.chat.completions.create(model=MODEL, logprobs=True, **kw)
+        return r.choices[0].model_extra["token_ids"], [x.logprob for x in r.choices[0].logprobs.content]
+
+    def serve(ranks):
+        engine = Engine(bundle, max_batch=8, max_queue=16, k=K, ranks=ranks)
+        return engine, ThreadServer(create_app(engine, model_name=MODEL)).start()
+
+    def client(srv):
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="none", max_retries=0, timeout=120)
+
+    engine, srv = serve(1)
+    try:
+        alone = [call(client(srv), s) for s in specs]
+    finally:
+        assert srv.stop(30) and engine.close(10)
+    engine, srv = serve(2)
+    try:
+        with cf.ThreadPoolExecutor(len(specs)) as ex:
+            together = list(ex.map(lambda s: call(client(srv), s), specs))
+    finally:
+        assert srv.stop(30) and engine.close(10)
+    assert together == alone
+    assert alone[2][0] == [28] * 5
