@@ -412,6 +412,16 @@ def test_a_mask_narrower_than_k_samples_only_allowed_ids(exchange):
     out = decode_tail(x, gamma, w, k=K, sampling_params=sp, processing=[LogitProcessing(allowed=ok)] * 6,
                       exchange=exchange)
     assert set(out.tokens.tolist()) <= {3, 250, V - 1} and torch.isfinite(out.logprobs).all()
-    assert torch.isinf(out.topk_values[:, 3:].float()).all() and set(out.topk_indices[0, :3].tolist()) == {3, 250, V - 1}
+    assert torch.isinf(out.topk_values[:, 3:].float()).all()
+    assert set(out.topk_indices[0, :3].tolist()) == {3, 250, V - 1}
     plain = decode_tail(x, gamma, w, k=K, exchange=exchange).logits
     assert same_bits(out.logits[:, ok], plain[:, ok]) and bool((out.logits[:, ~ok] == -math.inf).all())
+
+
+def test_contract_variant_without_defect_is_the_real_op():
+    """The contract's planted controls are the dense variant with one defect: without a
+    defect it gives the op's bytes (so each control is red for its defect alone)."""
+    from lmtail.contract import processor_kinds as pk
+
+    for d in pk._data(2) + pk._specials() + [pk._adversarial()]:
+        assert same_bits(pk._variant(d)["logits"], pk._run(d)["logits"]), d["label"]

@@ -57,12 +57,13 @@ def _processing(n: int, v: int, seed: int, edges=()) -> list:
         if kind == 4:
             allowed = torch.from_numpy(rng.random(v) < 0.6)
             allowed[int(ids[0])] = True
+        half = max(1, ids.size // 2)
         out.append(LogitProcessing(
-            logit_bias=tuple((int(j), float(rng.uniform(-100, 100))) for j in rng.permutation(ids)[: max(1, ids.size // 2)]),
+            logit_bias=tuple((int(j), float(rng.uniform(-100, 100))) for j in rng.permutation(ids)[:half]),
             presence_penalty=float(rng.uniform(-2, 2)) if kind != 3 else 0.0,
             frequency_penalty=float(rng.uniform(-2, 2)),
             repetition_penalty=float(rng.choice([0.5, 1.3, 1.7, 2.9])) if kind != 2 else 1.0,
-            output_counts=tuple((int(j), int(rng.integers(1, 9))) for j in rng.permutation(ids)[: max(1, ids.size // 2)]),
+            output_counts=tuple((int(j), int(rng.integers(1, 9))) for j in rng.permutation(ids)[:half]),
             prompt_ids=tuple(int(j) for j in rng.integers(0, v, size=rng.integers(0, 20))),
             allowed=allowed))
     return out

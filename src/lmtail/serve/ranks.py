@@ -225,8 +225,8 @@ class RankTail:
         states), sp [B, 5] fp32 (sampler.sampling_tensor rows) and processing (None or B
         entries of processors.LogitProcessing | None: padded with None to gbs, pickled down
         each pipe), over the ranks: the bytes of the single-rank decode_tail(x, gamma, w,
-        k=k, sampling_params=sp, processing=processing) (module docstring). ValueError for inputs decode_tail refuses (the ranks stay up);
-        ExchangeError when a rank fails (the RankTail is then broken: RuntimeError after)."""
+        k=k, sampling_params=sp, processing=processing) (module docstring). ValueError for
+        inputs decode_tail refuses (the ranks stay up); ExchangeError when a rank fails (the RankTail is then broken: RuntimeError after)."""
         if self.broken is not None:
             raise RuntimeError(f"the serve ranks are down: {self.broken}")
         if x.dim() != 2 or x.shape[1] != self.hidden or x.dtype != torch.float32:
