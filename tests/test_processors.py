@@ -383,6 +383,8 @@ def test_processors_expand_per_step():
     assert p.output_counts == ((3, 1), (9, 2)) and p.prompt_ids == (5, 6, 5) and p.logit_bias == ((3, 2.0),)
     assert Processors(logit_bias=((3, 2.0),)).at([5], {9: 1}).output_counts == ()  # no penalty: no counts
     assert Processors().at([1], {}) is None and Processors().neutral
+    mask = torch.ones(100, dtype=torch.bool)
+    assert Processors().at([1], {}, mask).allowed is mask and q.at([1], {}, mask).allowed is mask
     with pytest.raises(ValueError, match=r"processors\[2\].presence_penalty must be a number in \[-2, 2\]"):
         Processors(presence_penalty=3).check(100, "processors[2]")
 

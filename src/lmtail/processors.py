@@ -321,17 +321,20 @@ class Processors:
         return (not self.logit_bias and self.presence_penalty == 0 and self.frequency_penalty == 0
                 and self.repetition_penalty == 1)
 
-    def at(self, prompt_ids: Sequence[int], counts: dict[int, int]) -> LogitProcessing | None:
-        """The step's LogitProcessing (None when neutral): counts {token id: times generated
-        so far}; prompt_ids read only with a repetition penalty."""
+    def at(self, prompt_ids: Sequence[int], counts: dict[int, int],
+           allowed: torch.Tensor | None = None) -> LogitProcessing | None:
+        """The step's LogitProcessing (None when neutral and no mask): counts {token id:
+        times generated so far}; prompt_ids read only with a repetition penalty; allowed:
+        the step's [V] bool grammar mask (None: none), passed through."""
         if self.neutral:
-            return None
+            return None if allowed is None else LogitProcessing(allowed=allowed)
         penal = self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
         return LogitProcessing(logit_bias=self.logit_bias, presence_penalty=self.presence_penalty,
                                frequency_penalty=self.frequency_penalty,
                                repetition_penalty=self.repetition_penalty,
                                output_counts=tuple(sorted(counts.items())) if penal else (),
-                               prompt_ids=tuple(prompt_ids) if self.repetition_penalty != 1 else ())
+                               prompt_ids=tuple(prompt_ids) if self.repetition_penalty != 1 else (),
+                               allowed=allowed)
 
     def check(self, vocab_size: int, name: str = "processors") -> None:
         """ValueError naming the field unless every step's LogitProcessing would be valid
