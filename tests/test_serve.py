@@ -236,7 +236,7 @@ BAD = [  # (kind, body changes, status, param)
     ("chat", {"top_logprobs": 3}, 400, "top_logprobs"),
     ("chat", {"max_tokens": 9000}, 400, "max_tokens"),
     ("chat", {"model": "gpt-4"}, 404, "model"),
-    ("chat", {"presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("chat", {"presence_penalty": 2.5}, 400, "presence_penalty"),
     ("completions", {"prompt": "x " * 9000}, 400, "prompt"),
     ("completions", {"max_tokens": 0}, 400, "max_tokens"),
     ("completions", {"logprobs": 50}, 400, "logprobs"),

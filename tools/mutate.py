@@ -73,6 +73,7 @@ def locate(m: Mutant) -> tuple[str | None, str]:
 
 
 K = ("test_golden.py",)
+PR = ("test_processors.py",)
 KC = K + ("test_contract.py",)
 MUTANTS = (
     Mutant("tail.ssq_order", "src/lmtail/tail.py", "SSQ_ORDER = strided(256)", "SSQ_ORDER = strided(128)",
@@ -343,6 +344,32 @@ MUTANTS = (
     Mutant("config.signature_rank_local", "src/lmtail/config.py",
            'RANK_LOCAL = ("emit_logits", "debug_taps")', 'RANK_LOCAL = ("emit_logits", "debug_taps", "nan_fold")',
            ("test_config.py",), "the ranks' signature leaves nan_fold out"),
+    # the logits-processor seam (lmtail.processors) and where the tail applies it
+    Mutant("processors.presence_sign", "src/lmtail/processors.py", "g = np.where(pres, g - p, g)",
+           "g = np.where(pres, g + p, g)", PR, "presence penalty added instead of subtracted"),
+    Mutant("processors.frequency_count_off", "src/lmtail/processors.py", "g = np.where(freq, g - f * c, g)",
+           "g = np.where(freq, g - f * (c + 1), g)", PR, "frequency penalty on count + 1"),
+    Mutant("processors.bias_twice", "src/lmtail/processors.py", "g = np.where(hb, g + b, g)",
+           "g = np.where(hb, g + b + b, g)", PR, "logit_bias added twice (one rounding)"),
+    Mutant("processors.rep_then_bias_swapped", "src/lmtail/processors.py",
+           "g = flat[idx]  # [n] fp32", "g = flat[idx]  # [n] fp32\n    g = np.where(hb, g + b, g)\n    hb = hb & False",
+           PR, "logit_bias applied first (before the penalties)"),
+    Mutant("processors.rep_prompt_dropped", "src/lmtail/processors.py", "rep_ids=np.union1d(prompt, cnt_ids)",
+           "rep_ids=cnt_ids", PR, "repetition penalty over the output tokens only"),
+    Mutant("processors.mask_not_offset", "src/lmtail/processors.py", "~pl.allowed.numpy()[v0:v0 + vs]", "~pl.allowed.numpy()[:vs]",
+           PR, "the allowed mask read from lane 0 on every shard (wrong past rank 0)"),
+    Mutant("processors.shard_edge", "src/lmtail/processors.py", "ids[(ids >= v0) & (ids < v0 + vs)]",
+           "ids[(ids >= v0) & (ids <= v0 + vs)]", PR, "a shard also edits the next shard's first id"),
+    Mutant("processors.neutral_rep_skipped", "src/lmtail/processors.py", "if r != 1 else empty, r=r",
+           "if r > 1 else empty, r=r", PR, "repetition penalties below 1 ignored"),
+    Mutant("tail.processing_dropped_one_rank", "src/lmtail/tail.py",
+           "apply_plans(logits, plans, v0=0)  # the seam", "pass  # the seam", PR,
+           "decode_tail on one rank ignores processing"),
+    Mutant("tail.processing_rank_offset", "src/lmtail/tail.py", "apply_plans(lg, plans[rows], v0=me * vs)",
+           "apply_plans(lg, plans[rows], v0=0)", PR, "candidates ranks: every rank edits ids 0.. (no shard offset)"),
+    Mutant("serve.counts_double", "src/lmtail/serve/engine.py", "r.counts[tid] = r.counts.get(tid, 0) + 1",
+           "r.counts[tid] = r.counts.get(tid, 0) + 2", ("test_serve_processors.py",),
+           "the engine counts each generated token twice (penalties)"),
 )
 
 

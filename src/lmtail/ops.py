@@ -119,6 +119,13 @@ OPS: tuple[OpSpec, ...] = (
            ("tail.head.q8_0",), ("tail.q8_0.a_bf16", "tail.q8_0.d_bf16", "tail.q8_0.lanes_16",
                                  "tail.q8_0.shard_strided", "tail.q8_0.plain_decl", "tail.q8_0.decl_half_depth"),
            "tests/test_tail_q8.py", "benchmarks/bench_tail.py"),
+    # the logits-processor seam between the GEMM's fp32 logits and the exchange (decode_tail(processing=))
+    OpSpec("logits_processors", "lmtail.processors:apply_processing", "lmtail.processors:processors_decl",
+           TORCH_ONLY, "lmtail.reference.processors:processed_logits", ("tail.processors",),
+           ("tail.processors.bias_before_penalties", "tail.processors.bias_twice",
+            "tail.processors.repetition_output_only", "tail.processors.frequency_fused",
+            "tail.processors.mask_rank0_only"),
+           "tests/test_processors.py", "benchmarks/bench_tail.py"),
     OpSpec("exact_topk", "lmtail.topk:exact_topk", "lmtail.topk:exact_topk_decl", TORCH_ONLY, "lmtail.reference.tail:topk_ref",
            ("tail.topk.exact",), ("tail.ties_higher_id", "tail.stage1_short"),
            "tests/test_topk.py", "benchmarks/bench_rows_tail.py"),

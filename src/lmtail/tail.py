@@ -12,6 +12,10 @@
                g = fp32(x * gamma) (pad lanes 0, no activation rounding); acc = gemm_q(g, W) in the
                declared order "lanes32" (docs/quant.md: the exact values fp32(d) * q, 32 lane fma
                chains per block, halving tree, IEEE, no FTZ/DAZ); logits = fp32(acc * rms)
+      processing (decode_tail(processing=...), rows with a LogitProcessing only; lmtail.processors):
+        logits = processors(logits), on each rank's own shard lanes, before any exchange:
+        repetition, frequency, presence, logit_bias (fp32 rounding after each), then the
+        allowed mask (-inf); rows without processing keep the GEMM's bytes
         gemm = kernels.gemm.gemm_bf16(order=gemm_order): "amx32" (default) per element
                32-lane blocks of even/odd fp32 fma chains, FTZ/DAZ; "chain" one chain over h;
                "dp32" per 32-lane block one odd-then-even fma chain, FTZ/DAZ
@@ -50,7 +54,8 @@ Numerics declared (`tail_decl`; docs/numerics.md has the float64 bounds):
         blocks in order, each one fp32 fma chain from +0 over the lane pairs (odd lane, then
         even), acc = acc + t, FTZ/DAZ as amx32; depth 32 + ceil(H/32).
   rounding points: x*gamma (fp32), a (bf16), ssq/H_u, +eps, sqrt, 1/s (fp32 each),
-       acc*rms (fp32), mirror (bf16).
+       acc*rms (fp32), [processors: one fp32 point per step, processors.processors_decl],
+       mirror (bf16).
   Q8_0 head (head_input "fp32"): no a:bf16 point; the gemm sum is
        kernels.quant.gemm_q_decl(H, "Q8_0")'s (fp32, depth H/32 + 5, flush=False).
 Every step is row-independent, so a row's bytes never depend on the batch it is in.
@@ -77,6 +82,7 @@ from .kernels import shard_partials as sp_kernel
 from .layout import owned_rows, validate_layout
 from .numerics import Decl, SumDecl, sqrt_rn32
 from .orders import strided, sum_squares
+from .processors import apply_plans, plan_processing, processors_decl
 from .sampler import decide, sampling_plan, validate_params
 from .topk import exact_topk
 
@@ -91,7 +97,7 @@ class TailOutput:
 
     topk_values: torch.Tensor  # [R, k] descending: fp32 (exchange "candidates") or bf16 ("mirror")
     topk_indices: torch.Tensor  # [R, k] int64 global vocab ids
-    logits: torch.Tensor | None = None  # [gbs, V_s] fp32 pre-collective
+    logits: torch.Tensor | None = None  # [gbs, V_s] fp32 pre-collective, after processing
     tokens: torch.Tensor | None = None  # [R] int64
     logprobs: torch.Tensor | None = None  # [R] fp32, raw log_softmax over the full row
     truncated: torch.Tensor | None = None  # [R] bool
@@ -103,7 +109,8 @@ class TailOutput:
 
 
 def tail_decl(h: int, deferred_rms: bool = True, gemm_order: str = TailConfig.gemm_order,
-              exchange: str = TailConfig.exchange, head_input: str = TailConfig.head_input) -> Decl:
+              exchange: str = TailConfig.exchange, head_input: str = TailConfig.head_input,
+              processing: bool = False) -> Decl:
     """The declared numerics of the tail's norm + GEMM for hidden width h (the GEMM's sum
     is kernels.gemm.gemm_decl(h, gemm_order)'s; the default order is TailConfig's). With
     exchange "mirror" the decisions see the bf16 mirror (rounding point "mirror:bf16");
@@ -112,7 +119,9 @@ def tail_decl(h: int, deferred_rms: bool = True, gemm_order: str = TailConfig.ge
     gemm sum's declaration). head_input "fp32" (the Q8_0 head, deferred only): no a:bf16
     point (the GEMM reads g = fp32(x*gamma) itself), the weight's values exact
     ("W:Q8_0 exact"), and the gemm sum is kernels.quant.gemm_q_decl(h, "Q8_0")'s (h a
-    multiple of 32; gemm_order does not apply)."""
+    multiple of 32; gemm_order does not apply). processing (default False): the rows with a
+    LogitProcessing: the seam's rounding points (processors.processors_decl, prefixed
+    "processors:") come right after acc*rms, before the mirror and the exchange."""
     q8 = head_input == "fp32"
     split = ("a_lo:bf16", "acc_hi+acc_lo:fp32") if head_input == "bf16x2" else ()
     act = ("x*gamma:fp32", "W:Q8_0 exact") if q8 else ("x*gamma:fp32", "a:bf16")
@@ -121,6 +130,8 @@ def tail_decl(h: int, deferred_rms: bool = True, gemm_order: str = TailConfig.ge
            ("ssq/H_u:fp32", "+eps:fp32", "sqrt:fp32", "1/s:fp32", "x*rms:fp32",
             "(x*rms)*gamma:fp32", "a:bf16"))
     gemm = gemm_q_decl(h, "Q8_0").sum("gemm") if q8 else gemm_decl(h, gemm_order).sum("gemm")
+    if processing:
+        pts = pts + tuple(f"processors:{p}" for p in processors_decl().rounding_points)
     return Decl(
         op="decode_tail" + ("" if deferred_rms else "[legacy]") + ("" if exchange == "mirror" else f"[{exchange}]")
         + {"bf16": "", "fp32": "[q8_0]"}.get(head_input, f"[{head_input}]"),
@@ -462,7 +473,7 @@ def _owned_tail(rows_bf16, sampling_params, cfg: TailConfig, logits) -> TailOutp
 # ---------------------------------------------------------------------------------------
 def decode_tail(hidden_states, gamma, lm_head_weight_t, *, eps: float = 1e-5,
                 hidden_actual: int | None = None, zero_interleaved_pad: bool = True, k: int = 256,
-                sampling_params=None, group=None, hops=None, batch_groups: int = 1,
+                sampling_params=None, processing=None, group=None, hops=None, batch_groups: int = 1,
                 fence: bool = False, emit_logits: bool = True, debug_taps: bool = False,
                 deferred_rms: bool = True, nan_fold: bool = False, gemm_order: str = TailConfig.gemm_order,
                 tail_path: str = TailConfig.tail_path, exchange: str = TailConfig.exchange,
@@ -487,6 +498,14 @@ def decode_tail(hidden_states, gamma, lm_head_weight_t, *, eps: float = 1e-5,
     batch_groups) order: (top_k, top_p, temperature[, u[, min_p]]), best built with
     sampler.sampling_tensor (which refuses a sampled request without seed or u, and seeds
     without positions); a [R, 3] tensor draws u = 0.5 on every row, every step.
+    processing (default None: none): the logits-processor seam (lmtail.processors), a
+    sequence of gbs entries in GLOBAL row order (the same on every rank), each a
+    processors.LogitProcessing or None; applied to the fp32 shard logits right after
+    the GEMM (after acc*rms) and before the exchange, each rank editing only its own
+    shard's lanes, so every output is the single-rank call's on the processed logits.
+    Rows without processing (None or all fields neutral) keep their bytes. Logprobs and
+    top-k are those of the processed logits (what the sampler decides on); the returned
+    logits are the processed ones too.
     Options (the fields of TailConfig, documented there) and their defaults: eps=1e-5,
     hidden_actual=None (H), zero_interleaved_pad=True, k=256 (k must be <= V = V_s x ranks:
     a ValueError saying so otherwise, never a clamp), deferred_rms=True, nan_fold=False,
@@ -502,7 +521,8 @@ def decode_tail(hidden_states, gamma, lm_head_weight_t, *, eps: float = 1e-5,
     single-hop all-to-alls), fence (default False: a zero all-reduce per hop first;
     outputs unchanged), timeout (default 120 s: what any one collective may take before
     exchange.ExchangeError).
-    Returns TailOutput: logits [gbs, V_s] fp32 (this rank's shard, if emit_logits);
+    Returns TailOutput: logits [gbs, V_s] fp32 (this rank's shard, if emit_logits; after
+    processing, i.e. the values the exchange and the decisions saw);
     topk_values [R, k] (fp32 with exchange "candidates", bf16 with "mirror"), topk_indices
     [R, k] int64 global ids, tokens/logprobs/truncated [R] and lse [R] float64 (with
     sampling_params: the T = 1 log-sum-exp of the full row the decisions see, logprobs =
@@ -521,7 +541,8 @@ def decode_tail(hidden_states, gamma, lm_head_weight_t, *, eps: float = 1e-5,
     if group is not None or hops is not None:  # a bad option is then refused on every rank (the signature)
         return _decode_tail_ranks(hidden_states, gamma, lm_head_weight_t, sampling_params,
                                   functools.partial(resolve, config, keywords), group=group, hops=hops,
-                                  batch_groups=batch_groups, fence=fence, timeout=timeout)
+                                  batch_groups=batch_groups, fence=fence, timeout=timeout,
+                                  processing=processing)
     cfg = resolve(config, keywords)
     need(batch_groups == 1 and not fence, "batch_groups and fence need a process group; got "
                                           f"batch_groups={batch_groups}, fence={fence}")
@@ -529,8 +550,12 @@ def decode_tail(hidden_states, gamma, lm_head_weight_t, *, eps: float = 1e-5,
         need_tensor("lm_head_weight_t", lm_head_weight_t, "[H, V_s] bf16 or a kernels.quant.QuantWeight Q8_0")
     validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, sampling_params, cfg,
                          vocab_size=head_shard_width(lm_head_weight_t))
+    plans = None if processing is None else plan_processing(
+        processing, rows=hidden_states.shape[0], vocab_size=head_shard_width(lm_head_weight_t))
     a, rms = normed_rows(hidden_states, gamma, cfg)  # [gbs, H] bf16, [gbs] fp32
     logits = logits_from(a, rms, lm_head_weight_t, cfg)  # [gbs, V]
+    if plans is not None:
+        apply_plans(logits, plans, v0=0)  # the seam: in place, the listed lanes and masks only
     if cfg.exchange == "candidates":
         v = logits.shape[1]
         part = candidates.shard_partials(logits, col0=0, v=v, k=cfg.k, nan_fold=cfg.nan_fold, sp=sampling_params)
@@ -553,11 +578,11 @@ HEAD_FORMAT_CODES = {"bf16": 0, "Q8_0": 1}  # the head's storage ([H, V_s] bf16 
 
 TAIL_SIGNATURE = (("gbs", "H", "V_s", "head format") + config_mod.SIGNED  # TailConfig's fields but the rank-local ones
                   + ("hidden dtype", "gamma dtype", "sampling_params columns", "batch_groups", "fence", "hops",
-                     "hidden_states checksum", "gamma checksum"))
+                     "hidden_states checksum", "gamma checksum", "processing checksum"))
 
 
 def tail_signature(hidden_states, gamma, lm_head_weight_t, sampling_params, cfg: TailConfig, *, hops,
-                   batch_groups, fence) -> list[tuple[int, object]]:
+                   batch_groups, fence, processing=None) -> list[tuple[int, object]]:
     """(int64, shown value) per TAIL_SIGNATURE field: everything the ranks must agree on
     (the options as config.signature gives them: a choice by its OPTION_CODES code).
     Inputs validated."""
@@ -573,12 +598,28 @@ def tail_signature(hidden_states, gamma, lm_head_weight_t, sampling_params, cfg:
            "batch_groups": batch_groups, "fence": int(fence),
            "hops": (exchange.bytes_digest(repr(hops).encode()), hops),
            "hidden_states checksum": exchange.tensor_digest(hidden),
-           "gamma checksum": exchange.tensor_digest(gamma)}
+           "gamma checksum": exchange.tensor_digest(gamma),
+           "processing checksum": processing_digest(processing)}
     return [sig[n] if isinstance(sig[n], tuple) else (int(sig[n]), int(sig[n])) for n in TAIL_SIGNATURE]
 
 
+def processing_digest(processing) -> int:
+    """crc32 of a validated processing list's fields (0 for None): what the ranks compare."""
+    if processing is None:
+        return 0
+    parts = []
+    for p in processing:
+        if p is None:
+            parts.append(b"-")
+            continue
+        parts.append(repr((p.logit_bias, p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
+                           p.output_counts, p.prompt_ids)).encode())
+        parts.append(b"." if p.allowed is None else p.allowed.numpy().tobytes())
+    return exchange.bytes_digest(b"|".join(parts))
+
+
 def _decode_tail_ranks(hidden_states, gamma, lm_head_weight_t, sampling_params, options, *, group,
-                       hops, batch_groups, fence, timeout) -> TailOutput:
+                       hops, batch_groups, fence, timeout, processing=None) -> TailOutput:
     """decode_tail over a group; options() -> the call's TailConfig (config.resolve)."""
     hg = group if isinstance(group, exchange.HopGroups) else None
     parent = exchange.parent_group(hg.parent if hg else group)
@@ -599,28 +640,34 @@ def _decode_tail_ranks(hidden_states, gamma, lm_head_weight_t, sampling_params, 
         cfg, bad_option = None, e
     if isinstance(cfg, TailConfig) and cfg.exchange == "candidates":
         candidates.check_vtp(vtp)
-    local_error, sig, normed = None, None, None
+    local_error, sig, normed, plans = None, None, None, None
     try:  # a rank's bad inputs become a ValueError on every rank (via the signature)
         if bad_option is not None:
             raise bad_option
         validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, sampling_params, cfg,
                              vocab_size=head_shard_width(lm_head_weight_t) * vtp if shapes_ok else 1,
                              rows=gbs // vtp if gbs else None)
+        if processing is not None:
+            plans = plan_processing(processing, rows=gbs, vocab_size=head_shard_width(lm_head_weight_t) * vtp)
         normed = normed_rows(hidden_states, gamma, cfg)  # [gbs, H] bf16, [gbs]; eps=0 check
         sig = tail_signature(hidden_states, gamma, lm_head_weight_t, sampling_params, cfg,
-                             hops=layout_hops, batch_groups=batch_groups, fence=fence)
+                             hops=layout_hops, batch_groups=batch_groups, fence=fence, processing=processing)
     except (ValueError, TypeError) as e:
         local_error, sig = e, None  # sig None: this rank rejected its inputs
     exchange.agree(parent, TAIL_SIGNATURE, sig, local_error, what="decode_tail", timeout=timeout)
     a, rms = normed
     if cfg.exchange == "candidates":
         return _candidates_ranks(a, rms, lm_head_weight_t, sampling_params, cfg, group=hg or parent, parent=parent,
-                                 hops=layout_hops, batch_groups=batch_groups, fence=fence, timeout=timeout)
+                                 hops=layout_hops, batch_groups=batch_groups, fence=fence, timeout=timeout,
+                                 plans=plans)
 
     kept = []  # the fp32 shard logits of each row block, in row order
+    v0 = parent.rank() * head_shard_width(lm_head_weight_t)  # this rank's first vocab id
 
     def mirror_block(rows: slice) -> torch.Tensor:
         lg = logits_from(a[rows], rms[rows], lm_head_weight_t, cfg)  # [n, V_s]
+        if plans is not None:
+            apply_plans(lg, plans[rows], v0=v0)  # the seam, on this shard's lanes
         kept.append(lg)
         return lg.to(torch.bfloat16)  # the mirror the collective carries
 
@@ -632,7 +679,7 @@ def _decode_tail_ranks(hidden_states, gamma, lm_head_weight_t, sampling_params, 
 
 
 def _candidates_ranks(a, rms, lm_head_weight_t, sampling_params, cfg, *, group, parent, hops, batch_groups,
-                      fence, timeout) -> TailOutput:
+                      fence, timeout, plans=None) -> TailOutput:
     """exchange="candidates" over VTP ranks (inputs agreed): every rank learns every row's
     sampling params (one all-gather), sends each row's shard partials (candidates module),
     and merges the partials of the rows it owns."""
@@ -648,6 +695,8 @@ def _candidates_ranks(a, rms, lm_head_weight_t, sampling_params, cfg, *, group, 
 
     def partials_block(rows: slice) -> torch.Tensor:
         lg = logits_from(a[rows], rms[rows], lm_head_weight_t, cfg)  # [n, V_s]
+        if plans is not None:
+            apply_plans(lg, plans[rows], v0=me * vs)  # the seam, on this shard's lanes
         kept.append(lg)
         part = candidates.shard_partials(lg, col0=me * vs, v=v, k=cfg.k, nan_fold=cfg.nan_fold,
                                          sp=None if sp_all is None else sp_all[rows])

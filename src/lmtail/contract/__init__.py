@@ -35,14 +35,15 @@ def walk():
     from .gemm_kinds import gemm_controls, gemm_kinds
     from .glue_kinds import glue_controls, glue_kinds
     from .head_kinds import head_controls, head_kinds
+    from .processor_kinds import processor_controls, processor_kinds
     from .quant_kinds import quant_controls, quant_kinds
     from .tail_kinds import RankRuns, tail_controls, tail_kinds
 
     ranks = RankRuns()  # shared: the ownership control reuses the decode kind's rank runs
     built = {k.name: k for k in tail_kinds(ranks) + exchange_kinds() + gemm_kinds() + quant_kinds() + glue_kinds()
-             + body_kinds() + head_kinds()}
+             + body_kinds() + head_kinds() + processor_kinds()}
     built_ctl = {c.name: c for c in tail_controls(ranks) + exchange_controls() + gemm_controls() + quant_controls()
-                 + glue_controls() + body_controls() + head_controls()}
+                 + glue_controls() + body_controls() + head_controls() + processor_controls()}
     kinds, ctls = {}, []
     for spec in OPS:
         for name in spec.kinds:

@@ -38,6 +38,11 @@ The exchange moves bytes only, so the tokens equal the single-rank tail's on the
 hidden states, bitwise; and the bodies are the same computation, so the text is the same
 for every N. Rank 0's on_step calls are forwarded to the caller through a queue.
 
+Processors: generate(processors=[processors.Processors | None] * B) (logit_bias, presence /
+frequency / repetition penalties): each step, row b's LogitProcessing is built from its
+prompt and the tokens it has generated so far and handed to the tail as processing= (on
+every rank: each edits its own vocab shard; lmtail.processors).
+
 The tail seam: `tail_fn(hidden_states [gbs, H] fp32, gamma [H] fp32, lm_head_weight_t
 (the head of config.head_input: [H, V_s] bf16, or the [V_s, H] Q8_0 QuantWeight for
 "fp32"), *, config: TailConfig, sampling_params [R, 5] fp32[, group])` returning an object
@@ -60,6 +65,7 @@ import numpy as np
 import torch
 
 from ..numerics import draw_u
+from ..processors import Processors
 from ..sampler import COL, DEFAULT_U, SAMPLING_COLUMNS, SamplingParams, sampling_tensor, seed_int64
 from ..config import TailConfig
 from ..exchange import DEFAULT_TIMEOUT_S
@@ -232,12 +238,15 @@ def step_head(w, pack: bool):
 
 
 def local_step(tail_fn, bundle: ModelBundle, config: TailConfig, pack: bool = False):
-    """tail_step(h [B, H], sp [B, 5]) -> StepOut on one rank (the full head of
-    config.head_input; pack: the default tail, which takes the head in any layout: step_head)."""
+    """tail_step(h [B, H], sp [B, 5], processing=None) -> StepOut on one rank (the full head
+    of config.head_input; pack: the default tail, which takes the head in any layout:
+    step_head). processing: None or B entries (processors.LogitProcessing | None), handed
+    to tail_fn as processing= (only when given)."""
     head = step_head(head_weight(bundle, config.head_input), pack)
 
-    def step(h, sp):
-        res = tail_fn(h, bundle.final_norm, head, config=config, sampling_params=sp)
+    def step(h, sp, processing=None):
+        extra = {} if processing is None else {"processing": processing}
+        res = tail_fn(h, bundle.final_norm, head, config=config, sampling_params=sp, **extra)
         return StepOut(res.tokens, res.logprobs, getattr(res, "topk_indices", None),
                        getattr(res, "truncated", None))
 
@@ -247,16 +256,21 @@ def local_step(tail_fn, bundle: ModelBundle, config: TailConfig, pack: bool = Fa
 def group_step(tail_fn, bundle: ModelBundle, config: TailConfig, rank: int, n: int, pack: bool = False):
     """tail_step for rank `rank` of an n-rank world (module docstring, "Ranks"): the rank
     step of lmtail.model.ranks (zero-row padding to gbs, the tail on this rank's vocab shard
-    of the head for config.head_input with the owned rows' params, one all-gather after)."""
+    of the head for config.head_input with the owned rows' params, one all-gather after).
+    processing (None or B entries) is padded with None to gbs (every rank passes all gbs
+    rows: each edits its own shard's lanes)."""
     import torch.distributed as dist
 
     w = step_head(head_shard(head_weight(bundle, config.head_input), rank, n), pack)
 
-    def tail(xp, sp_owned):
-        return tail_fn(xp, bundle.final_norm, w, config=config, sampling_params=sp_owned, group=dist.group.WORLD)
-
-    def step(h, sp):
+    def step(h, sp, processing=None):
         xp, spp = pad_step(h, sp, n)
+        extra = {} if processing is None else {"processing": list(processing) + [None] * (xp.shape[0] - h.shape[0])}
+
+        def tail(xp, sp_owned):
+            return tail_fn(xp, bundle.final_norm, w, config=config, sampling_params=sp_owned,
+                           group=dist.group.WORLD, **extra)
+
         got = gathered_rows(rank_step(tail, xp, spp, rank=rank, n=n, values=False, timeout=DEFAULT_TIMEOUT_S),
                             h.shape[0])
         return StepOut(got.tokens, got.logprobs, got.topk_indices, got.truncated)
@@ -266,9 +280,11 @@ def group_step(tail_fn, bundle: ModelBundle, config: TailConfig, rank: int, n: i
 
 def decode_loop(bundle: ModelBundle, ids: list[list[int]], params: list[SamplingParams], *,
                 max_new_tokens: int, ops: Ops, tail_step, on_step=None, record=False,
-                on_prefill=None) -> Generation:
+                on_prefill=None, processors: list[Processors | None] | None = None) -> Generation:
     """Prefill the left-padded batch (in chunks; on_prefill(done, P) after each), then one
-    tail step + one forward per token."""
+    tail step + one forward per token. processors (None or one per row): each step's
+    LogitProcessing per row from its prompt and the tokens it has generated so far
+    (a stopped row's later tokens are not counted: they are dropped)."""
     cfg, tok, b_n = bundle.config, bundle.tokenizer, len(ids)
     lens = np.array([len(x) for x in ids], dtype=np.int64)  # [B]
     p_len = int(lens.max())
@@ -280,15 +296,19 @@ def decode_loop(bundle: ModelBundle, ids: list[list[int]], params: list[Sampling
     x = prefill(bundle, batch, cache, ops=ops, on_progress=on_prefill).contiguous()  # [B, H]
     t1 = time.perf_counter()
     step = 0
+    counts = [{} for _ in range(b_n)]  # per row: {token id: times generated}
     while True:
         sp = step_params(params, lens + step)  # [B, 5]
         active = torch.tensor([not d for d in done])
-        res = tail_step(x, sp)
+        proc = None if processors is None else [None if q is None else q.at(ids[b], counts[b])
+                                                  for b, q in enumerate(processors)]
+        res = tail_step(x, sp) if proc is None else tail_step(x, sp, proc)
         if record:
             trace.append((x, sp, res.tokens, res.topk_indices, res.truncated, active))
         new = res.tokens.tolist()
         for b in range(b_n):
             if not done[b]:
+                counts[b][new[b]] = counts[b].get(new[b], 0) + 1
                 out_ids[b].append(new[b])
                 out_lp[b].append(float(res.logprobs[b]))
                 done[b] = new[b] in tok.stop_ids
@@ -318,6 +338,7 @@ class DecodeJob:
     max_new_tokens: int
     record: bool  # keep a TailTrace
     pack: bool  # the head in step_head's layout (the default tail)
+    processors: tuple | None = None  # one processors.Processors | None per prompt, or None
 
 
 def rank_decode(bundle: ModelBundle, rank: int, n: int, ids, params, job: DecodeJob, *, on_step=None) -> Generation:
@@ -325,7 +346,7 @@ def rank_decode(bundle: ModelBundle, rank: int, n: int, ids, params, job: Decode
     run by lmtail.model.ranks.run_ranks in each spawned rank."""
     step = group_step(job.tail_fn, bundle, job.config, rank, n, job.pack)
     return decode_loop(bundle, ids, params, max_new_tokens=job.max_new_tokens, ops=job.ops,
-                       tail_step=step, on_step=on_step, record=job.record)
+                       tail_step=step, on_step=on_step, record=job.record, processors=job.processors)
 
 
 # ---------------------------------------------------------------------------------------
@@ -337,7 +358,8 @@ def generate(bundle: ModelBundle, prompts: list[str], *, max_new_tokens: int = 6
              ranks: int = 1, k: int = 256, chat: bool = True, tail_fn: Callable | None = None,
              ops: Ops | None = None, on_step: Callable | None = None, record: bool = False,
              timeout_s: float = 600.0, on_prefill: Callable | None = None,
-             exchange: str | None = None, head_input: str | None = None) -> Generation:
+             exchange: str | None = None, head_input: str | None = None,
+             processors: list[Processors | None] | None = None) -> Generation:
     """Generate up to max_new_tokens for each prompt (module docstring).
 
     Sampling: the scalars (temperature < 1e-5 is greedy; top_k <= 0 disables; seed one int
@@ -353,6 +375,10 @@ def generate(bundle: ModelBundle, prompts: list[str], *, max_new_tokens: int = 6
     and default_head_input(ops): "fp32", the file's Q8_0 head, for the q32 body, else "bf16");
     only without tail_fn (a tail_fn gets the head of default_head_input(ops)). The tail's
     options are one TailConfig (step_config), built once here and passed to every step.
+    processors: None, or one processors.Processors (or None) per prompt: logit_bias and the
+    presence / frequency / repetition penalties, applied at the tail's logits-processor seam
+    each step (lmtail.processors; a tail_fn then gets processing=); not with record (the
+    certification covers the unprocessed tail).
     """
     t0 = time.perf_counter()
     if not prompts or not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
@@ -370,6 +396,18 @@ def generate(bundle: ModelBundle, prompts: list[str], *, max_new_tokens: int = 6
         raise ValueError(f"params must hold one SamplingParams per prompt ({b_n}); got {len(params)}")
     for i, p in enumerate(params):
         check_request(i, p)
+    if processors is not None:
+        if not isinstance(processors, (list, tuple)) or len(processors) != b_n:
+            raise ValueError(f"processors must be None or one Processors (or None) per prompt ({b_n}); got "
+                             f"{processors!r:.80}")
+        for i, q in enumerate(processors):
+            if q is not None:
+                if not isinstance(q, Processors):
+                    raise ValueError(f"processors[{i}] must be a Processors or None; got {type(q).__name__}")
+                q.check(cfg.vocab, f"processors[{i}]")
+        if record:
+            raise ValueError("record=True certifies the unprocessed tail; got processors as well")
+        processors = None if all(q is None or q.neutral for q in processors) else list(processors)
     k = min(max([k] + [int(p.top_k) for p in params]), cfg.vocab)  # decode_tail needs 1 <= k <= V
     ids = encode_prompts(bundle, list(prompts), chat=chat)
     lens = [len(x) for x in ids]
@@ -387,10 +425,10 @@ def generate(bundle: ModelBundle, prompts: list[str], *, max_new_tokens: int = 6
     if ranks == 1:
         gen = decode_loop(bundle, ids, params, max_new_tokens=max_new_tokens, ops=ops,
                           tail_step=local_step(tail_fn, bundle, config, pack), on_step=on_step,
-                          record=record, on_prefill=on_prefill)
+                          record=record, on_prefill=on_prefill, processors=processors)
     else:
         job = DecodeJob(tail_fn=tail_fn, config=config, ops=ops, max_new_tokens=max_new_tokens, record=record,
-                        pack=pack)
+                        pack=pack, processors=processors)
         gens = run_ranks(rank_decode, bundle, (ids, params, job), ranks=ranks, on_step=on_step,
                          timeout_s=timeout_s)
         assert all(g.token_ids == gens[0].token_ids for g in gens), "ranks decoded different tokens"

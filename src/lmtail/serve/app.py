@@ -167,7 +167,8 @@ class _State:
         req = await asyncio.to_thread(self._parse, kind, raw)  # JSON, validation, tokenizing: off the loop
         chan = _Channel()
         job = Job(prompt_ids=req.prompt_ids, params=req.params, max_tokens=req.max_tokens, sink=chan,
-                  stop=req.stop, logprobs=req.logprobs, echo_logprobs=req.echo and req.logprobs is not None)
+                  stop=req.stop, logprobs=req.logprobs, echo_logprobs=req.echo and req.logprobs is not None,
+                  processors=req.processors)
         if self.closing:
             raise _closing()
         try:

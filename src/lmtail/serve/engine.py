@@ -29,6 +29,11 @@ that raises in the tail and one that raises in the body: batchmates equal their 
 Capacity: at most max_batch + max_queue jobs in flight (waiting, being prefilled or
 decoding); submit() beyond is QueueFull (HTTP 429).
 
+Processors: a job's `processors` (logit_bias, presence / frequency / repetition
+penalties) become its row's processors.LogitProcessing at every step, from its prompt and
+the counts of the tokens IT generated (Row.counts), handed to decode_tail's seam (on
+every rank with ranks = N); rows without them pass None, so their bytes are unchanged.
+
 Seeds: every job carries one (the HTTP layer picks one from os.urandom for a request
 without): the draw for the token at position p is numerics.draw_u(seed, p), p =
 len(prompt) + tokens generated so far, as in lmtail generate.
@@ -50,6 +55,7 @@ from ..model.gguf_loader import ModelBundle
 from ..kernels.step import StepBuffers, StepShape
 from ..model.generate import default_head_input, default_ops, head_weight, step_config, step_head
 from ..model.llama import Q32_BODY, KVCache, Ops, forward
+from ..processors import Processors
 from ..sampler import SamplingParams, greedy_rows, sampling_tensor
 from ..config import TailConfig
 from ..tail import decode_tail
@@ -78,7 +84,9 @@ class Job:
     prompt_ids: the prompt's token ids (>= 1); params: SamplingParams with `seed` set;
     max_tokens >= 0 (0: only the echo logprobs); stop: strings that end the text (not
     included); logprobs: None (none) or n >= 0 alternatives per token; echo_logprobs:
-    report the prompt's teacher-forced logprobs; sink(event) on the engine thread."""
+    report the prompt's teacher-forced logprobs; processors: the request's logit_bias and
+    penalties (None: none), applied at the tail's logits-processor seam each step from its
+    prompt and its own generated tokens; sink(event) on the engine thread."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -87,6 +95,7 @@ class Job:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
     echo_logprobs: bool = False
+    processors: Processors | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
 
@@ -197,6 +206,17 @@ class Row:
     x: torch.Tensor  # [H] fp32: the hidden state the next tail step reads
     text: TextTracker
     generated: int = 0
+    counts: dict = field(default_factory=dict)  # {token id: times generated} (the penalties' counts)
+    _prompt: tuple | None = field(default=None, repr=False)
+
+    def processing(self):
+        """This step's processors.LogitProcessing of the row, or None."""
+        q = self.job.processors
+        if q is None:
+            return None
+        if self._prompt is None:  # once: the prompt as the tuple every step's LogitProcessing shares
+            self._prompt = tuple(self.job.prompt_ids)
+        return q.at(self._prompt, self.counts)
 
     @property
     def position(self) -> int:
@@ -446,7 +466,11 @@ class Engine:
         x = torch.stack([r.x for r in rows])  # [R, H]
         sp = self.step_params(rows)  # [R, 5]
         want = [r.job.logprobs is not None and r.job.logprobs > 0 for r in rows]
-        out, top_out, lse = self._tail(x, sp, want)
+        proc = [r.processing() for r in rows]
+        if all(p is None for p in proc):  # no row has processors: the plain call
+            out, top_out, lse = self._tail(x, sp, want)
+        else:
+            out, top_out, lse = self._tail(x, sp, want, proc)
         res, w = [], 0
         for i, r in enumerate(rows):
             top = None
@@ -461,6 +485,7 @@ class Engine:
     def _emit_token(self, r: Row, tid: int, lp: float, top) -> bool:
         """Row r's token event (and Done when it finishes); True when it goes on."""
         r.generated += 1
+        r.counts[tid] = r.counts.get(tid, 0) + 1
         special = tid in self.bundle.tokenizer.stop_ids
         delta, hit = ("", False) if special else r.text.feed(tid)
         finish = "stop" if special or hit else ("length" if r.generated >= r.job.max_tokens else None)
@@ -484,8 +509,9 @@ class Engine:
             raise
         return [None] * len(rows)
 
-    def _tail(self, x: torch.Tensor, sp: torch.Tensor, want: list[bool]):
-        """The sampling step's tail over x [R, H], sp [R, 5]: (out with tokens / logprobs
+    def _tail(self, x: torch.Tensor, sp: torch.Tensor, want: list[bool], processing=None):
+        """The sampling step's tail over x [R, H], sp [R, 5] (processing: None or R entries
+        of processors.LogitProcessing | None, decode_tail's): (out with tokens / logprobs
         [R], top_out with topk_values / topk_indices of the `want` rows in order (or None),
         their lse1 [R_want] float64 (or None)).
 
@@ -496,15 +522,17 @@ class Engine:
         all-row call), whose tokens must equal the ranks' (checked: RuntimeError otherwise)."""
         mask = torch.tensor(want, dtype=torch.bool)  # [R]
         if self._ranks is None:
-            out = decode_tail(x, self.bundle.final_norm, self.head, config=self.tail_config, sampling_params=sp)
+            out = decode_tail(x, self.bundle.final_norm, self.head, config=self.tail_config, sampling_params=sp,
+                              processing=processing)
             if not any(want):
                 return out, None, None
             return out, _Top(out.topk_values[mask], out.topk_indices[mask]), out.lse[mask]  # lse [R_want]
-        out = self._ranks.tail(x, sp)
+        out = self._ranks.tail(x, sp) if processing is None else self._ranks.tail(x, sp, processing)
         if not any(want):
             return out, None, None
         loc = decode_tail(x[mask].contiguous(), self.bundle.final_norm, self.head, config=self.tail_config,
-                          sampling_params=sp[mask].contiguous())
+                          sampling_params=sp[mask].contiguous(),
+                          processing=None if processing is None else [p for p, w in zip(processing, want) if w])
         if not torch.equal(loc.tokens, out.tokens[mask]):
             raise RuntimeError("the ranks' tokens differ from the local tail's on the same rows (a bug)")
         return out, _Top(loc.topk_values, loc.topk_indices), loc.lse

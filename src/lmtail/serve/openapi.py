@@ -11,7 +11,7 @@ Shape legend: none (JSON values).
 """
 from __future__ import annotations
 
-from .protocol import INT64, MAX_LOGPROBS, MAX_STOP
+from .protocol import INT64, LOGIT_BIAS_RANGE, MAX_LOGPROBS, MAX_STOP
 
 
 def _num(lo, hi, *, lo_open=False, nullable=True) -> dict:
@@ -38,10 +38,12 @@ def _common(k: int, context: int) -> dict:
         "stream": {"type": "boolean", "nullable": True},
         "n": {"type": "integer", "minimum": 1, "maximum": 1, "nullable": True},
         "user": {"type": "string", "nullable": True},
-        "presence_penalty": {"type": "number", "enum": [0, None], "nullable": True},
-        "frequency_penalty": {"type": "number", "enum": [0, None], "nullable": True},
-        "repetition_penalty": {"type": "number", "enum": [1, None], "nullable": True},
-        "logit_bias": {"type": "object", "maxProperties": 0, "nullable": True},
+        "presence_penalty": _num(-2, 2),
+        "frequency_penalty": _num(-2, 2),
+        "repetition_penalty": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "nullable": True},
+        # keys: decimal token ids in [0, V) (a rule this schema does not say: other keys are a 400)
+        "logit_bias": {"type": "object", "additionalProperties": _num(*LOGIT_BIAS_RANGE, nullable=False),
+                       "nullable": True},
         "response_format": {"type": "object", "properties": {"type": {"type": "string", "enum": ["text"]}},
                             "required": ["type"], "additionalProperties": False, "nullable": True},
         "store": {"type": "boolean", "nullable": True},

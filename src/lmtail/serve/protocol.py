@@ -13,10 +13,13 @@ shape, `param` naming the field). Supported: model, messages | prompt, max_token
 1..k), min_p [0, 1], seed (int64; absent: one from os.urandom, reported back), stop
 (a string or up to 4), stream, stream_options.include_usage, n = 1, logprobs
 (chat: bool + top_logprobs 0..20; completions: int 0..20), echo (completions), user;
-the `developer` role (as `system`). Accepted as no-ops: presence_penalty /
-frequency_penalty 0, repetition_penalty 1, logit_bias {}, response_format {"type":
-"text"}, tools [], tool_choice "none", parallel_tool_calls, store, metadata. Any other
-value of those (n > 1 too) is a 400 naming the field and saying it is not supported yet.
+the `developer` role (as `system`); logit_bias (OpenAI's: {"token id": bias}, keys
+decimal token ids in [0, V), biases numbers in [-100, 100]), presence_penalty and
+frequency_penalty (OpenAI's, [-2, 2]) and repetition_penalty (vLLM's, > 0, finite in
+fp32): lmtail.processors.Processors, applied at the tail's logits-processor seam.
+Accepted as no-ops: response_format {"type": "text"}, tools [], tool_choice "none",
+parallel_tool_calls, store, metadata. Any other value of those (n > 1 too) is a 400
+naming the field and saying it is not supported yet.
 
 Admission checks the sampling values in the terms the kernels read them: the fp32 value
 of each float (top_p 1e-50 is 0.0 in fp32: a 400 naming top_p), the seed's 64 bits (an
@@ -41,10 +44,12 @@ import os
 import struct
 from dataclasses import dataclass
 
+from ..processors import Processors
 from ..sampler import U64, SamplingParams, sampling_tensor
 
 MAX_LOGPROBS = 20
 MAX_STOP = 4
+LOGIT_BIAS_RANGE = (-100, 100)  # OpenAI's
 INT64 = (-(1 << 63), (1 << 63) - 1)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the legacy completions API's default
 MAX_INT_DIGITS = 40  # longer integer literals become Huge (int64 needs at most 19 digits)
@@ -131,6 +136,7 @@ class Request:
     include_usage: bool
     logprobs: int | None
     echo: bool
+    processors: Processors | None = None  # logit_bias and penalties (None: none)
 
 
 # ---------------------------------------------------------------------------------------
@@ -189,17 +195,27 @@ def _str(name, v):
     return v if v is None else _text(name, v)
 
 
-def _penalty(neutral: float, lo: float, hi: float):
-    """A penalty clients send: `neutral` is a no-op; another value in [lo, hi] not yet."""
+def _penalty(lo: float, hi: float, *, lo_open: bool = False):
+    """A penalty: a number in [lo, hi] ((lo, hi] with lo_open), and nonzero, finite in fp32
+    (the dtype the tail reads it in) when lo_open. Returns it as a float."""
     def check(name, v):
         if v is None:
             return None
-        if not (_is_num(v) and lo <= v <= hi):
-            raise bad(name, f"a number in [{lo}, {hi}]", v)
-        if v != neutral:
-            raise not_yet(name, f"a value other than {neutral:g}", v)
-        return v
+        if not (_is_num(v) and (v > lo if lo_open else v >= lo) and v <= hi):
+            raise bad(name, f"a finite number > {lo:g}" if hi == math.inf else
+                      f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]", v)
+        if lo_open and not 0 < abs(_fp32_or_inf(float(v))) < math.inf:
+            raise ApiError(400, f"{name} must be > 0 and finite in fp32 (the tail's dtype); got {v!r}, which is "
+                                f"{_fp32_or_inf(float(v))!r} in fp32", param=name)
+        return float(v)
     return check
+
+
+def _fp32_or_inf(x: float) -> float:
+    try:
+        return _fp32(x)
+    except OverflowError:
+        return math.inf
 
 
 def _n(name, v):
@@ -213,13 +229,23 @@ def _n(name, v):
 
 
 def _logit_bias(name, v):
+    """OpenAI's {"token id": bias} -> ((id, bias), ...) sorted by id; ids checked against
+    the vocabulary in parse()."""
     if v is None:
-        return None
+        return ()
     if not isinstance(v, dict):
         raise bad(name, "an object {token id: bias}", v)
-    if v:
-        raise not_yet(name, "a non-empty logit_bias", v)
-    return v
+    lo, hi = LOGIT_BIAS_RANGE
+    out = {}
+    for key, b in v.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12):
+            raise bad(name, "an object whose keys are token ids (decimal strings)", key)
+        if not (_is_num(b) and lo <= b <= hi):
+            raise bad(f"{name}[{key}]", f"a number in [{lo}, {hi}]", b)
+        if int(key) in out:
+            raise bad(name, "an object naming each token id once", key)
+        out[int(key)] = float(b)
+    return tuple(sorted(out.items()))
 
 
 def _response_format(name, v):
@@ -347,9 +373,9 @@ FIELDS = {
     "stream_options": (BOTH, _stream_options),
     "n": (BOTH, _n),
     "user": (BOTH, _str),
-    "presence_penalty": (BOTH, _penalty(0, -2, 2)),
-    "frequency_penalty": (BOTH, _penalty(0, -2, 2)),
-    "repetition_penalty": (BOTH, _penalty(1, 0, math.inf)),
+    "presence_penalty": (BOTH, _penalty(-2, 2)),
+    "frequency_penalty": (BOTH, _penalty(-2, 2)),
+    "repetition_penalty": (BOTH, _penalty(0, math.inf, lo_open=True)),
     "logit_bias": (BOTH, _logit_bias),
     "response_format": (BOTH, _response_format),
     "tools": (CHAT, _tools),
@@ -408,7 +434,20 @@ def parse(kind: str, body, *, tokenizer, model: str, context: int, k: int,
         raise ApiError(400, f"the sampling parameters are refused in fp32: {e}") from None
     return Request(kind=kind, model=model, prompt_ids=list(ids), prompt_text=text, params=params, seed=seed,
                    max_tokens=max_tokens, stop=v["stop"], stream=bool(v["stream"]),
-                   include_usage=bool(v["stream_options"]), logprobs=logprobs, echo=echo)
+                   include_usage=bool(v["stream_options"]), logprobs=logprobs, echo=echo,
+                   processors=_processors(v, tokenizer.vocab_size))
+
+
+def _processors(v: dict, vocab: int) -> Processors | None:
+    """The request's Processors (None when every field is neutral); a logit_bias id outside
+    [0, vocab) is a 400 naming logit_bias."""
+    for tid, _ in v["logit_bias"]:
+        if tid >= vocab:
+            raise bad("logit_bias", f"an object whose keys are token ids in [0, {vocab})", str(tid))
+    q = Processors(logit_bias=v["logit_bias"], presence_penalty=v["presence_penalty"] or 0.0,
+                   frequency_penalty=v["frequency_penalty"] or 0.0,
+                   repetition_penalty=1.0 if v["repetition_penalty"] is None else v["repetition_penalty"])
+    return None if q.neutral else q
 
 
 def _prompt_ids(kind: str, value, raw, tokenizer, context: int, max_token_bytes: int | None):

@@ -8,7 +8,7 @@
     tail(x [B, H] fp32, sp [B, 5] fp32) -> RankOut, every call: the rank step of
       lmtail.model.ranks (generate's group_step runs the same): rank 0 pads to gbs =
       ceil(B / N) * N (pad_step: zero rows, greedy dummies), sends (gbs, x, sp) down each
-      command pipe (raw bytes: an idle server holds no collective open, so idle time never
+      command pipe (with the pickled processing list when some row has one; raw bytes: an idle server holds no collective open, so idle time never
       trips a gloo timeout); every rank runs rank_step: decode_tail(config=..., group=WORLD)
       on its shard with the sampling rows it owns (layout.owned_rows), then one all-gather
       of [R, 3 + 2k] int64 per rank (token, logprob bits, truncated, top-k ids, top-k value
@@ -33,6 +33,7 @@ rank owns, H hidden, V vocab, V_s = V / N vocab shard, k candidates.
 from __future__ import annotations
 
 import os
+import pickle
 import struct
 import sys
 from datetime import timedelta
@@ -51,7 +52,7 @@ from ..model.generate import head_weight, step_head
 from ..model.ranks import GatheredRows, gathered_rows, pad_step, rank_step
 from ..tail import head_shard
 
-_CMD_TAIL, _CMD_STOP = 1, 0
+_CMD_TAIL, _CMD_STOP, _CMD_TAIL_PROC = 1, 0, 2  # _CMD_TAIL_PROC: the floats, then the pickled processing
 _HEADER = struct.Struct("<qq")  # (command, gbs)
 
 
@@ -62,14 +63,16 @@ def _value_dtype(exchange: str) -> torch.dtype:
     return torch.float32 if exchange == "candidates" else torch.bfloat16
 
 
-def _rank_step(rank: int, n: int, xp, spp, gamma, w, config: TailConfig, timeout: float) -> torch.Tensor:
+def _rank_step(rank: int, n: int, xp, spp, gamma, w, config: TailConfig, timeout: float,
+               processing=None) -> torch.Tensor:
     """This rank's part of one step (collective over the world): model.ranks.rank_step with
-    decode_tail on this rank's shard. Returns [gbs, 3 + 2k] int64 rows in global row order."""
+    decode_tail on this rank's shard (processing: None or gbs entries, the same on every
+    rank). Returns [gbs, 3 + 2k] int64 rows in global row order."""
     from ..tail import decode_tail
 
     def tail(x, sp_owned):
         return decode_tail(x, gamma, w, config=config, sampling_params=sp_owned, group=dist.group.WORLD,
-                           timeout=timeout)
+                           timeout=timeout, processing=processing)
 
     return rank_step(tail, xp, spp, rank=rank, n=n, values=True, timeout=timeout)
 
@@ -96,11 +99,13 @@ def _worker(rank, n, port, gamma, w, config, timeout, conn, parent_pid, threads)
             cmd, gbs = _HEADER.unpack_from(msg)
             if cmd == _CMD_STOP:
                 break
-            body = np.frombuffer(msg, dtype=np.float32, offset=_HEADER.size)
+            nf = gbs * (hid + 5)  # the floats: x then sp
+            body = np.frombuffer(msg, dtype=np.float32, offset=_HEADER.size, count=nf)
+            proc = pickle.loads(msg[_HEADER.size + 4 * nf:]) if cmd == _CMD_TAIL_PROC else None
             xp = torch.from_numpy(body[:gbs * hid].copy()).view(gbs, hid)
             spp = torch.from_numpy(body[gbs * hid:].copy()).view(gbs, 5)
             try:
-                _rank_step(rank, n, xp, spp, gamma, w, config, timeout)
+                _rank_step(rank, n, xp, spp, gamma, w, config, timeout, proc)
             except ExchangeError as e:
                 print(f"lmtail serve rank {rank}: {e}", file=sys.stderr, flush=True)
                 code = 1
@@ -172,11 +177,12 @@ class RankTail:
             self._reap(0.0)
             raise
 
-    def tail(self, x: torch.Tensor, sp: torch.Tensor) -> RankOut:
+    def tail(self, x: torch.Tensor, sp: torch.Tensor, processing=None) -> RankOut:
         """decode_tail's sampling outputs for x [B, H] fp32 (the rows' pre-final-norm hidden
-        states) and sp [B, 5] fp32 (sampler.sampling_tensor rows), over the ranks: the bytes
-        of the single-rank decode_tail(x, gamma, w, config=config, sampling_params=sp) (module
-        docstring). ValueError for inputs decode_tail refuses (the ranks stay up);
+        states), sp [B, 5] fp32 (sampler.sampling_tensor rows) and processing (None or B
+        entries of processors.LogitProcessing | None: padded with None to gbs, pickled down
+        each pipe), over the ranks: the bytes of the single-rank decode_tail(x, gamma, w,
+        config=config, sampling_params=sp, processing=processing) (module docstring). ValueError for inputs decode_tail refuses (the ranks stay up);
         ExchangeError when a rank fails (the RankTail is then broken: RuntimeError after)."""
         if self.broken is not None:
             raise RuntimeError(f"the serve ranks are down: {self.broken}")
@@ -185,11 +191,13 @@ class RankTail:
         if sp.shape != (x.shape[0], 5) or sp.dtype != torch.float32:
             raise ValueError(f"sp must be [{x.shape[0]}, 5] fp32; got {tuple(sp.shape)} {sp.dtype}")
         xp, spp = pad_step(x, sp, self.n)
-        msg = _HEADER.pack(_CMD_TAIL, xp.shape[0]) + xp.numpy().tobytes() + spp.numpy().tobytes()
+        proc = None if processing is None else list(processing) + [None] * (xp.shape[0] - x.shape[0])
+        msg = (_HEADER.pack(_CMD_TAIL if proc is None else _CMD_TAIL_PROC, xp.shape[0]) + xp.numpy().tobytes()
+               + spp.numpy().tobytes() + (b"" if proc is None else pickle.dumps(proc)))
         try:
             for c in self.conns:
                 c.send_bytes(msg)
-            full = _rank_step(0, self.n, xp, spp, self.gamma, self.w, self.config, self.timeout)
+            full = _rank_step(0, self.n, xp, spp, self.gamma, self.w, self.config, self.timeout, proc)
         except ValueError:
             raise
         except Exception as e:
