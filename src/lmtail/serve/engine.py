@@ -38,6 +38,7 @@ Shape legend: R active rows, H hidden, V vocab, k candidates, P prompt positions
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 import time
@@ -56,6 +57,8 @@ from ..sampler import SamplingParams, greedy_rows, sampling_tensor
 from ..config import EXCHANGES, TAIL_HEAD_INPUTS, TailConfig
 from ..tail import decode_tail
 from . import batch
+from .grammar import advance_row, with_masks
+from .grammar_shim import decode_tail_processing  # SEAM: decode_tail(..., processing=) after the merge
 
 PREFILL_CHUNK = 256  # prompt positions per forward call (cache-invariant: no byte depends on it)
 SCORE_ROWS = 64  # positions per teacher-forced tail call
@@ -80,7 +83,9 @@ class Job:
     prompt_ids: the prompt's token ids (>= 1); params: SamplingParams with `seed` set;
     max_tokens >= 0 (0: only the echo logprobs); stop: strings that end the text (not
     included); logprobs: None (none) or n >= 0 alternatives per token; echo_logprobs:
-    report the prompt's teacher-forced logprobs; sink(event) on the engine thread."""
+    report the prompt's teacher-forced logprobs; sink(event) on the engine thread;
+    grammar: a serve.grammar.GrammarState (response_format JSON modes) or None: each step
+    masks the row's logits to the tokens it allows and advances it with the token."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -89,6 +94,7 @@ class Job:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
     echo_logprobs: bool = False
+    grammar: object = None  # serve.grammar.GrammarState | None
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
 
@@ -427,6 +433,7 @@ class Engine:
         keep = []
         for r, (tid, lp, top) in sampled:
             try:
+                advance_row(r.job.grammar, tid)
                 if self._emit_token(r, tid, lp, top):
                     keep.append((r, tid))
             except Exception as e:
@@ -466,7 +473,9 @@ class Engine:
         x = torch.stack([r.x for r in rows])  # [R, H]
         sp = self.step_params(rows)  # [R, 5]
         want = [r.job.logprobs is not None and r.job.logprobs > 0 for r in rows]
-        out, top_out, lse = self._tail(x, sp, want)
+        processing = with_masks(None, [r.job.grammar for r in rows])  # [R] grammar rows' allowed masks, or None
+        out, top_out, lse = (self._tail(x, sp, want) if processing is None
+                             else self._tail(x, sp, want, processing=processing))
         res, w = [], 0
         for i, r in enumerate(rows):
             top = None
@@ -474,6 +483,8 @@ class Engine:
                 n = r.job.logprobs
                 vals = values_logprobs(top_out.topk_values[w:w + 1, :n], lse[w:w + 1])[0]  # [n]
                 top = list(zip(top_out.topk_indices[w, :n].tolist(), vals.tolist()))
+                if r.job.grammar is not None:  # the lanes its grammar masked (-inf) are no alternatives
+                    top = [(i, v) for i, v in top if v != float("-inf")]
                 w += 1
             res.append((int(out.tokens[i]), float(out.logprobs[i]), top))
         return res
@@ -504,7 +515,7 @@ class Engine:
             raise
         return [None] * len(rows)
 
-    def _tail(self, x: torch.Tensor, sp: torch.Tensor, want: list[bool]):
+    def _tail(self, x: torch.Tensor, sp: torch.Tensor, want: list[bool], processing: list | None = None):
         """The sampling step's tail over x [R, H], sp [R, 5]: (out with tokens / logprobs
         [R], top_out with topk_values / topk_indices of the `want` rows in order (or None),
         their lse1 [R_want] float64 (or None)).
@@ -514,13 +525,17 @@ class Engine:
         (RankTail.tail: the single-rank bytes); the want rows' top alternatives and lse1
         from a local full-head decode_tail over those rows only (row-invariant: the same
         bytes as inside the all-row call), whose tokens must equal the ranks' (checked:
-        RuntimeError otherwise)."""
+        RuntimeError otherwise). processing: None, or [R] entries (LogitProcessing | None)
+        applied to the rows' fp32 logits (the seam); a step with it runs on this
+        process's full head, ranks or not (the same bytes as the ranks')."""
         cand = self.tail_kw["exchange"] == "candidates"
         mask = torch.tensor(want, dtype=torch.bool)  # [R]
-        if self._ranks is None:
-            out = decode_tail(x, self.bundle.final_norm, self.head, eps=self.bundle.config.eps,
-                              k=self.k, sampling_params=sp, emit_logits=any(want), debug_taps=any(want) and cand,
-                              **self.tail_kw)
+        if self._ranks is None or processing is not None:
+            tail = decode_tail if processing is None else functools.partial(decode_tail_processing,
+                                                                              processing=processing)
+            out = tail(x, self.bundle.final_norm, self.head, eps=self.bundle.config.eps,
+                       k=self.k, sampling_params=sp, emit_logits=any(want), debug_taps=any(want) and cand,
+                       **self.tail_kw)
             if not any(want):
                 return out, None, None
             lse = tail_lse(out, mask, self.tail_kw["exchange"])  # [R_want]

@@ -13,10 +13,14 @@ shape, `param` naming the field). Supported: model, messages | prompt, max_token
 1..k), min_p [0, 1], seed (int64; absent: one from os.urandom, reported back), stop
 (a string or up to 4), stream, stream_options.include_usage, n = 1, logprobs
 (chat: bool + top_logprobs 0..20; completions: int 0..20), echo (completions), user;
-the `developer` role (as `system`). Accepted as no-ops: presence_penalty /
-frequency_penalty 0, repetition_penalty 1, logit_bias {}, response_format {"type":
-"text"}, tools [], tool_choice "none", parallel_tool_calls, store, metadata. Any other
-value of those (n > 1 too) is a 400 naming the field and saying it is not supported yet.
+the `developer` role (as `system`); response_format {"type": "text"} (a no-op),
+{"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema",
+"strict", "description"}}: its shape is checked here, its grammar compiled by the
+`grammars` parse() is given (serve.grammar.Grammars: a schema it refuses is a 400 naming
+response_format; without one the JSON modes are not supported). Accepted as no-ops:
+presence_penalty / frequency_penalty 0, repetition_penalty 1, logit_bias {}, tools [],
+tool_choice "none", parallel_tool_calls, store, metadata. Any other value of those (n > 1
+too) is a 400 naming the field and saying it is not supported yet.
 
 Admission checks the sampling values in the terms the kernels read them: the fp32 value
 of each float (top_p 1e-50 is 0.0 in fp32: a 400 naming top_p), the seed's 64 bits (an
@@ -131,6 +135,7 @@ class Request:
     include_usage: bool
     logprobs: int | None
     echo: bool
+    grammar: object = None  # serve.grammar.Grammar of a JSON-mode response_format, or None
 
 
 # ---------------------------------------------------------------------------------------
@@ -222,13 +227,33 @@ def _logit_bias(name, v):
     return v
 
 
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
+
+
 def _response_format(name, v):
+    """None for no format or {"type": "text"}; the checked object of a JSON mode
+    (json_schema.schema an object; name / description strings, strict a boolean)."""
     if v is None:
         return None
     if not (isinstance(v, dict) and isinstance(v.get("type"), str)):
-        raise bad(name, 'an object {"type": ...}', v)
-    if v != {"type": "text"}:
-        raise not_yet(name, f'{v["type"]!r} (only {{"type": "text"}} is)', v)
+        raise bad(name, 'an object {"type": "text" | "json_object" | "json_schema", ...}', v)
+    if v["type"] not in RESPONSE_FORMATS:
+        raise not_yet(name, f'{v["type"]!r} (only "text", "json_object" and "json_schema" are)', v)
+    keys = {"type", "json_schema"} if v["type"] == "json_schema" else {"type"}
+    if set(v) != keys:
+        raise bad(name, f"an object with the keys {sorted(keys)} for type {v['type']!r}", v)
+    if v["type"] == "text":
+        return None
+    if v["type"] == "json_schema":
+        js = v["json_schema"]
+        if not (isinstance(js, dict) and isinstance(js.get("schema"), dict) and set(js) <= JSON_SCHEMA_KEYS):
+            raise bad(f"{name}.json_schema", 'an object {"name": ..., "schema": {...}, "strict": ...} with the '
+                                             "schema a JSON object", js)
+        for key, kind, ok in (("name", "a string", str), ("description", "a string", str),
+                              ("strict", "a boolean", bool)):
+            if js.get(key) is not None and not isinstance(js[key], ok):
+                raise bad(f"{name}.json_schema.{key}", kind, js[key])
     return v
 
 
@@ -366,11 +391,13 @@ FIELDS = {
 
 
 def parse(kind: str, body, *, tokenizer, model: str, context: int, k: int,
-          max_token_bytes: int | None = None) -> Request:
+          max_token_bytes: int | None = None, grammars=None) -> Request:
     """Validate a request body (already JSON-decoded) for endpoint `kind` ("chat" or
     "completions"); ApiError naming the first bad field. context: the model's context
     length (prompt + max_tokens must fit); k: the largest top_k the server takes;
-    max_token_bytes: the most UTF-8 bytes one token covers (None: no size pre-check)."""
+    max_token_bytes: the most UTF-8 bytes one token covers (None: no size pre-check);
+    grammars: serve.grammar.Grammars compiling a JSON-mode response_format, last (None:
+    the JSON modes are a 400, not supported)."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object; got {type(body).__name__}")
     for name in body:
@@ -406,9 +433,13 @@ def parse(kind: str, body, *, tokenizer, model: str, context: int, k: int,
         sampling_tensor([params, params], positions=[len(ids), len(ids) + max(max_tokens - 1, 0)])
     except ValueError as e:
         raise ApiError(400, f"the sampling parameters are refused in fp32: {e}") from None
+    fmt = v["response_format"]
+    if fmt is not None and grammars is None:
+        raise not_yet("response_format", f"{fmt['type']!r} (this parse has no grammar compiler)", fmt)
     return Request(kind=kind, model=model, prompt_ids=list(ids), prompt_text=text, params=params, seed=seed,
                    max_tokens=max_tokens, stop=v["stop"], stream=bool(v["stream"]),
-                   include_usage=bool(v["stream_options"]), logprobs=logprobs, echo=echo)
+                   include_usage=bool(v["stream_options"]), logprobs=logprobs, echo=echo,
+                   grammar=None if fmt is None else grammars.compile(fmt))
 
 
 def _prompt_ids(kind: str, value, raw, tokenizer, context: int, max_token_bytes: int | None):
