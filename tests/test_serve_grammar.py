@@ -4,7 +4,8 @@ vocabulary; planted wrong masks go red); json_object / json_schema rows decode t
 that parses / validates, greedy and seeded, and finish with "stop"; a grammar row leaves
 its batchmates' bytes equal to their solo runs, and is itself the same alone or batched;
 an engine that drops the mask goes red; over HTTP, a bad schema is a 400 naming
-response_format and a stream adds up to the non-streamed response.
+response_format and a stream adds up to the non-streamed response. --ranks 2 equals
+--ranks 1 with grammar rows (@pytest.mark.slow: ~13 s, it spawns the ranks).
 
 Shape legend: V vocab.
 """
@@ -300,3 +301,19 @@ def test_http_json_modes_stream_equals_whole_and_bad_schema_is_400(server):
     err = resp.json()["error"]
     assert resp.status_code == 400 and err["param"] == "response_format" and set(err) == {
         "message", "type", "param", "code"} and "json_object" in err["message"], resp.text
+
+
+@pytest.mark.slow
+def test_engine_ranks2_grammar_rows_equal_ranks1(bundle, grammars):
+    """--ranks 2: grammar rows beside a plain one give the bytes of ranks = 1 (the mask
+    applied per rank on its own vocab shard, or the step on the full head)."""
+    plain = [(p, sp, n) for p, sp, n, _ in REQUESTS[1:2]]
+    rows = GRAMMAR_ROWS[1:3]
+    want_g, want_p = run_engine(Engine(bundle, max_batch=4, k=K), bundle, grammars, rows, plain)
+    engine = Engine(bundle, max_batch=4, k=K, ranks=2)
+    try:
+        got_g, got_p = run_engine(engine, bundle, grammars, rows, plain)
+    finally:
+        assert engine.close(30)
+    assert [s.result() for s in got_g + got_p] == [s.result() for s in want_g + want_p]
+    assert all(isinstance(s.events[-1], Done) for s in got_g + got_p)
