@@ -204,12 +204,14 @@ class MaskDropped(Engine):
 
 def test_planted_engine_without_mask_goes_red(bundle, grammars):
     """Without the mask the model's own greedy tokens leave the grammar: the row fails
-    alone (500, the grammar refused a token) instead of returning JSON."""
-    gs, ps = run_engine(MaskDropped(bundle, max_batch=4, k=K), bundle, grammars, [GRAMMAR_ROWS[2]],
-                        [(p, sp, n) for p, sp, n, _ in REQUESTS[:1]])
+    alone (500, the grammar refused a token) instead of returning JSON; its batchmate
+    still equals its solo run."""
+    plain = [(p, sp, n) for p, sp, n, _ in REQUESTS[:1]]
+    gs, ps = run_engine(MaskDropped(bundle, max_batch=4, k=K), bundle, grammars, [GRAMMAR_ROWS[2]], plain)
     ev = gs[0].events[-1]
     assert isinstance(ev, Failed) and ev.status == 500 and "grammar refused token" in ev.message, ev
-    assert isinstance(ps[0].events[-1], Done)
+    p, sp, n = plain[0]
+    assert isinstance(ps[0].events[-1], Done) and ps[0].result() == solo(bundle, chat_ids(bundle, p), sp, n)
 
 
 # ---------------------------------------------------------------------------------------
@@ -283,6 +285,8 @@ def test_http_json_modes_stream_equals_whole_and_bad_schema_is_400(server):
     assert whole.finish_reason == "stop"
     tops = [a.logprob for x in whole.logprobs.content for a in x.top_logprobs]
     assert tops and all(np.isfinite(tops))
+    first = whole.logprobs.content[0]  # PERSON allows one first token, '{"': forced, logprob 0, no alternative
+    assert (first.token, first.logprob, len(first.top_logprobs)) == ('{"', 0.0, 1)
     text, ids, lps, fin = "", [], [], None
     for ch in c.chat.completions.create(stream=True, **kw):
         for d in ch.choices:
