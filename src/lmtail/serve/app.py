@@ -6,8 +6,8 @@
 A generation request: the body is read up to max_body_bytes (413 past it, from the
 Content-Length header when it says so, else while reading); JSON decoding, validation,
 tokenizing and a response_format grammar's compile (protocol.loads / protocol.parse /
-serve.grammar: 400 naming the field) run on a worker thread, never on the event loop, so /health and live streams keep their pace while a
-large body is parsed; the request then becomes an engine Job whose events (engine
+serve.grammar: 400 naming the field) run on a worker thread, never on the event loop,
+so /health and live streams keep their pace while a large body is parsed; the request then becomes an engine Job whose events (engine
 thread) reach this event loop through call_soon_threadsafe into an asyncio.Queue. A
 full engine is 429, a closing server 503. A client that goes away cancels its job (the
 engine drops the row at its next step): a stream when its write fails or Starlette's
@@ -166,7 +166,7 @@ class _State:
         if self.closing:
             raise _closing()
         raw = await self._read_body(http)
-        req = await asyncio.to_thread(self._parse, kind, raw)  # JSON, validation, tokenizing: off the loop
+        req = await asyncio.to_thread(self._parse, kind, raw)  # JSON, validation, tokenizing, grammar: off the loop
         chan = _Channel()
         job = Job(prompt_ids=req.prompt_ids, params=req.params, max_tokens=req.max_tokens, sink=chan,
                   stop=req.stop, logprobs=req.logprobs, echo_logprobs=req.echo and req.logprobs is not None,

@@ -29,6 +29,11 @@ that raises in the tail and one that raises in the body: batchmates equal their 
 Capacity: at most max_batch + max_queue jobs in flight (waiting, being prefilled or
 decoding); submit() beyond is QueueFull (HTTP 429).
 
+Grammars: a job's `grammar` (serve.grammar.GrammarState, a response_format JSON mode)
+gives its row's allowed-token mask each step (LogitProcessing(allowed=...) at the tail's
+logits-processor seam: the other lanes -inf) and is advanced with the sampled token;
+rows without one pass None, so their bytes are unchanged.
+
 Seeds: every job carries one (the HTTP layer picks one from os.urandom for a request
 without): the draw for the token at position p is numerics.draw_u(seed, p), p =
 len(prompt) + tokens generated so far, as in lmtail generate.

@@ -1,6 +1,6 @@
-"""TEMPORARY (delete at the merge with branch `proc`): the logits-processor seam of
-/work/notes/seam.md as far as serve.grammar needs it, until lmtail.processors and
-decode_tail(..., processing=) exist.
+"""TEMPORARY (delete at the merge with branch `proc`): the logits-processor seam agreed
+with branch proc (lmtail.processors.LogitProcessing, decode_tail(..., processing=)) as
+far as serve.grammar needs it, until those exist on this branch.
 
     LogitProcessing      the seam's dataclass (the same fields and defaults)
     decode_tail_processing(hidden, gamma, head, *, processing, **tail options)
