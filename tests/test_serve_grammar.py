@@ -11,6 +11,7 @@ Shape legend: V vocab.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 
@@ -266,7 +267,9 @@ def test_parse_json_modes(bundle, grammars):
 @pytest.fixture(scope="module")
 def server(bundle):
     engine = Engine(bundle, max_batch=8, max_queue=8, k=K)
-    srv = ThreadServer(create_app(engine, model_name=MODEL)).start()
+    app = create_app(engine, model_name=MODEL)
+    srv = ThreadServer(app).start()
+    srv.app = app
     yield srv
     assert srv.stop(30)
     assert engine.close(10)
@@ -321,3 +324,34 @@ def test_engine_ranks2_grammar_rows_equal_ranks1(bundle, grammars):
         assert engine.close(30)
     assert [s.result() for s in got_g + got_p] == [s.result() for s in want_g + want_p]
     assert all(isinstance(s.events[-1], Done) for s in got_g + got_p)
+
+
+def on_event_loop() -> bool:
+    """True when called on a thread running an asyncio event loop."""
+    try:
+        asyncio.get_running_loop()
+        return True
+    except RuntimeError:
+        return False
+
+
+def test_http_schema_compiles_off_the_event_loop(server, monkeypatch):
+    """The server compiles a request's schema on a worker thread, never on its event loop
+    (the detector says True when called on a loop: shown first)."""
+    async def probe():
+        return on_event_loop()
+
+    assert asyncio.run(probe()) is True and on_event_loop() is False
+    grammars = server.app.state.lmtail.grammars
+    seen = []
+    real = type(grammars).compile
+
+    def compile_and_record(self, fmt):
+        seen.append(on_event_loop())
+        return real(self, fmt)
+
+    monkeypatch.setattr(type(grammars), "compile", compile_and_record)
+    with httpx.Client(timeout=60) as h:
+        r = h.post(f"http://127.0.0.1:{server.port}/v1/chat/completions",
+                   json=chat_body(response_format=AS_OBJECT, max_tokens=2, temperature=0.0))
+    assert r.status_code == 200 and seen == [False], (r.text, seen)
