@@ -6,13 +6,13 @@
 A generation request: the body is read up to max_body_bytes (413 past it, from the
 Content-Length header when it says so, else while reading); JSON decoding, validation,
 tokenizing and a response_format grammar's compile (protocol.loads / protocol.parse /
-serve.grammar: 400 naming the field) run on a worker thread, never on the event loop,
-so /health and live streams keep their pace while a large body is parsed; the request then becomes an engine Job whose events (engine
-thread) reach this event loop through call_soon_threadsafe into an asyncio.Queue. A
-full engine is 429, a closing server 503. A client that goes away cancels its job (the
-engine drops the row at its next step): a stream when its write fails or Starlette's
-disconnect listener fires, a plain request by a task that waits on the connection's
-http.disconnect beside the job's events.
+serve.grammar: 400 naming the field) run on a worker thread, never on the event loop, so
+/health and live streams keep their pace while a large body is parsed; the request then
+becomes an engine Job whose events (engine thread) reach this event loop through
+call_soon_threadsafe into an asyncio.Queue. A full engine is 429, a closing server 503.
+A client that goes away cancels its job (the engine drops the row at its next step): a
+stream when its write fails or Starlette's disconnect listener fires, a plain request by
+a task that waits on the connection's http.disconnect beside the job's events.
 
 Every error is OpenAI's shape {"error": {"message", "type", "param", "code"}}: the
 protocol's 400s, 404 / 405 for routes, 413, 429, 503, a job's own failure (its status:
