@@ -196,6 +196,18 @@ def test_schema_validates_with_jsonschema(bundle, grammars):
         assert not jsonschema_rs.is_valid(PERSON, {"name": obj["name"]})  # the validator can say no
 
 
+def test_mirror_exchange_grammar_rows(bundle, grammars):
+    """exchange "mirror" (decisions on the bf16 mirror): the mask holds there too (-inf stays
+    -inf in bf16): JSON out, ending "stop"; each row the same batched or alone."""
+    rows = GRAMMAR_ROWS[2:]  # the schema rows (greedy, seeded)
+    gs, _ = run_engine(Engine(bundle, max_batch=4, k=K, exchange="mirror"), bundle, grammars, rows,
+                       [(p, sp, n) for p, sp, n, _ in REQUESTS[:1]])
+    for s, row in zip(gs, rows):
+        assert s.events[-1].finish_reason == "stop" and isinstance(json.loads(s.events[-1].text), dict)
+        alone, _ = run_engine(Engine(bundle, max_batch=1, k=K, exchange="mirror"), bundle, grammars, [row])
+        assert alone[0].result() == s.result()
+
+
 class MaskDropped(Engine):
     """PLANTED: the step drops the grammar rows' processing (no mask on the logits)."""
 
@@ -248,6 +260,18 @@ def test_bad_response_format_names_it(bundle, grammars, fmt, param, words):
                        context=bundle.config.context_length, k=K, grammars=grammars)
     body = e.value.body()["error"]
     assert (e.value.status, body["param"]) == (400, param) and words in body["message"], body
+
+
+def test_schema_with_a_huge_integer_is_400(bundle, grammars):
+    """A schema holding an integer literal past protocol.MAX_INT_DIGITS (loads keeps it as
+    text) is refused naming response_format, not a 500."""
+    raw = ('{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": '
+           '"json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "maxLength": %s}}}}'
+           % (MODEL, "9" * 60)).encode()
+    with pytest.raises(protocol.ApiError) as e:
+        protocol.parse("chat", protocol.loads(raw), tokenizer=bundle.tokenizer, model=MODEL,
+                       context=bundle.config.context_length, k=K, grammars=grammars)
+    assert (e.value.status, e.value.param) == (400, "response_format"), e.value.body()
 
 
 def test_parse_json_modes(bundle, grammars):
