@@ -4,15 +4,15 @@
     GET  /v1/models             GET  /health            GET /openapi.json
 
 A generation request: the body is read up to max_body_bytes (413 past it, from the
-Content-Length header when it says so, else while reading); JSON decoding, validation
-and tokenizing (protocol.loads / protocol.parse: 400 naming the field) run on a worker
-thread, never on the event loop, so /health and live streams keep their pace while a
-large body is parsed; the request then becomes an engine Job whose events (engine
-thread) reach this event loop through call_soon_threadsafe into an asyncio.Queue. A
-full engine is 429, a closing server 503. A client that goes away cancels its job (the
-engine drops the row at its next step): a stream when its write fails or Starlette's
-disconnect listener fires, a plain request by a task that waits on the connection's
-http.disconnect beside the job's events.
+Content-Length header when it says so, else while reading); JSON decoding, validation,
+tokenizing and a response_format grammar's compile (protocol.loads / protocol.parse /
+serve.grammar: 400 naming the field) run on a worker thread, never on the event loop, so
+/health and live streams keep their pace while a large body is parsed; the request then
+becomes an engine Job whose events (engine thread) reach this event loop through
+call_soon_threadsafe into an asyncio.Queue. A full engine is 429, a closing server 503.
+A client that goes away cancels its job (the engine drops the row at its next step): a
+stream when its write fails or Starlette's disconnect listener fires, a plain request by
+a task that waits on the connection's http.disconnect beside the job's events.
 
 Every error is OpenAI's shape {"error": {"message", "type", "param", "code"}}: the
 protocol's 400s, 404 / 405 for routes, 413, 429, 503, a job's own failure (its status:
@@ -47,6 +47,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .engine import Closed, Done, Engine, Failed, Job, Prompt, QueueFull, Token
+from .grammar import Grammars
 from .openapi import openapi_document
 from .protocol import ApiError, CompletionLogprobs, Request, chat_logprob, loads, max_token_bytes, parse
 
@@ -116,6 +117,7 @@ class _State:
         self.tok = engine.bundle.tokenizer
         self.context = engine.bundle.config.context_length
         self.token_bytes = max_token_bytes(self.tok)
+        self.grammars = Grammars(self.tok, engine.bundle.config.vocab)  # response_format JSON modes
         self.grace_s, self.max_body = grace_s, max_body
         self.closing = False
         self.created = int(time.time())
@@ -164,11 +166,12 @@ class _State:
         if self.closing:
             raise _closing()
         raw = await self._read_body(http)
-        req = await asyncio.to_thread(self._parse, kind, raw)  # JSON, validation, tokenizing: off the loop
+        req = await asyncio.to_thread(self._parse, kind, raw)  # JSON, validation, tokenizing, grammar: off the loop
         chan = _Channel()
         job = Job(prompt_ids=req.prompt_ids, params=req.params, max_tokens=req.max_tokens, sink=chan,
                   stop=req.stop, logprobs=req.logprobs, echo_logprobs=req.echo and req.logprobs is not None,
-                  processors=req.processors)
+                  processors=req.processors,
+                  grammar=None if req.grammar is None else req.grammar.start())
         if self.closing:
             raise _closing()
         try:
@@ -201,9 +204,10 @@ class _State:
         return b"".join(chunks)
 
     def _parse(self, kind: str, raw: bytes) -> Request:
-        """protocol.loads + protocol.parse (a worker thread's job)."""
+        """protocol.loads + protocol.parse, a JSON-mode grammar compiled too (a worker
+        thread's job)."""
         return parse(kind, loads(raw), tokenizer=self.tok, model=self.model, context=self.context,
-                     k=self.engine.k, max_token_bytes=self.token_bytes)
+                     k=self.engine.k, max_token_bytes=self.token_bytes, grammars=self.grammars)
 
     async def _whole(self, http: HttpRequest, req: Request, job: Job, chan: _Channel, rid: str):
         watcher = asyncio.ensure_future(_on_disconnect(http, chan))

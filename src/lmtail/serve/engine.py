@@ -33,6 +33,10 @@ Processors: a job's `processors` (logit_bias, presence / frequency / repetition
 penalties) become its row's processors.LogitProcessing at every step, from its prompt and
 the counts of the tokens IT generated (Row.counts), handed to decode_tail's seam (on
 every rank with ranks = N); rows without them pass None, so their bytes are unchanged.
+Grammars: a job's `grammar` (serve.grammar.GrammarState, a response_format JSON mode)
+gives its row's allowed-token mask each step (LogitProcessing(allowed=...) at the tail's
+logits-processor seam: the other lanes -inf) and is advanced with the sampled token;
+rows without one pass None, so their bytes are unchanged.
 
 Seeds: every job carries one (the HTTP layer picks one from os.urandom for a request
 without): the draw for the token at position p is numerics.draw_u(seed, p), p =
@@ -60,6 +64,7 @@ from ..sampler import SamplingParams, greedy_rows, sampling_tensor
 from ..config import TailConfig
 from ..tail import decode_tail
 from . import batch
+from .grammar import advance_row, with_masks
 
 PREFILL_CHUNK = 256  # prompt positions per forward call (cache-invariant: no byte depends on it)
 SCORE_ROWS = 64  # positions per teacher-forced tail call
@@ -86,7 +91,9 @@ class Job:
     included); logprobs: None (none) or n >= 0 alternatives per token; echo_logprobs:
     report the prompt's teacher-forced logprobs; processors: the request's logit_bias and
     penalties (None: none), applied at the tail's logits-processor seam each step from its
-    prompt and its own generated tokens; sink(event) on the engine thread."""
+    prompt and its own generated tokens; sink(event) on the engine thread; grammar: a
+    serve.grammar.GrammarState (response_format JSON modes) or None: each step masks the
+    row's logits to the tokens it allows and advances it with the token."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -96,6 +103,7 @@ class Job:
     logprobs: int | None = None
     echo_logprobs: bool = False
     processors: Processors | None = None
+    grammar: object = None  # serve.grammar.GrammarState | None
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
 
@@ -427,6 +435,7 @@ class Engine:
         keep = []
         for r, (tid, lp, top) in sampled:
             try:
+                advance_row(r.job.grammar, tid)
                 if self._emit_token(r, tid, lp, top):
                     keep.append((r, tid))
             except Exception as e:
@@ -466,8 +475,8 @@ class Engine:
         x = torch.stack([r.x for r in rows])  # [R, H]
         sp = self.step_params(rows)  # [R, 5]
         want = [r.job.logprobs is not None and r.job.logprobs > 0 for r in rows]
-        proc = [r.processing() for r in rows]
-        if all(p is None for p in proc):  # no row has processors: the plain call
+        proc = with_masks([r.processing() for r in rows], [r.job.grammar for r in rows])
+        if proc is None or all(p is None for p in proc):  # no row has processors: the plain call
             out, top_out, lse = self._tail(x, sp, want)
         else:
             out, top_out, lse = self._tail(x, sp, want, proc)
@@ -478,6 +487,8 @@ class Engine:
                 n = r.job.logprobs
                 vals = values_logprobs(top_out.topk_values[w:w + 1, :n], lse[w:w + 1])[0]  # [n]
                 top = list(zip(top_out.topk_indices[w, :n].tolist(), vals.tolist()))
+                if r.job.grammar is not None:  # the lanes its grammar masked (-inf) are no alternatives
+                    top = [(i, v) for i, v in top if v != float("-inf")]
                 w += 1
             res.append((int(out.tokens[i]), float(out.logprobs[i]), top))
         return res

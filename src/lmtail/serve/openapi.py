@@ -44,11 +44,23 @@ def _common(k: int, context: int) -> dict:
         # keys: decimal token ids in [0, V) (a rule this schema does not say: other keys are a 400)
         "logit_bias": {"type": "object", "additionalProperties": _num(*LOGIT_BIAS_RANGE, nullable=False),
                        "nullable": True},
-        "response_format": {"type": "object", "properties": {"type": {"type": "string", "enum": ["text"]}},
-                            "required": ["type"], "additionalProperties": False, "nullable": True},
+        "response_format": _response_format(),
         "store": {"type": "boolean", "nullable": True},
         "metadata": {"type": "object", "additionalProperties": {"type": "string"}, "nullable": True},
     }
+
+
+def _response_format() -> dict:
+    """{"type": "text"}, {"type": "json_object"}, or {"type": "json_schema", "json_schema":
+    {"name", "description", "schema", "strict"}} (protocol._response_format; a schema the
+    grammar library refuses is a 400 the document does not predict)."""
+    def only(t: str, **extra) -> dict:
+        return {"type": "object", "required": ["type", *extra], "additionalProperties": False,
+                "properties": {"type": {"type": "string", "enum": [t]}, **extra}}
+    js = {"type": "object", "required": ["schema"], "additionalProperties": False, "properties": {
+        "name": {"type": "string", "nullable": True}, "description": {"type": "string", "nullable": True},
+        "schema": {"type": "object"}, "strict": {"type": "boolean", "nullable": True}}}
+    return {"oneOf": [only("text"), only("json_object"), only("json_schema", json_schema=js)], "nullable": True}
 
 
 def _error() -> dict:

@@ -16,8 +16,12 @@ shape, `param` naming the field). Supported: model, messages | prompt, max_token
 the `developer` role (as `system`); logit_bias (OpenAI's: {"token id": bias}, keys
 decimal token ids in [0, V), biases numbers in [-100, 100]), presence_penalty and
 frequency_penalty (OpenAI's, [-2, 2]) and repetition_penalty (vLLM's, > 0, finite in
-fp32): lmtail.processors.Processors, applied at the tail's logits-processor seam.
-Accepted as no-ops: response_format {"type": "text"}, tools [], tool_choice "none",
+fp32): lmtail.processors.Processors, applied at the tail's logits-processor seam;
+response_format {"type": "text"} (a no-op), {"type": "json_object"} or {"type":
+"json_schema", "json_schema": {"name", "schema", "strict", "description"}}: its shape is
+checked here, its grammar compiled by the `grammars` parse() is given
+(serve.grammar.Grammars: a schema it refuses is a 400 naming response_format; without one
+the JSON modes are not supported). Accepted as no-ops: tools [], tool_choice "none",
 parallel_tool_calls, store, metadata. Any other value of those (n > 1 too) is a 400
 naming the field and saying it is not supported yet.
 
@@ -137,6 +141,7 @@ class Request:
     logprobs: int | None
     echo: bool
     processors: Processors | None = None  # logit_bias and penalties (None: none)
+    grammar: object = None  # serve.grammar.Grammar of a JSON-mode response_format, or None
 
 
 # ---------------------------------------------------------------------------------------
@@ -248,13 +253,33 @@ def _logit_bias(name, v):
     return tuple(sorted(out.items()))
 
 
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
+
+
 def _response_format(name, v):
+    """None for no format or {"type": "text"}; the checked object of a JSON mode
+    (json_schema.schema an object; name / description strings, strict a boolean)."""
     if v is None:
         return None
     if not (isinstance(v, dict) and isinstance(v.get("type"), str)):
-        raise bad(name, 'an object {"type": ...}', v)
-    if v != {"type": "text"}:
-        raise not_yet(name, f'{v["type"]!r} (only {{"type": "text"}} is)', v)
+        raise bad(name, 'an object {"type": "text" | "json_object" | "json_schema", ...}', v)
+    if v["type"] not in RESPONSE_FORMATS:
+        raise not_yet(name, f'{v["type"]!r} (only "text", "json_object" and "json_schema" are)', v)
+    keys = {"type", "json_schema"} if v["type"] == "json_schema" else {"type"}
+    if set(v) != keys:
+        raise bad(name, f"an object with the keys {sorted(keys)} for type {v['type']!r}", v)
+    if v["type"] == "text":
+        return None
+    if v["type"] == "json_schema":
+        js = v["json_schema"]
+        if not (isinstance(js, dict) and isinstance(js.get("schema"), dict) and set(js) <= JSON_SCHEMA_KEYS):
+            raise bad(f"{name}.json_schema", 'an object {"name": ..., "schema": {...}, "strict": ...} with the '
+                                             "schema a JSON object", js)
+        for key, kind, ok in (("name", "a string", str), ("description", "a string", str),
+                              ("strict", "a boolean", bool)):
+            if js.get(key) is not None and not isinstance(js[key], ok):
+                raise bad(f"{name}.json_schema.{key}", kind, js[key])
     return v
 
 
@@ -392,11 +417,13 @@ FIELDS = {
 
 
 def parse(kind: str, body, *, tokenizer, model: str, context: int, k: int,
-          max_token_bytes: int | None = None) -> Request:
+          max_token_bytes: int | None = None, grammars=None) -> Request:
     """Validate a request body (already JSON-decoded) for endpoint `kind` ("chat" or
     "completions"); ApiError naming the first bad field. context: the model's context
     length (prompt + max_tokens must fit); k: the largest top_k the server takes;
-    max_token_bytes: the most UTF-8 bytes one token covers (None: no size pre-check)."""
+    max_token_bytes: the most UTF-8 bytes one token covers (None: no size pre-check);
+    grammars: serve.grammar.Grammars compiling a JSON-mode response_format, last (None:
+    the JSON modes are a 400, not supported)."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object; got {type(body).__name__}")
     for name in body:
@@ -432,10 +459,14 @@ def parse(kind: str, body, *, tokenizer, model: str, context: int, k: int,
         sampling_tensor([params, params], positions=[len(ids), len(ids) + max(max_tokens - 1, 0)])
     except ValueError as e:
         raise ApiError(400, f"the sampling parameters are refused in fp32: {e}") from None
+    fmt = v["response_format"]
+    if fmt is not None and grammars is None:
+        raise not_yet("response_format", f"{fmt['type']!r} (this parse has no grammar compiler)", fmt)
     return Request(kind=kind, model=model, prompt_ids=list(ids), prompt_text=text, params=params, seed=seed,
                    max_tokens=max_tokens, stop=v["stop"], stream=bool(v["stream"]),
                    include_usage=bool(v["stream_options"]), logprobs=logprobs, echo=echo,
-                   processors=_processors(v, tokenizer.vocab_size))
+                   processors=_processors(v, tokenizer.vocab_size),
+                   grammar=None if fmt is None else grammars.compile(fmt))
 
 
 def _processors(v: dict, vocab: int) -> Processors | None:
