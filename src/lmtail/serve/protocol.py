@@ -11,12 +11,21 @@ field, a wrong type or an out-of-range value is an ApiError (HTTP 400, OpenAI's 
 shape, `param` naming the field). Supported: model, messages | prompt, max_tokens
 (max_completion_tokens), temperature [0, 2], top_p (0, 1], top_k (vLLM: -1 or 0 off,
 1..k), min_p [0, 1], seed (int64; absent: one from os.urandom, reported back), stop
-(a string or up to 4), stream, stream_options.include_usage, n = 1, logprobs
+(a string or up to 4), stream, stream_options.include_usage, n (1..max_n), logprobs
 (chat: bool + top_logprobs 0..20; completions: int 0..20), echo (completions), user;
 the `developer` role (as `system`). Accepted as no-ops: presence_penalty /
 frequency_penalty 0, repetition_penalty 1, logit_bias {}, response_format {"type":
 "text"}, tools [], tool_choice "none", parallel_tool_calls, store, metadata. Any other
-value of those (n > 1 too) is a 400 naming the field and saying it is not supported yet.
+value of those is a 400 naming the field and saying it is not supported yet.
+
+n choices: choice i (0 <= i < n) is the request served alone with the seed
+choice_seed(seed, i) = seed + i wrapped into int64 (its 64 bits: (seed mod 2**64 + i)
+mod 2**64, the bits numerics.draw_u reads); so the n seeds are distinct, each a valid
+`seed` a client can send back, and choice i is byte-equal to that n = 1 request. A
+request without a seed gets one from os.urandom (reported back as `seed`, each choice's
+as choices[i].seed): deterministic given the reported seeds. A greedy request
+(temperature 0) reads no seed: its n choices are the same. max_n (the server's
+max_batch: a request's choices decode together) bounds n: a 400 naming n beyond.
 
 Admission checks the sampling values in the terms the kernels read them: the fp32 value
 of each float (top_p 1e-50 is 0.0 in fp32: a 400 naming top_p), the seed's 64 bits (an
@@ -35,6 +44,7 @@ Shape legend: none (JSON values).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -131,6 +141,19 @@ class Request:
     include_usage: bool
     logprobs: int | None
     echo: bool
+    n: int = 1
+
+    def choice_params(self, i: int) -> SamplingParams:
+        """Choice i's sampling params: params with seed choice_seed(seed, i) (its uint64 bits)."""
+        if not 0 <= i < self.n:
+            raise ValueError(f"i must be in [0, {self.n}); got {i}")
+        return dataclasses.replace(self.params, seed=choice_seed(self.seed, i) % U64)
+
+
+def choice_seed(seed: int, i: int) -> int:
+    """The int64 seed of choice i of a request with int64 `seed`: seed + i wrapped into
+    [-2**63, 2**63) (choice 0: seed itself)."""
+    return (seed + i - INT64[0]) % U64 + INT64[0]
 
 
 # ---------------------------------------------------------------------------------------
@@ -204,11 +227,9 @@ def _penalty(neutral: float, lo: float, hi: float):
 
 def _n(name, v):
     if v is None:
-        return None
+        return 1
     if not (_is_int(v) and v >= 1):
         raise bad(name, "an integer >= 1", v)
-    if v > 1:
-        raise not_yet(name, "n > 1 (several choices per request)", v)
     return v
 
 
@@ -366,11 +387,12 @@ FIELDS = {
 
 
 def parse(kind: str, body, *, tokenizer, model: str, context: int, k: int,
-          max_token_bytes: int | None = None) -> Request:
+          max_token_bytes: int | None = None, max_n: int = 1) -> Request:
     """Validate a request body (already JSON-decoded) for endpoint `kind` ("chat" or
     "completions"); ApiError naming the first bad field. context: the model's context
     length (prompt + max_tokens must fit); k: the largest top_k the server takes;
-    max_token_bytes: the most UTF-8 bytes one token covers (None: no size pre-check)."""
+    max_token_bytes: the most UTF-8 bytes one token covers (None: no size pre-check);
+    max_n: the largest n (choices) the server takes."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object; got {type(body).__name__}")
     for name in body:
@@ -387,6 +409,9 @@ def parse(kind: str, body, *, tokenizer, model: str, context: int, k: int,
     if v["model"] != model:
         raise ApiError(404, f"The model {v['model']!r:.200} does not exist (this server has {model!r})",
                        param="model", code="model_not_found")
+    if v["n"] > max_n:
+        raise bad("n", f"an integer in [1, {max_n}] (the server's max batch: a request's choices decode "
+                       "together)", v["n"])
     if v["stream_options"] and not v["stream"]:
         raise bad("stream_options", "given only with stream=true", body["stream_options"])
     logprobs, echo = _logprobs(kind, body, v), bool(v.get("echo"))
@@ -408,7 +433,7 @@ def parse(kind: str, body, *, tokenizer, model: str, context: int, k: int,
         raise ApiError(400, f"the sampling parameters are refused in fp32: {e}") from None
     return Request(kind=kind, model=model, prompt_ids=list(ids), prompt_text=text, params=params, seed=seed,
                    max_tokens=max_tokens, stop=v["stop"], stream=bool(v["stream"]),
-                   include_usage=bool(v["stream_options"]), logprobs=logprobs, echo=echo)
+                   include_usage=bool(v["stream_options"]), logprobs=logprobs, echo=echo, n=v["n"])
 
 
 def _prompt_ids(kind: str, value, raw, tokenizer, context: int, max_token_bytes: int | None):
