@@ -182,7 +182,10 @@ class _State:
         if self.closing:
             raise _closing()
         try:
-            self.engine.submit_group(jobs)
+            if len(jobs) == 1:
+                self.engine.submit(jobs[0])
+            else:
+                self.engine.submit_group(jobs)
         except QueueFull as e:
             raise ApiError(429, f"too many requests in flight: {e}; retry later", type_="rate_limit_error",
                            code="rate_limit_exceeded") from None

@@ -7,11 +7,13 @@ requests join the running batch after their own prefill and leave when done.
         start: the waiting groups, in order, while the batch has room for all their rows
                (active rows + rows being prefilled <= max_batch): each gets ONE one-row
                cache for its prompt (shared by its jobs: prefilled once)
-        chunk: the oldest prefilling group runs one chunk of its prompt (llama.forward
-               on its cache alone; echo jobs also get those positions' teacher-forced
-               logprobs), sized by Chunker: while rows decode, a chunk costs about
-               prefill_share x a decode step, so a long prompt never stalls the
-               streams beside it; with nothing decoding, PREFILL_CHUNK positions.
+        chunk: while rows decode, the prefilling group with the fewest positions left
+               runs one chunk of its prompt (llama.forward on its cache alone; echo
+               jobs also get those positions' teacher-forced logprobs), sized by its
+               Chunker to take about prefill_share x the median decode period (the
+               time a stream waits between tokens), so a long prompt does not stall
+               the streams beside it for its whole prefill; with no row decoding,
+               every prefilling group runs a PREFILL_CHUNK-position chunk.
                A group whose prompt is done joins the batch, its cache copied for each
                job after the first (the same bytes: attention reads only filled slots)
         step:  one decode_tail over the active rows' hidden states (row-invariant), each
@@ -21,11 +23,12 @@ requests join the running batch after their own prefill and leave when done.
                ranks, serve/ranks.py, with the same bytes; the body stays here)
 
 A row's tokens and logprobs are therefore the bytes of the same request served alone,
-whatever joins, leaves or fails around it, and however its prompt was cut into chunks
-(the body is cache-invariant: a position's bytes do not depend on how the positions
-before it were split into forward calls, model.body.attend's declared order; tests/
-test_serve_n.py checks chunked == one-shot prefill then decode, bit for bit) (tests/test_serve.py: bit for bit, with joins
-and leaves, against llama.forward + decode_tail on one row; failures: isolation below). Events go to the job's `sink`
+whatever joins, leaves or fails around it (tests/test_serve.py: bit for bit, with joins
+and leaves, against llama.forward + decode_tail on one row; failures: isolation below),
+and however its prompt was cut into chunks (the body is cache-invariant: a position's
+bytes do not depend on how the positions before it were split into forward calls,
+model.body.attend's declared order; tests/test_serve_n.py: chunked == one-shot prefill
+then decode, bit for bit). Events go to the job's `sink`
 (called on the engine thread; the HTTP layer hands them to its event loop):
 Prompt (echo logprobs), Token (one generated token, its text delta), Done, Failed.
 
@@ -72,7 +75,8 @@ from ..tail import decode_tail
 from . import batch
 
 PREFILL_CHUNK = 256  # prompt positions per forward call at most (cache-invariant: no byte depends on it)
-PREFILL_SHARE = 0.5  # a prefill chunk beside decoding rows costs about this share of a decode step
+PREFILL_SHARE = 1.0  # a prefill chunk beside decoding rows takes about this share of a decode period
+GROW_AHEAD = 64  # a row's cache may grow early this many slots before it is full (_grow_early)
 PERIODS = 15  # decode periods kept (their median sizes the prefill chunks)
 FIRST_CHUNK = 2  # a group's first chunk beside decoding rows (then Chunker adapts it)
 SCORE_ROWS = 64  # positions per teacher-forced tail call
@@ -257,7 +261,8 @@ class Engine:
     every token and logprob bit of ranks = 1; top logprobs, echo scoring and the prompt's
     logprobs stay on this process's full head (the same bytes); rank_timeout_s bounds the
     ranks' start and each of their collectives. prefill_share: a prefill chunk beside
-    decoding rows costs about this share of a decode step (Chunker; no byte depends on it)."""
+    decoding rows takes about this share of the median decode period (Chunker; no byte
+    depends on it)."""
 
     def __init__(self, bundle: ModelBundle, *, max_batch: int = 16, max_queue: int = 64, k: int = 256,
                  body: str = "batched", ops: Ops | None = None, exchange: str = TailConfig.exchange,
@@ -628,11 +633,17 @@ class Engine:
         """[R, 5] fp32 sampling rows: each row's params, u drawn at ITS OWN position."""
         return sampling_tensor([r.job.params for r in rows], positions=[r.position for r in rows])
 
-    def _body(self, rows: list[Row], tokens: torch.Tensor) -> None:
-        """Feed each row's new token through the body; row.x becomes its next hidden state."""
+    def _grow(self, rows: list[Row]) -> None:
+        """Each row's cache gets a free slot for this step (batch.grow when full); one row
+        near full grows early (_grow_early)."""
         cfg = self.bundle.config
         for r in rows:
             r.cache = batch.grow(cfg, r.cache, r.cache.length + 1)
+        _grow_early(cfg, rows)
+
+    def _body(self, rows: list[Row], tokens: torch.Tensor) -> None:
+        """Feed each row's new token through the body; row.x becomes its next hidden state."""
+        self._grow(rows)
         if self.body == "batched":
             if self._scratch is None and self.ops.body == Q32_BODY:
                 c = self.bundle.config
@@ -723,6 +734,21 @@ def _check_group(jobs: list[Job], most: int) -> None:
                 (j0.prompt_ids, j0.echo_logprobs, j0.logprobs if j0.echo_logprobs else None):
             raise ValueError("jobs of a group must share prompt_ids and echo_logprobs (with its logprobs); got jobs "
                              "that differ")
+
+
+def _grow_early(cfg, rows: list[Row]) -> None:
+    """Of the rows whose cache has fewer than GROW_AHEAD free slots and that will need
+    more (prompt + max_tokens past its capacity), the one with the fewest grows now
+    (batch.grow: a copy with GROW_SLOTS more): rows that joined together then copy their
+    caches in successive steps, not all in one (a stall for every stream)."""
+    def free(r):
+        return r.cache.capacity - r.cache.length
+
+    tight = [r for r in rows if free(r) < GROW_AHEAD
+             and r.cache.capacity < min(cfg.context_length, len(r.job.prompt_ids) + r.job.max_tokens)]
+    if tight:
+        r = min(tight, key=free)
+        r.cache = batch.grow(cfg, r.cache, r.cache.capacity + 1)
 
 
 @dataclass(frozen=True)
