@@ -564,3 +564,32 @@ def test_rows_grow_their_caches_in_successive_steps(bundle, monkeypatch):
     assert sum(per_step) == 4 and max(per_step) == 1, per_step
     assert max(planted) == 4
     assert toks == planted_toks
+
+
+def test_cancel_during_chunked_prefill_stops_it(bundle):
+    """A long prompt cancelled while its chunks run beside a decoding row: it gets Failed
+    (499) before its prompt is done, its prefill leaves the engine, the row goes on."""
+    engine = Recording(bundle, max_batch=2, k=K)
+    first, long_sink = Collect(), Collect()
+    long_job = Job(prompt_ids=long_ids(bundle, 60)[:700], params=SamplingParams(temperature=0.0), max_tokens=1,
+                   sink=long_sink)
+    engine.start()
+    try:
+        engine.submit(Job(prompt_ids=chat_ids(bundle, "Count to fifty."), params=SamplingParams(temperature=0.0),
+                          max_tokens=60, sink=first))
+        t_end = time.monotonic() + 60
+        while len(first.events) < 2:
+            assert time.monotonic() < t_end
+            time.sleep(0.005)
+        engine.submit(long_job)
+        while len([c for c in getattr(engine, "chunks", []) if c[1]]) < 3:
+            assert time.monotonic() < t_end
+            time.sleep(0.005)
+        long_job.cancel()
+        wait_done([long_sink, first])
+    finally:
+        assert engine.close(10)
+    ev = long_sink.events[-1]
+    assert len(long_sink.events) == 1 and ev.status == 499, long_sink.events
+    assert min(left for left, beside in engine.chunks if beside) > 100 and not engine._prefills  # stopped early
+    assert isinstance(first.events[-1], Done)
