@@ -74,7 +74,7 @@ BAD_RAW = [  # (kind, raw JSON body, status, param, words in the message)
     ("chat", '{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "\\ud800": 1}' % MODEL,
      400, "\\ud800", "Unrecognized"),
     ("chat", json.dumps(chat_body(top_p=1e-50)), 400, "top_p", "0.0 in fp32"),
-    ("chat", json.dumps(chat_body(n=2)), 400, "n", "not supported yet"),
+    ("chat", json.dumps(chat_body(n=2)), 400, "n", "in [1, 1]"),  # parse's default max_n
     ("chat", json.dumps(chat_body(n=0)), 400, "n", ">= 1"),
     ("chat", json.dumps(chat_body(logit_bias={"50256": -100})), 400, "logit_bias", "token ids in [0, 49152)"),
     ("chat", json.dumps(chat_body(logit_bias=[1])), 400, "logit_bias", "an object"),
@@ -494,7 +494,8 @@ def test_http_every_error_in_openai_shape(server):
               400, "seed")
         shape(post("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "seed": 1 << 64}).encode()), 400,
               "seed")
-        for field, value in [("n", 3), ("response_format", {"type": "regex", "regex": "a+"}), ("tools", [{"type": "function"}])]:
+        shape(post("/v1/chat/completions", json.dumps(chat_body(n=9)).encode()), 400, "n")  # > max_batch 8
+        for field, value in [("response_format", {"type": "regex", "regex": "a+"}), ("tools", [{"type": "function"}])]:
             err = shape(post("/v1/chat/completions", json.dumps(chat_body(**{field: value})).encode()), 400, field)
             assert "not supported yet" in err["message"]
         shape(post("/v1/chat/completions", json.dumps(chat_body(top_p=1e-50)).encode()), 400, "top_p")
@@ -594,6 +595,8 @@ class FakeEngine:
     token, Done) after the check a decode step makes first, the sampler's rules on the
     job's fp32 rows (Failed 500 if they refuse it: what admission must prevent). For the
     HTTP layer's own tests (no model time); .jobs counts the jobs submitted."""
+
+    max_batch = 1  # n = 1 only (submit, no submit_group)
 
     def __init__(self, bundle, k=K):
         self.bundle, self.k, self.started, self.jobs = bundle, k, False, 0

@@ -24,9 +24,16 @@ Shutdown (begin_shutdown: `lmtail serve` calls it on SIGTERM / SIGINT): new requ
 closed, so the jobs left get Failed (503): a plain request answers 503 JSON, a stream an
 error event and [DONE].
 
-Extra response fields (beyond OpenAI's): `seed` (the seed used, picked from os.urandom
-when the request had none) and choices[0].token_ids (the generated ids, a stop token
-included), so a client can replay or score a completion exactly.
+n > 1: the request becomes n engine Jobs submitted as one group (Engine.submit_group:
+the prompt prefilled once, its cache copied per choice), choice i with the seed
+protocol.choice_seed(seed, i); their events share one queue tagged with the choice's
+index. Streams carry `index` in each choice; usage counts the prompt once and every
+choice's tokens; a choice that fails fails the request (the others are cancelled).
+
+Extra response fields (beyond OpenAI's): `seed` (the request's seed, picked from
+os.urandom when it had none), choices[i].seed (choice i's: the n = 1 request with that
+seed is byte-equal to choice i) and choices[i].token_ids (the generated ids, a stop
+token included), so a client can replay or score a completion exactly.
 
 Shape legend: none (JSON values).
 """
@@ -49,7 +56,7 @@ from starlette.routing import Route
 from .engine import Closed, Done, Engine, Failed, Job, Prompt, QueueFull, Token
 from .grammar import Grammars
 from .openapi import openapi_document
-from .protocol import ApiError, CompletionLogprobs, Request, chat_logprob, loads, max_token_bytes, parse
+from .protocol import ApiError, CompletionLogprobs, Request, chat_logprob, choice_seed, loads, max_token_bytes, parse
 
 DEFAULT_MAX_BODY = 1 << 20  # bytes of a request body (413 beyond)
 _GONE = object()  # put in a plain request's queue when its client disconnects
@@ -101,14 +108,16 @@ async def _internal_error(request, exc: Exception):
 
 
 class _Channel:
-    """The engine's sink for one job: events cross into the event loop's queue."""
+    """The engine's sinks for a request's jobs: events cross into the event loop's queue
+    as (choice index, event)."""
 
     def __init__(self):
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
 
-    def __call__(self, event) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+    def sink(self, i: int):
+        """Choice i's job sink (called on the engine thread)."""
+        return lambda event: self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, event))
 
 
 class _State:
@@ -148,7 +157,8 @@ class _State:
                                                          "owned_by": "lmtail", "max_model_len": self.context}]})
 
     async def openapi(self, request: HttpRequest):
-        return JSONResponse(openapi_document(self.model, self.context, self.engine.k, self.tok.vocab_size))
+        return JSONResponse(openapi_document(self.model, self.context, self.engine.k, self.tok.vocab_size,
+                                             self.engine.max_batch))
 
     async def health(self, request: HttpRequest):
         load = self.engine.load()
@@ -168,14 +178,17 @@ class _State:
         raw = await self._read_body(http)
         req = await asyncio.to_thread(self._parse, kind, raw)  # JSON, validation, tokenizing, grammar: off the loop
         chan = _Channel()
-        job = Job(prompt_ids=req.prompt_ids, params=req.params, max_tokens=req.max_tokens, sink=chan,
-                  stop=req.stop, logprobs=req.logprobs, echo_logprobs=req.echo and req.logprobs is not None,
-                  processors=req.processors,
-                  grammar=None if req.grammar is None else req.grammar.start())
+        jobs = [Job(prompt_ids=req.prompt_ids, params=req.choice_params(i), max_tokens=req.max_tokens,
+                    sink=chan.sink(i), stop=req.stop, logprobs=req.logprobs,
+                    echo_logprobs=req.echo and req.logprobs is not None, processors=req.processors,
+                    grammar=None if req.grammar is None else req.grammar.start()) for i in range(req.n)]
         if self.closing:
             raise _closing()
         try:
-            self.engine.submit(job)
+            if len(jobs) == 1:
+                self.engine.submit(jobs[0])
+            else:
+                self.engine.submit_group(jobs)
         except QueueFull as e:
             raise ApiError(429, f"too many requests in flight: {e}; retry later", type_="rate_limit_error",
                            code="rate_limit_exceeded") from None
@@ -183,9 +196,9 @@ class _State:
             raise _closing() from None
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + os.urandom(12).hex()
         if req.stream:
-            return StreamingResponse(self._stream(req, job, chan, rid), media_type="text/event-stream",
+            return StreamingResponse(self._stream(req, jobs, chan, rid), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await self._whole(http, req, job, chan, rid)
+        return await self._whole(http, req, jobs, chan, rid)
 
     async def _read_body(self, http: HttpRequest) -> bytes:
         """The body, at most max_body bytes (ApiError 413 past it)."""
@@ -207,37 +220,49 @@ class _State:
         """protocol.loads + protocol.parse, a JSON-mode grammar compiled too (a worker
         thread's job)."""
         return parse(kind, loads(raw), tokenizer=self.tok, model=self.model, context=self.context,
-                     k=self.engine.k, max_token_bytes=self.token_bytes, grammars=self.grammars)
+                     k=self.engine.k, max_token_bytes=self.token_bytes, grammars=self.grammars,
+                     max_n=self.engine.max_batch)
 
-    async def _whole(self, http: HttpRequest, req: Request, job: Job, chan: _Channel, rid: str):
+    async def _whole(self, http: HttpRequest, req: Request, jobs: list[Job], chan: _Channel, rid: str):
         watcher = asyncio.ensure_future(_on_disconnect(http, chan))
-        events = []
+        events: list[list] = [[] for _ in jobs]  # per choice
+        failed, done = None, 0
         try:
-            while True:
-                ev = await chan.queue.get()
+            while done < len(jobs) and failed is None:
+                i, ev = await chan.queue.get()
                 if ev is _GONE:  # the client went away: nothing to answer
                     return Response(status_code=499)
-                events.append(ev)
-                if isinstance(ev, (Done, Failed)):
-                    break
+                events[i].append(ev)
+                done += isinstance(ev, Done)
+                failed = ev if isinstance(ev, Failed) else None
         finally:
             watcher.cancel()
-            if not events or not isinstance(events[-1], (Done, Failed)):
-                job.cancel()
-        if isinstance(events[-1], Failed):
-            raise _job_error(events[-1])
+            for job, evs in zip(jobs, events):
+                if not evs or not isinstance(evs[-1], (Done, Failed)):
+                    job.cancel()
+        if failed is not None:
+            raise _job_error(failed)
         return JSONResponse(self._body(req, rid, events))
 
-    def _body(self, req: Request, rid: str, events: list) -> dict:
+    def _body(self, req: Request, rid: str, events: list[list]) -> dict:
+        """The whole response of the n choices' events (each ending in Done)."""
+        obj = "chat.completion" if req.kind == "chat" else "text_completion"
+        return {"id": rid, "object": obj, "created": int(time.time()), "model": self.model,
+                "system_fingerprint": "lmtail", "seed": req.seed,
+                "choices": [self._choice(req, i, evs) for i, evs in enumerate(events)],
+                "usage": _usage(req, sum(evs[-1].completion_tokens for evs in events))}
+
+    def _choice(self, req: Request, i: int, events: list) -> dict:
+        """choices[i] of a whole response from choice i's events."""
         done: Done = events[-1]
         tokens = [e for e in events if isinstance(e, Token)]
         shown = [t for t in tokens if not t.special]
-        choice = {"index": 0, "finish_reason": done.finish_reason, "token_ids": [t.id for t in tokens]}
+        choice = {"index": i, "finish_reason": done.finish_reason, "token_ids": [t.id for t in tokens],
+                  "seed": choice_seed(req.seed, i)}
         if req.kind == "chat":
             choice["message"] = {"role": "assistant", "content": done.text}
             choice["logprobs"] = None if req.logprobs is None else {
                 "content": [chat_logprob(self.tok, t.id, t.logprob, t.top) for t in shown]}
-            obj = "chat.completion"
         else:
             choice["text"] = (req.prompt_text if req.echo else "") + done.text
             choice["logprobs"] = None
@@ -249,36 +274,39 @@ class _State:
                 for t in shown:
                     lp.add(t.id, t.logprob, t.top)
                 choice["logprobs"] = lp.take()
-            obj = "text_completion"
-        return {"id": rid, "object": obj, "created": int(time.time()), "model": self.model,
-                "system_fingerprint": "lmtail", "seed": req.seed, "choices": [choice],
-                "usage": _usage(req, done.completion_tokens)}
+        return choice
 
-    async def _stream(self, req: Request, job: Job, chan: _Channel, rid: str):
-        """SSE chunks: chat (role first, a content delta per token, the finish chunk) or
-        completions (a text chunk per token); usage last if asked; then [DONE]."""
+    async def _stream(self, req: Request, jobs: list[Job], chan: _Channel, rid: str):
+        """SSE chunks, each for one choice (its `index`): chat (role first, a content delta
+        per token, the finish chunk) or completions (a text chunk per token); the choices'
+        chunks interleave as their tokens come; usage last if asked (every choice's
+        tokens); then [DONE]. A choice's failure: an error event, the others cancelled."""
         created, chat = int(time.time()), req.kind == "chat"
         obj = "chat.completion.chunk" if chat else "text_completion"
-        lp = CompletionLogprobs(self.tok)
+        lps = [CompletionLogprobs(self.tok) for _ in jobs]
 
-        def chunk(choice, usage=None):
+        def chunk(i, choice, usage=None):
             d = {"id": rid, "object": obj, "created": created, "model": self.model, "system_fingerprint": "lmtail",
-                 "seed": req.seed, "choices": [] if choice is None else [{"index": 0, **choice}]}
+                 "seed": req.seed, "choices": [] if choice is None else [{"index": i, **choice}]}
             if usage is not None:
                 d["usage"] = usage
             return f"data: {json.dumps(d)}\n\n"
 
-        finished = False
+        finished = [False] * len(jobs)
+        completion_tokens = 0
         try:
-            if chat:
-                yield chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
-            elif req.echo:
-                yield chunk({"text": req.prompt_text, "logprobs": None, "finish_reason": None})
-            while True:
-                ev = await chan.queue.get()
+            for i in range(len(jobs)):
+                if chat:
+                    yield chunk(i, {"delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": None})
+                elif req.echo:
+                    yield chunk(i, {"text": req.prompt_text, "logprobs": None, "finish_reason": None})
+            while not all(finished):
+                i, ev = await chan.queue.get()
+                lp = lps[i]
                 if isinstance(ev, Prompt):
                     _add_prompt(lp, req, ev)
-                    yield chunk({"text": "", "logprobs": lp.take(), "finish_reason": None})
+                    yield chunk(i, {"text": "", "logprobs": lp.take(), "finish_reason": None})
                 elif isinstance(ev, Token):
                     logprobs = None
                     if req.logprobs is not None and not ev.special:
@@ -288,22 +316,23 @@ class _State:
                             lp.add(ev.id, ev.logprob, ev.top)
                             logprobs = lp.take()
                     body = {"delta": {"content": ev.text}} if chat else {"text": ev.text}
-                    yield chunk({**body, "logprobs": logprobs, "finish_reason": None, "token_ids": [ev.id]})
+                    yield chunk(i, {**body, "logprobs": logprobs, "finish_reason": None, "token_ids": [ev.id]})
                 elif isinstance(ev, Done):
-                    finished = True
+                    finished[i] = True
+                    completion_tokens += ev.completion_tokens
                     body = {"delta": {}} if chat else {"text": ""}
-                    yield chunk({**body, "logprobs": None, "finish_reason": ev.finish_reason})
-                    if req.include_usage:
-                        yield chunk(None, _usage(req, ev.completion_tokens))
-                    break
+                    yield chunk(i, {**body, "logprobs": None, "finish_reason": ev.finish_reason})
+                    if req.include_usage and all(finished):
+                        yield chunk(i, None, _usage(req, completion_tokens))
                 else:  # Failed
-                    finished = True
+                    finished[i] = True
                     yield f"data: {json.dumps(_job_error(ev).body())}\n\n"
                     break
             yield "data: [DONE]\n\n"
         finally:
-            if not finished:
-                job.cancel()  # the client went away (or the server is cancelling us): free the slot
+            for job, f in zip(jobs, finished):
+                if not f:
+                    job.cancel()  # the client went away, a choice failed, or the server cancels us: free the slot
 
 
 async def _on_disconnect(http: HttpRequest, chan: _Channel) -> None:
@@ -311,7 +340,7 @@ async def _on_disconnect(http: HttpRequest, chan: _Channel) -> None:
     the plain request's loop (_GONE)."""
     while (await http.receive())["type"] != "http.disconnect":
         pass
-    chan.queue.put_nowait(_GONE)
+    chan.queue.put_nowait((-1, _GONE))
 
 
 def _closing() -> ApiError:

@@ -56,14 +56,7 @@ def grow(cfg: LlamaConfig, cache: KVCache, need: int) -> KVCache:
         return cache
     if need > cfg.context_length:
         raise ValueError(f"need must be <= the context length {cfg.context_length}; got {need}")
-    cap = min(cfg.context_length, max(need, cache.capacity + GROW_SLOTS))
-    new = new_cache(cfg, pad=cache.pad, capacity=cap)
-    s = cache.length
-    for i in range(cfg.n_layers):
-        new.k[i][..., :s] = cache.k[i][..., :s]
-        new.v[i][:, :, :s] = cache.v[i][:, :, :s]
-    new.length = s
-    return new
+    return copy_cache(cfg, cache, min(cfg.context_length, max(need, cache.capacity + GROW_SLOTS)))
 
 
 @functools.lru_cache(maxsize=4)
@@ -127,3 +120,16 @@ def _step_rows_q32(bundle: ModelBundle, tokens, caches: list[KVCache], ops: Ops,
     for c in caches:
         c.length += 1
     return h
+
+
+def copy_cache(cfg: LlamaConfig, cache: KVCache, capacity: int | None = None) -> KVCache:
+    """A copy of one-row `cache` with `capacity` slots (None: its own; >= its length): the
+    filled slots copied, length kept. grow's new cache; a group's later jobs decode on their
+    own copies of the prompt's cache."""
+    new = new_cache(cfg, pad=cache.pad, capacity=cache.capacity if capacity is None else capacity)
+    s = cache.length
+    for i in range(cfg.n_layers):
+        new.k[i][..., :s] = cache.k[i][..., :s]
+        new.v[i][:, :, :s] = cache.v[i][:, :, :s]
+    new.length = s
+    return new

@@ -1,11 +1,21 @@
 """The continuous-batching engine: one thread owns the model and runs the decode loop;
 requests join the running batch after their own prefill and leave when done.
 
-    submit(Job) --queue (bounded: QueueFull past max_queue)--> engine thread:
+    submit(Job) / submit_group([Job] sharing one prompt: a request's n choices)
+      --queue (bounded: QueueFull past max_batch + max_queue jobs)--> engine thread:
       loop (bounded by nothing but close()):
-        admit: each pending job is prefilled ALONE (a one-row cache, llama.forward in
-               chunks; echo jobs also get their prompt's teacher-forced logprobs), then
-               joins the batch (at most max_batch rows)
+        start: the waiting groups, in order, while the batch has room for all their rows
+               (active rows + rows being prefilled <= max_batch): each gets ONE one-row
+               cache for its prompt (shared by its jobs: prefilled once)
+        chunk: while rows decode, the prefilling group with the fewest positions left
+               runs one chunk of its prompt (llama.forward on its cache alone; echo
+               jobs also get those positions' teacher-forced logprobs), sized by its
+               Chunker to take about prefill_share x the median decode period (the
+               time a stream waits between tokens), so a long prompt does not stall
+               the streams beside it for its whole prefill; with no row decoding,
+               every prefilling group runs a PREFILL_CHUNK-position chunk.
+               A group whose prompt is done joins the batch, its cache copied for each
+               job after the first (the same bytes: attention reads only filled slots)
         step:  one decode_tail over the active rows' hidden states (row-invariant), each
                row's u drawn from its own seed at its own position; tokens appended,
                finished rows leave; then batch.step_rows (per-row caches) for the rest
@@ -14,7 +24,11 @@ requests join the running batch after their own prefill and leave when done.
 
 A row's tokens and logprobs are therefore the bytes of the same request served alone,
 whatever joins, leaves or fails around it (tests/test_serve.py: bit for bit, with joins
-and leaves, against llama.forward + decode_tail on one row; failures: isolation below). Events go to the job's `sink`
+and leaves, against llama.forward + decode_tail on one row; failures: isolation below),
+and however its prompt was cut into chunks (the body is cache-invariant: a position's
+bytes do not depend on how the positions before it were split into forward calls,
+model.body.attend's declared order; tests/test_serve_n.py: chunked == one-shot prefill
+then decode, bit for bit). Events go to the job's `sink`
 (called on the engine thread; the HTTP layer hands them to its event loop):
 Prompt (echo logprobs), Token (one generated token, its text delta), Done, Failed.
 
@@ -27,7 +41,9 @@ set back to its length before the call (its slot is written again next time). Ad
 that raises in the tail and one that raises in the body: batchmates equal their solo runs.
 
 Capacity: at most max_batch + max_queue jobs in flight (waiting, being prefilled or
-decoding); submit() beyond is QueueFull (HTTP 429).
+decoding); submit() beyond is QueueFull (HTTP 429). The batch never holds more than
+max_batch rows: a group starts its prefill only when its rows fit beside the active
+rows and the groups already prefilling.
 
 Processors: a job's `processors` (logit_bias, presence / frequency / repetition
 penalties) become its row's processors.LogitProcessing at every step, from its prompt and
@@ -48,6 +64,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -66,7 +83,11 @@ from ..tail import decode_tail
 from . import batch
 from .grammar import advance_row, with_masks
 
-PREFILL_CHUNK = 256  # prompt positions per forward call (cache-invariant: no byte depends on it)
+PREFILL_CHUNK = 256  # prompt positions per forward call at most (cache-invariant: no byte depends on it)
+PREFILL_SHARE = 1.0  # a prefill chunk beside decoding rows takes about this share of a decode period
+GROW_AHEAD = 64  # a row's cache may grow early this many slots before it is full (_grow_early)
+PERIODS = 15  # decode periods kept (their median sizes the prefill chunks)
+FIRST_CHUNK = 2  # a group's first chunk beside decoding rows (then Chunker adapts it)
 SCORE_ROWS = 64  # positions per teacher-forced tail call
 _log = logging.getLogger("uvicorn.error")  # the server's log (a plain logger when run without uvicorn)
 
@@ -248,11 +269,14 @@ class Engine:
     here, stopped by close(); N must divide V, and 256 with exchange "candidates"), with
     every token and logprob bit of ranks = 1; top logprobs, echo scoring and the prompt's
     logprobs stay on this process's full head (the same bytes); rank_timeout_s bounds the
-    ranks' start and each of their collectives."""
+    ranks' start and each of their collectives. prefill_share: a prefill chunk beside
+    decoding rows takes about this share of the median decode period (Chunker; no byte
+    depends on it)."""
 
     def __init__(self, bundle: ModelBundle, *, max_batch: int = 16, max_queue: int = 64, k: int = 256,
                  body: str = "batched", ops: Ops | None = None, exchange: str = TailConfig.exchange,
-                 head_input: str | None = None, ranks: int = 1, rank_timeout_s: float = 120.0):
+                 head_input: str | None = None, ranks: int = 1, rank_timeout_s: float = 120.0,
+                 prefill_share: float = PREFILL_SHARE):
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0; got {max_batch}, {max_queue}")
         if body not in ("batched", "rows"):
@@ -276,9 +300,14 @@ class Engine:
             from .ranks import RankTail
 
             self._ranks = RankTail(bundle, ranks, config=self.tail_config, timeout_s=rank_timeout_s)
-        self._pending: collections.deque[Job] = collections.deque()
+        if not 0 < prefill_share <= 4:
+            raise ValueError(f"prefill_share must be in (0, 4]; got {prefill_share!r}")
+        self.prefill_share = prefill_share
+        self._pending: collections.deque[list[Job]] = collections.deque()  # groups waiting
         self._rows: list[Row] = []
-        self._admitting = 0  # jobs taken from _pending, not yet in _rows (being prefilled)
+        self._prefills: list[Prefill] = []  # groups being prefilled (oldest first)
+        self._periods: collections.deque[float] = collections.deque(maxlen=PERIODS)  # see _note_period
+        self._last_step: float | None = None  # perf_counter() at the last decode step's start
         self._cv = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -301,21 +330,35 @@ class Engine:
     def submit(self, job: Job) -> None:
         """Queue a job (Closed after close(); QueueFull when max_batch + max_queue jobs are
         in flight: waiting, being prefilled or decoding)."""
+        self.submit_group([job])
+
+    def submit_group(self, jobs: list[Job]) -> None:
+        """Queue jobs that share one prompt (a request's n choices): prefilled once, they
+        join the batch together. ValueError for 0 or more than max_batch jobs or jobs
+        whose prompt_ids / echo differ; Closed, QueueFull (counting every job) as submit."""
+        _check_group(jobs, self.max_batch)
         with self._cv:
             if self._closing:
                 raise Closed("the engine is shutting down")
-            n = len(self._pending) + self._admitting + len(self._rows)
-            if n >= self.max_batch + self.max_queue:
+            n = self._in_flight()
+            if n + len(jobs) > self.max_batch + self.max_queue:
                 raise QueueFull(f"{n} requests are already in flight (at most {self.max_batch} decoding + "
-                                f"{self.max_queue} waiting)")
-            self._pending.append(job)
+                                f"{self.max_queue} waiting)" + (f"; {len(jobs)} more asked" if len(jobs) > 1 else ""))
+            self._pending.append(list(jobs))
             self._cv.notify()
+
+    def _waiting(self) -> int:
+        """Jobs queued or being prefilled (under _cv)."""
+        return sum(len(g) for g in self._pending) + sum(len(p.jobs) for p in self._prefills)
+
+    def _in_flight(self) -> int:
+        return self._waiting() + len(self._rows)
 
     def load(self) -> dict:
         """{"active": rows decoding, "waiting": jobs queued or being prefilled, "steps":
         decode steps so far}."""
         with self._cv:
-            return {"active": len(self._rows), "waiting": len(self._pending) + self._admitting, "steps": self.steps}
+            return {"active": len(self._rows), "waiting": self._waiting(), "steps": self.steps}
 
     def close(self, timeout: float = 10.0) -> bool:
         """Stop: waiting and active jobs get Failed("server shutting down", 503) (from the
@@ -331,9 +374,7 @@ class Engine:
             ended = not self._thread.is_alive()
         if ended:  # the thread never ran, or ended before it saw _closing: no job may wait forever
             with self._cv:
-                left = list(self._pending) + [r.job for r in self._rows]
-                self._pending.clear()
-                self._rows = []
+                left = self._drop_all()
             for job in left:
                 _emit(job, Failed("server shutting down", 503))
         if self._ranks is not None:  # after the thread: no step is using them any more (when it ended)
@@ -345,80 +386,131 @@ class Engine:
         return [] if self._ranks is None else self._ranks.alive()
 
     # ---- the engine thread ----------------------------------------------------------------
+    def _drop_all(self) -> list[Job]:
+        """Empty the queue, the prefills and the batch (under _cv); returns their jobs."""
+        left = [j for g in self._pending for j in g] + [j for p in self._prefills for j in p.jobs] \
+            + [r.job for r in self._rows]
+        self._pending.clear()
+        self._prefills = []
+        self._rows = []
+        return left
+
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not (self._pending or self._rows or self._closing):
+                while not (self._pending or self._prefills or self._rows or self._closing):
                     self._cv.wait()
                 if self._closing:
-                    dropped = list(self._pending) + [r.job for r in self._rows]
-                    self._pending.clear()
-                    self._rows = []
+                    dropped = self._drop_all()
                     break
-                admit = []
-                while self._pending and len(admit) < self.room():
-                    admit.append(self._pending.popleft())
-                self._admitting = len(admit)
-            for job in admit:
-                self._guard(job, self.admit)
-                with self._cv:
-                    self._admitting -= 1
+                groups = []
+                while self._pending and len(self._pending[0]) <= self.room() - sum(len(g) for g in groups):
+                    groups.append(self._pending.popleft())
+                self._prefills += [Prefill(g) for g in groups]  # caches allocated at their first chunk
+            chunked = self._prefill_some()
             if self._rows:
+                self._note_period(time.perf_counter(), chunked)
                 try:
                     self.step()
                 except Exception as e:  # a bug outside the per-row guards: fail the rows, keep serving
                     rows, self._rows = self._rows, []
                     for r in rows:
                         _emit(r.job, _failure(e))
+            else:
+                self._last_step = None  # no stream waits: the next period starts afresh
         for job in dropped:
             _emit(job, Failed("server shutting down", 503))
 
     def room(self) -> int:
-        """Rows that may join the batch now: max_batch - active rows."""
-        return self.max_batch - len(self._rows)
-
-    def _guard(self, job: Job, fn) -> None:
-        try:
-            fn(job)
-        except Exception as e:
-            _emit(job, _failure(e))
+        """Rows that may start their prefill now: max_batch - active rows - rows being
+        prefilled (each joins the batch when its prompt is done)."""
+        return self.max_batch - len(self._rows) - sum(len(p.jobs) for p in self._prefills)
 
     def admit(self, job: Job) -> None:
-        """Prefill job alone; emit its echo logprobs; join the batch (or finish). The
-        engine thread's first move (public so tests can drive a schedule without it)."""
-        if job.cancelled.is_set():
-            _emit(job, Failed("cancelled", 499))
-            return
-        cfg, ids = self.bundle.config, job.prompt_ids
-        first = min(max(job.max_tokens, 1), batch.GROW_SLOTS)  # slots past the prompt; grown as needed
-        cache = batch.row_cache(cfg, min(cfg.context_length, len(ids) + first))
-        x, prompt = self._prefill(ids, cache, job.logprobs if job.echo_logprobs else None)
-        if prompt is not None:
-            _emit(job, prompt)
-        row = Row(job=job, cache=cache, x=x, text=TextTracker(self.bundle.tokenizer, job.stop))
-        if job.max_tokens == 0:
-            _emit(job, Done("length", 0, ""))
-            return
-        with self._cv:
-            self._rows.append(row)
-            self.max_rows_seen = max(self.max_rows_seen, len(self._rows))
+        """Prefill job alone (whole, in PREFILL_CHUNK chunks); emit its echo logprobs; join
+        the batch (or finish). Public so tests can drive a schedule without the thread
+        (which runs the same Prefill chunk by chunk, interleaved with decode steps)."""
+        self.admit_group([job])
 
-    def _prefill(self, ids: list[int], cache: KVCache, echo_n: int | None):
-        """llama.forward over ids in chunks; returns (h of the last position [H], Prompt or None)."""
-        t = torch.tensor([ids], dtype=torch.int64)  # [1, P]
-        hs = []
-        for t0 in range(0, len(ids), PREFILL_CHUNK):
-            h, _ = forward(self.bundle, t[:, t0:t0 + PREFILL_CHUNK], cache, ops=self.ops)  # [1, c, H]
-            hs.append(h[0])
-        hall = torch.cat(hs)  # [P, H]
-        prompt = None
-        if echo_n is not None and len(ids) == 1:
-            prompt = Prompt([], [] if echo_n else None)
-        elif echo_n is not None:
-            lps, top = score_positions(self.bundle, hall[:-1], torch.tensor(ids[1:]), n=echo_n,
-                                       config=self.tail_config)
-            prompt = Prompt(lps, top)
-        return hall[-1].contiguous(), prompt
+    def admit_group(self, jobs: list[Job], chunk: int = PREFILL_CHUNK) -> None:
+        """admit for a group sharing one prompt (submit_group's rule), in chunks of at
+        most `chunk` positions: one prefill, then every job joins."""
+        _check_group(jobs, len(jobs))
+        pre = Prefill(list(jobs))
+        while not self._advance_prefill(pre, chunk):
+            pass
+
+    def _prefill_some(self) -> bool:
+        """The engine thread's prefill move. No row decoding: one PREFILL_CHUNK chunk of
+        every prefilling group (oldest first). Rows decoding (and a decode period
+        measured): one chunk of the group with the fewest positions left (ties: the
+        oldest), sized to take prefill_share x the median decode period (Chunker). True
+        when a chunk ran beside decoding rows."""
+        if not self._prefills or (self._rows and not self._periods):
+            return False
+        if not self._rows:
+            for pre in list(self._prefills):
+                self._prefill_chunk(pre, None)
+            return False
+        pre = min(self._prefills, key=lambda p: p.left())  # min keeps the first of equals
+        self._prefill_chunk(pre, self.prefill_share * statistics.median(self._periods))
+        return True
+
+    def _note_period(self, now: float, chunked: bool) -> None:
+        """A decode step starts at `now`: the time since the last one is a decode period
+        (what a stream sees between tokens) when no prefill chunk ran between them; the
+        last PERIODS of those are kept."""
+        if self._last_step is not None and not chunked:
+            self._periods.append(now - self._last_step)
+        self._last_step = now
+
+    def _prefill_chunk(self, pre: "Prefill", budget: float | None) -> None:
+        """One chunk of prefilling group `pre` (sized by its Chunker for `budget` seconds;
+        None: PREFILL_CHUNK); a group that finishes or fails leaves _prefills."""
+        size = PREFILL_CHUNK if budget is None else pre.chunker.next
+        t0 = time.perf_counter()
+        finished = self._advance_prefill(pre, size)
+        if budget is not None:
+            pre.chunker.note(size, time.perf_counter() - t0, budget)
+        if finished:
+            with self._cv:
+                self._prefills.remove(pre)
+
+    def _advance_prefill(self, pre: "Prefill", size: int) -> bool:
+        """Prefill the next `size` prompt positions of `pre` (failing its jobs on an error,
+        dropping it when every job is cancelled); when the prompt is done its jobs join.
+        True when pre is finished (joined, failed or dropped)."""
+        if all(j.cancelled.is_set() for j in pre.jobs):
+            for j in pre.jobs:
+                _emit(j, Failed("cancelled", 499))
+            return True
+        try:
+            if pre.step(self, size):
+                self._join(pre)
+                return True
+        except Exception as e:
+            for j in pre.jobs:
+                _emit(j, _failure(e))
+            return True
+        return False
+
+    def _join(self, pre: "Prefill") -> None:
+        """A prefilled group's jobs: echo logprobs, then each joins the batch on its own
+        copy of the prompt's cache (the first job on the cache itself), or finishes
+        (max_tokens 0)."""
+        rows = []
+        prompt = pre.prompt()
+        for i, job in enumerate(pre.jobs):
+            if prompt is not None:
+                _emit(job, prompt)
+            if job.max_tokens == 0:
+                _emit(job, Done("length", 0, ""))
+                continue
+            cache = pre.cache if i == 0 else batch.copy_cache(self.bundle.config, pre.cache)
+            rows.append(Row(job=job, cache=cache, x=pre.x.clone(), text=TextTracker(self.bundle.tokenizer, job.stop)))
+        with self._cv:
+            self._rows += rows
+            self.max_rows_seen = max(self.max_rows_seen, len(self._rows))
 
     def step(self) -> None:
         """One tail step over the active rows, then one body step for those still active
@@ -552,11 +644,17 @@ class Engine:
         """[R, 5] fp32 sampling rows: each row's params, u drawn at ITS OWN position."""
         return sampling_tensor([r.job.params for r in rows], positions=[r.position for r in rows])
 
-    def _body(self, rows: list[Row], tokens: torch.Tensor) -> None:
-        """Feed each row's new token through the body; row.x becomes its next hidden state."""
+    def _grow(self, rows: list[Row]) -> None:
+        """Each row's cache gets a free slot for this step (batch.grow when full); one row
+        near full grows early (_grow_early)."""
         cfg = self.bundle.config
         for r in rows:
             r.cache = batch.grow(cfg, r.cache, r.cache.length + 1)
+        _grow_early(cfg, rows)
+
+    def _body(self, rows: list[Row], tokens: torch.Tensor) -> None:
+        """Feed each row's new token through the body; row.x becomes its next hidden state."""
+        self._grow(rows)
         if self.body == "batched":
             if self._scratch is None and self.ops.body == Q32_BODY:
                 c = self.bundle.config
@@ -568,6 +666,100 @@ class Engine:
                            for i, r in enumerate(rows)])  # [R, H]
         for i, r in enumerate(rows):
             r.x = h[i].contiguous()
+
+
+class Chunker:
+    """A prefill's chunk size for a time budget: grows by a quarter (+ 1) after a chunk
+    that took under 3/4 of the budget, shrinks in proportion after one over it (at least
+    1, at most PREFILL_CHUNK positions). Its own per group: a chunk's cost grows with
+    the positions before it (attention). No byte depends on it (cache-invariant body)."""
+
+    def __init__(self, first: int = FIRST_CHUNK):
+        self.next = first  # the next chunk's positions
+
+    def note(self, size: int, seconds: float, b: float) -> None:
+        """A chunk of `size` positions took `seconds` against a budget of `b` seconds."""
+        if seconds > b:
+            self.next = max(1, min(size - 1, int(size * b / seconds)))
+        elif seconds < 0.75 * b:
+            self.next = min(PREFILL_CHUNK, size + size // 4 + 1)
+        else:
+            self.next = size
+
+
+class Prefill:
+    """A group of jobs sharing one prompt, prefilled chunk by chunk into ONE one-row
+    cache (allocated at the first chunk: room for the prompt and the first job's first
+    slots past it); echo logprobs of each chunk's positions as they come (score_positions
+    is row-invariant: the same bytes as one call over the whole prompt)."""
+
+    def __init__(self, jobs: list[Job]):
+        self.jobs = jobs
+        self.ids = torch.tensor([jobs[0].prompt_ids], dtype=torch.int64)  # [1, P]
+        self.done = 0  # prompt positions in the cache
+        self.cache: KVCache | None = None
+        self.x: torch.Tensor | None = None  # [H] the last position's hidden state (when done)
+        j = jobs[0]
+        self.echo_n = j.logprobs if j.echo_logprobs else None
+        self.lps: list[float] = []
+        self.tops: list | None = [] if self.echo_n else None
+        self.chunker = Chunker()
+
+    def step(self, engine: "Engine", size: int) -> bool:
+        """llama.forward over the next `size` positions; True when the prompt is done."""
+        cfg, P = engine.bundle.config, self.ids.shape[1]
+        if self.cache is None:
+            first = min(max(self.jobs[0].max_tokens, 1), batch.GROW_SLOTS)  # slots past the prompt; grown as needed
+            self.cache = batch.row_cache(cfg, min(cfg.context_length, P + first))
+        t0, t1 = self.done, min(self.done + size, P)
+        h, _ = forward(engine.bundle, self.ids[:, t0:t1], self.cache, ops=engine.ops)  # [1, c, H]
+        self.done = t1
+        s1 = min(t1, P - 1)  # positions t0..s1-1 score the tokens after them (the last has none)
+        if self.echo_n is not None and s1 > t0:
+            lps, top = score_positions(engine.bundle, h[0, :s1 - t0], self.ids[0, t0 + 1:s1 + 1],
+                                       n=self.echo_n, config=engine.tail_config)
+            self.lps += lps
+            if self.tops is not None:
+                self.tops += top
+        if t1 < P:
+            return False
+        self.x = h[0, -1].contiguous()
+        return True
+
+    def left(self) -> int:
+        """Prompt positions not prefilled yet."""
+        return self.ids.shape[1] - self.done
+
+    def prompt(self) -> Prompt | None:
+        """The echo logprobs event (None without echo)."""
+        return None if self.echo_n is None else Prompt(self.lps, self.tops)
+
+
+def _check_group(jobs: list[Job], most: int) -> None:
+    """ValueError unless 1..most jobs share prompt_ids and their echo settings."""
+    if not 1 <= len(jobs) <= most:
+        raise ValueError(f"jobs must be 1 to {most} (max_batch) jobs; got {len(jobs)}")
+    j0 = jobs[0]
+    for j in jobs[1:]:
+        if (j.prompt_ids, j.echo_logprobs, j.logprobs if j.echo_logprobs else None) != \
+                (j0.prompt_ids, j0.echo_logprobs, j0.logprobs if j0.echo_logprobs else None):
+            raise ValueError("jobs of a group must share prompt_ids and echo_logprobs (with its logprobs); got jobs "
+                             "that differ")
+
+
+def _grow_early(cfg, rows: list[Row]) -> None:
+    """Of the rows whose cache has fewer than GROW_AHEAD free slots and that will need
+    more (prompt + max_tokens past its capacity), the one with the fewest grows now
+    (batch.grow: a copy with GROW_SLOTS more): rows that joined together then copy their
+    caches in successive steps, not all in one (a stall for every stream)."""
+    def free(r):
+        return r.cache.capacity - r.cache.length
+
+    tight = [r for r in rows if free(r) < GROW_AHEAD
+             and r.cache.capacity < min(cfg.context_length, len(r.job.prompt_ids) + r.job.max_tokens)]
+    if tight:
+        r = min(tight, key=free)
+        r.cache = batch.grow(cfg, r.cache, r.cache.capacity + 1)
 
 
 @dataclass(frozen=True)

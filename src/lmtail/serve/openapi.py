@@ -21,7 +21,7 @@ def _num(lo, hi, *, lo_open=False, nullable=True) -> dict:
     return d
 
 
-def _common(k: int, context: int) -> dict:
+def _common(k: int, context: int, max_n: int) -> dict:
     """The fields both endpoints take."""
     stop = {"oneOf": [{"type": "string", "minLength": 1},
                       {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP}],
@@ -36,7 +36,7 @@ def _common(k: int, context: int) -> dict:
         "seed": {"type": "integer", "minimum": INT64[0], "maximum": INT64[1], "nullable": True},
         "stop": stop,
         "stream": {"type": "boolean", "nullable": True},
-        "n": {"type": "integer", "minimum": 1, "maximum": 1, "nullable": True},
+        "n": {"type": "integer", "minimum": 1, "maximum": max_n, "nullable": True},
         "user": {"type": "string", "nullable": True},
         "presence_penalty": _num(-2, 2),
         "frequency_penalty": _num(-2, 2),
@@ -79,10 +79,10 @@ def _op(summary: str, schema_ref: str) -> dict:
                      "responses": {"200": ok, **{c: _error() for c in ("400", "404", "413", "429", "500", "503")}}}}
 
 
-def openapi_document(model: str, context: int, k: int, vocab: int) -> dict:
-    """The document for a server of `model` with `context` tokens, top_k up to k and
-    token ids below vocab."""
-    common = _common(k, context)
+def openapi_document(model: str, context: int, k: int, vocab: int, max_n: int = 1) -> dict:
+    """The document for a server of `model` with `context` tokens, top_k up to k, token
+    ids below vocab and n up to max_n."""
+    common = _common(k, context, max_n)
     ids = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": vocab - 1}, "minItems": 1}
     part = {"type": "object", "required": ["type", "text"], "properties": {
         "type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}

@@ -11,7 +11,7 @@ field, a wrong type or an out-of-range value is an ApiError (HTTP 400, OpenAI's 
 shape, `param` naming the field). Supported: model, messages | prompt, max_tokens
 (max_completion_tokens), temperature [0, 2], top_p (0, 1], top_k (vLLM: -1 or 0 off,
 1..k), min_p [0, 1], seed (int64; absent: one from os.urandom, reported back), stop
-(a string or up to 4), stream, stream_options.include_usage, n = 1, logprobs
+(a string or up to 4), stream, stream_options.include_usage, n (1..max_n), logprobs
 (chat: bool + top_logprobs 0..20; completions: int 0..20), echo (completions), user;
 the `developer` role (as `system`); logit_bias (OpenAI's: {"token id": bias}, keys
 decimal token ids in [0, V), biases numbers in [-100, 100]), presence_penalty and
@@ -22,8 +22,17 @@ response_format {"type": "text"} (a no-op), {"type": "json_object"} or {"type":
 checked here, its grammar compiled by the `grammars` parse() is given
 (serve.grammar.Grammars: a schema it refuses is a 400 naming response_format; without one
 the JSON modes are not supported). Accepted as no-ops: tools [], tool_choice "none",
-parallel_tool_calls, store, metadata. Any other value of those (n > 1 too) is a 400
-naming the field and saying it is not supported yet.
+parallel_tool_calls, store, metadata. Any other value of those is a 400 naming the field
+and saying it is not supported yet.
+
+n choices: choice i (0 <= i < n) is the request served alone with the seed
+choice_seed(seed, i) = seed + i wrapped into int64 (its 64 bits: (seed mod 2**64 + i)
+mod 2**64, the bits numerics.draw_u reads); so the n seeds are distinct, each a valid
+`seed` a client can send back, and choice i is byte-equal to that n = 1 request. A
+request without a seed gets one from os.urandom (reported back as `seed`, each choice's
+as choices[i].seed): deterministic given the reported seeds. A greedy request
+(temperature 0) reads no seed: its n choices are the same. max_n (the server's
+max_batch: a request's choices decode together) bounds n: a 400 naming n beyond.
 
 Admission checks the sampling values in the terms the kernels read them: the fp32 value
 of each float (top_p 1e-50 is 0.0 in fp32: a 400 naming top_p), the seed's 64 bits (an
@@ -42,6 +51,7 @@ Shape legend: none (JSON values).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -142,6 +152,19 @@ class Request:
     echo: bool
     processors: Processors | None = None  # logit_bias and penalties (None: none)
     grammar: object = None  # serve.grammar.Grammar of a JSON-mode response_format, or None
+    n: int = 1
+
+    def choice_params(self, i: int) -> SamplingParams:
+        """Choice i's sampling params: params with seed choice_seed(seed, i) (its uint64 bits)."""
+        if not 0 <= i < self.n:
+            raise ValueError(f"i must be in [0, {self.n}); got {i}")
+        return dataclasses.replace(self.params, seed=choice_seed(self.seed, i) % U64)
+
+
+def choice_seed(seed: int, i: int) -> int:
+    """The int64 seed of choice i of a request with int64 `seed`: seed + i wrapped into
+    [-2**63, 2**63) (choice 0: seed itself)."""
+    return (seed + i - INT64[0]) % U64 + INT64[0]
 
 
 # ---------------------------------------------------------------------------------------
@@ -225,11 +248,9 @@ def _fp32_or_inf(x: float) -> float:
 
 def _n(name, v):
     if v is None:
-        return None
+        return 1
     if not (_is_int(v) and v >= 1):
         raise bad(name, "an integer >= 1", v)
-    if v > 1:
-        raise not_yet(name, "n > 1 (several choices per request)", v)
     return v
 
 
@@ -417,13 +438,14 @@ FIELDS = {
 
 
 def parse(kind: str, body, *, tokenizer, model: str, context: int, k: int,
-          max_token_bytes: int | None = None, grammars=None) -> Request:
+          max_token_bytes: int | None = None, grammars=None, max_n: int = 1) -> Request:
     """Validate a request body (already JSON-decoded) for endpoint `kind` ("chat" or
     "completions"); ApiError naming the first bad field. context: the model's context
     length (prompt + max_tokens must fit); k: the largest top_k the server takes;
     max_token_bytes: the most UTF-8 bytes one token covers (None: no size pre-check);
     grammars: serve.grammar.Grammars compiling a JSON-mode response_format, last (None:
-    the JSON modes are a 400, not supported)."""
+    the JSON modes are a 400, not supported). max_n: the largest n (choices) the server
+    takes."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object; got {type(body).__name__}")
     for name in body:
@@ -440,6 +462,9 @@ def parse(kind: str, body, *, tokenizer, model: str, context: int, k: int,
     if v["model"] != model:
         raise ApiError(404, f"The model {v['model']!r:.200} does not exist (this server has {model!r})",
                        param="model", code="model_not_found")
+    if v["n"] > max_n:
+        raise bad("n", f"an integer in [1, {max_n}] (the server's max batch: a request's choices decode "
+                       "together)", v["n"])
     if v["stream_options"] and not v["stream"]:
         raise bad("stream_options", "given only with stream=true", body["stream_options"])
     logprobs, echo = _logprobs(kind, body, v), bool(v.get("echo"))
@@ -464,7 +489,7 @@ def parse(kind: str, body, *, tokenizer, model: str, context: int, k: int,
         raise not_yet("response_format", f"{fmt['type']!r} (this parse has no grammar compiler)", fmt)
     return Request(kind=kind, model=model, prompt_ids=list(ids), prompt_text=text, params=params, seed=seed,
                    max_tokens=max_tokens, stop=v["stop"], stream=bool(v["stream"]),
-                   include_usage=bool(v["stream_options"]), logprobs=logprobs, echo=echo,
+                   include_usage=bool(v["stream_options"]), logprobs=logprobs, echo=echo, n=v["n"],
                    processors=_processors(v, tokenizer.vocab_size),
                    grammar=None if fmt is None else grammars.compile(fmt))
 
