@@ -3,7 +3,8 @@
  * kernels it is handed (gemm_q.c's lmtail_gemm_q_cat, body.c's lmtail_add_rms_rows32,
  * lmtail_rope_qkv, lmtail_attend, lmtail_silu_mul) in the order model/llama.py's python loop
  * calls them, on buffers the caller allocated once, so its bytes are the python loop's by
- * construction (tests/test_step.py checks them equal). What it removes is per-op python:
+ * construction (tests/test_q32.py::test_native_step_equals_python_loop checks them equal).
+ * What it removes is per-op python:
  * argument checks, tensor allocation, ctypes marshalling (~10 calls x 30 layers a token).
  *
  * Shape legend: N = B*T rows this call, H hidden, nh / nkv query / KV heads, HD = 64,

@@ -3,7 +3,8 @@
 step.c calls the declared kernels themselves (gemm_q.c's lmtail_gemm_q_cat, body.c's
 lmtail_add_rms_rows32, lmtail_rope_qkv, lmtail_attend, lmtail_silu_mul), reached as function
 pointers of the libraries the kernel loader already built, in the order of the python loop
-in model/llama.py (`_q32_layers`): the same bytes by construction (tests/test_step.py).
+in model/llama.py (`_q32_layers`): the same bytes by construction
+(tests/test_q32.py::test_native_step_equals_python_loop).
 What it removes per token is python: ~10 validated calls x 30 layers, each allocating its
 output. Everything it touches is built once: `Q32Model` per loaded model (weights, gammas,
 rope tables: pointers into tensors it keeps alive), `StepBuffers` per KV cache (scratch for
