@@ -43,6 +43,7 @@ MODULES = {
     "lmtail.kernels.shard_partials": "lmtail.kernels.tail.shard_partials",
     "lmtail.kernels.rowmass": "lmtail.kernels.tail.rowmass",
     "lmtail.kernels.fmachain": "lmtail.kernels.glue.fmachain",
+    "lmtail.kernels.sampling": "lmtail.kernels.tail.sampling",
 }
 # C sources: basename -> group folder under kernels/
 C_GROUPS = {
@@ -124,7 +125,7 @@ def relative(target: str, new_pkg: str) -> str:
 DOTTED = re.compile(r"(?<![\w.])lmtail(?:\.\w+)+")
 
 
-SHORT = re.compile(r"(?<![\w.])kernels\.(gemm|quant|body|step|rows_tail|shard_partials|rowmass|fmachain|_gemm_numba)\b")
+SHORT = re.compile(r"(?<![\w.])kernels\.(gemm|quant|body|step|rows_tail|shard_partials|rowmass|fmachain|sampling|_gemm_numba)\b")
 
 
 def map_dotted_text(text: str) -> str:
