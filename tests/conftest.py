@@ -8,6 +8,7 @@ sys.path).
 """
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,11 @@ import torch
 
 _VIEWS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
           torch.float64: torch.int64}
+
+
+def fbits(x: float) -> int:
+    """The fp32 bit pattern of a number (a logprob: fp32 values survive float64 and JSON exactly)."""
+    return struct.unpack("<I", struct.pack("<f", x))[0]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

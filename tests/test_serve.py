@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import struct
 import time
 
 import pytest
@@ -25,6 +24,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from conftest import fbits as bits  # noqa: E402
 from lmtail.model.generate import default_head_input, default_ops, head_weight, step_config  # noqa: E402
 from lmtail.model.gguf_loader import ModelFileMissing, load_model  # noqa: E402
 from lmtail.model.llama import forward, lmtail_ops, new_cache, prefill  # noqa: E402
@@ -47,11 +47,6 @@ def bundle():
         return load_model()
     except ModelFileMissing as e:
         pytest.skip(str(e))
-
-
-def bits(x: float) -> int:
-    """The fp32 bit pattern of a logprob (fp32 values survive float64 and JSON exactly)."""
-    return struct.unpack("<I", struct.pack("<f", x))[0]
 
 
 def solo(bundle, ids, params: SamplingParams, max_tokens: int):

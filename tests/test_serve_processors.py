@@ -15,7 +15,6 @@ Shape legend: R rows, H hidden, V vocab.
 from __future__ import annotations
 
 import json
-import struct
 
 import pytest
 import torch
@@ -24,8 +23,8 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
+from conftest import fbits as bits  # noqa: E402
 from lmtail.model.generate import default_head_input, default_ops, head_weight  # noqa: E402
-from lmtail.model.gguf_loader import ModelFileMissing, load_model  # noqa: E402
 from lmtail.model.llama import forward, new_cache, prefill  # noqa: E402
 from lmtail.processors import LogitProcessing, Processors  # noqa: E402
 from lmtail.reference.processors import processed_logits  # noqa: E402
@@ -38,18 +37,6 @@ from lmtail.tail import decode_tail  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 K = 256
-
-
-@pytest.fixture(scope="module")
-def bundle():
-    try:
-        return load_model()
-    except ModelFileMissing as e:
-        pytest.skip(str(e))
-
-
-def bits(x: float) -> int:
-    return struct.unpack("<I", struct.pack("<f", x))[0]
 
 
 def chat_ids(bundle, text):
