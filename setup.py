@@ -55,7 +55,7 @@ class BuildKernels(build_py):
                                  check=True).stdout.splitlines()[0]
         out = Path(self.build_lib) / "lmtail" / "kernels" / "_prebuilt"
         out.mkdir(parents=True, exist_ok=True)
-        sources = sorted(KERNELS.glob("*.c"))
+        sources = sorted(p for p in KERNELS.rglob("*.c") if "_prebuilt" not in p.parts)
 
         def build(src: Path) -> tuple[str, dict]:
             lib = out / f"{src.stem}.so"

@@ -97,7 +97,7 @@ def config_problems(asm: str) -> list[str]:
 
 
 def test_every_ldtilecfg_reads_the_whole_declared_config(tmp_path):
-    asm = assemble(KERNELS / "gemm_amx32.c", tmp_path)
+    asm = assemble(KERNELS / "gemm" / "gemm_amx32.c", tmp_path)
     assert ldtilecfg_operands(asm), "gemm_amx32.c no longer loads a tile config: update this test"
     assert config_problems(asm) == []
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmtail.kernels import cpu, gemm
+from lmtail.kernels import cpu
+from lmtail.kernels.gemm import bf16 as gemm
 
 pytestmark = pytest.mark.skipif(not cpu.has("avx512f", "avx512bw", "avx512vl"),
                                 reason=cpu.missing("avx512f", "avx512bw", "avx512vl"))

@@ -22,11 +22,11 @@ import lmtail
 PUBLIC = ("decode_tail", "TailOutput", "TailConfig", "SamplingParams", "sampling_tensor",
           "embed_rows", "add_rms", "moe_add_rms", "rms_parts", "router_topk", "compose_hops",
           "owned_row_block", "owned_rows", "launch")
-HOME = {"decode_tail": "lmtail.tail", "TailOutput": "lmtail.tail", "TailConfig": "lmtail.config",
-        "SamplingParams": "lmtail.sampler", "sampling_tensor": "lmtail.sampler",
-        "embed_rows": "lmtail.norms", "add_rms": "lmtail.norms", "moe_add_rms": "lmtail.norms",
-        "rms_parts": "lmtail.norms", "router_topk": "lmtail.router", "compose_hops": "lmtail.layout",
-        "owned_row_block": "lmtail.layout", "owned_rows": "lmtail.layout", "launch": "lmtail.launch"}
+HOME = {"decode_tail": "lmtail.tail.compose", "TailOutput": "lmtail.tail.compose", "TailConfig": "lmtail.tail.config",
+        "SamplingParams": "lmtail.tail.sampler", "sampling_tensor": "lmtail.tail.sampler",
+        "embed_rows": "lmtail.glue.norms", "add_rms": "lmtail.glue.norms", "moe_add_rms": "lmtail.glue.norms",
+        "rms_parts": "lmtail.glue.norms", "router_topk": "lmtail.glue.router", "compose_hops": "lmtail.tail.layout",
+        "owned_row_block": "lmtail.tail.layout", "owned_rows": "lmtail.tail.layout", "launch": "lmtail.launch"}
 # tensor ops: how many leading tensor arguments each takes (positional), the rest keyword-only
 TENSOR_OPS = {"decode_tail": 3, "embed_rows": 2, "add_rms": 3, "moe_add_rms": 4, "rms_parts": 2,
               "router_topk": 1}
@@ -183,11 +183,11 @@ def public_ops() -> dict[str, object]:
     """name -> function of every public op: the tensor ops at `import lmtail`, the tail's
     stages and kernels, and every public function of lmtail.model.body (found, not
     listed: a new body op must be registered) other than declarations and BODY_HELPERS."""
-    from lmtail import tail
-    from lmtail.kernels.gemm import gemm_bf16
-    from lmtail.kernels.rowmass import row_mass
+    from lmtail.tail import compose as tail
+    from lmtail.kernels.gemm.bf16 import gemm_bf16
+    from lmtail.kernels.tail.rowmass import row_mass
     from lmtail.model import body
-    from lmtail.topk import exact_topk
+    from lmtail.tail.topk import exact_topk
 
     out = {n: getattr(lmtail, n) for n in TENSOR_OPS}
     out.update(rows_tail=tail.rows_tail, row_mass=row_mass, gemm_bf16=gemm_bf16, exact_topk=exact_topk)
@@ -278,7 +278,7 @@ def test_no_import_cycles():
     """lmtail's import graph (every import, lazy ones included) is acyclic, except that a
     package's __init__ may re-export its own submodules (they never import it back)."""
     graph = import_graph(lmtail_sources())
-    assert len(graph) > 20 and "lmtail.kernels.rowmass" in graph["lmtail.sampler"]
+    assert len(graph) > 20 and "lmtail.kernels.tail.rowmass" in graph["lmtail.tail.sampler"]
     assert find_cycle(graph) is None, find_cycle(graph)
 
 

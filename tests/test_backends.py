@@ -17,7 +17,11 @@ import warnings
 import pytest
 import torch
 
-from lmtail.kernels import _backend, _verify, fmachain, gemm, quant, rowmass, rows_tail, shard_partials
+from lmtail.kernels import _backend, _verify
+from lmtail.kernels.glue import fmachain
+from lmtail.kernels.gemm import bf16 as gemm
+from lmtail.kernels.quant import gemm_q as quant
+from lmtail.kernels.tail import rowmass, rows_tail, shard_partials
 from lmtail.model import body
 
 PLANTED = '''
@@ -191,9 +195,9 @@ def test_every_table_names_existing_sources_and_its_key_follows_only_them(tmp_pa
     monkeypatch.setattr(_verify._cc, "__file__", str(copy / "_cc.py"))
     table = quant.GEMM_Q
     key = _verify.cache_key(table)
-    (copy / "rows_tail.c").write_text((copy / "rows_tail.c").read_text() + "\n/* edit */\n")
+    (copy / "tail" / "rows_tail.c").write_text((copy / "tail" / "rows_tail.c").read_text() + "\n/* edit */\n")
     assert _verify.cache_key(table) == key
-    for edited in ("gemm_q.c", "lmtail_kernels.h"):
+    for edited in ("quant/gemm_q.c", "lmtail_kernels.h"):
         (copy / edited).write_text((copy / edited).read_text() + "\n/* edit */\n")
         assert _verify.cache_key(table) != key, edited
         key = _verify.cache_key(table)

@@ -348,9 +348,9 @@ def test_tail_stages_are_decode_tail_call_for_call(exchange):
     decode_tail's bit for bit (every field), one time per stage of STAGES[exchange];
     planted: another gemm_order in the staged call must differ in the logits."""
     from lmtail.benchmarks import bench_tail as bt
-    from lmtail.config import TailConfig
-    from lmtail.sampler import SamplingParams, sampling_tensor
-    from lmtail.tail import decode_tail
+    from lmtail.tail.config import TailConfig
+    from lmtail.tail.sampler import SamplingParams, sampling_tensor
+    from lmtail.tail.compose import decode_tail
     g = torch.Generator().manual_seed(3)
     x, gamma = torch.randn(3, 96, generator=g), 1 + 0.1 * torch.randn(96, generator=g)
     w = (0.05 * torch.randn(96, 300, generator=g)).to(torch.bfloat16)

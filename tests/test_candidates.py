@@ -31,14 +31,14 @@ import torch
 import torch.distributed as dist
 
 from conftest import bits, gather_rows as gather, same_bits
-from lmtail import candidates
+from lmtail.tail import candidates
 from lmtail.contract.exchange_kinds import special_logits_data
 from lmtail.launch import launch
-from lmtail.layout import owned_rows
+from lmtail.tail.layout import owned_rows
 from lmtail.numerics import log64
 from lmtail.reference.candidates import MASS_CHUNKS, candidates_emulation, declared_bounds
 from lmtail.reference.tail import topk_ref
-from lmtail.tail import decode_tail
+from lmtail.tail.compose import decode_tail
 
 H = 48
 TAPS = ("outside", "has_outside", "m1", "S1", "mT", "ST", "nans")
@@ -636,8 +636,8 @@ def test_truncated_flags_match_the_mirror_on_bf16_exact_values():
     candidates tied with the top-k threshold) equals the mirror sampler's (sampler.sample_rows
     over the full bf16 row), and so do the candidates. Planted: an outside-lane test with a
     strict > misses the ties (some rows then differ)."""
-    from lmtail.sampler import decide, plan_on, sample_rows
-    from lmtail.topk import exact_topk
+    from lmtail.tail.sampler import decide, plan_on, sample_rows
+    from lmtail.tail.topk import exact_topk
 
     g = torch.Generator().manual_seed(3)
     r, v, k = 16, 300, 8
@@ -708,7 +708,7 @@ def _merge_torch(p, k):
 
 @pytest.mark.parametrize("vtp", [1, 2, 8])
 def test_owner_stats_is_the_torch_ops(vtp):
-    """kernels.shard_partials.owner_stats (values, ids, m1, S1, mT, ST, lse1, slot 0's
+    """kernels.tail.shard_partials.owner_stats (values, ids, m1, S1, mT, ST, lse1, slot 0's
     logprob) equals split_fp32_keys, combine and m1 + log64(S1) bit for bit on random and
     special rows (NaN folded, +-inf, all -inf rows, empty chunks); a NaN chunk max declines
     (ok False) and merge then takes combine's torch path, the same bytes. Planted: the T
@@ -747,7 +747,7 @@ def test_owner_stats_is_the_torch_ops(vtp):
 
 @pytest.mark.parametrize("v, k", [(104, 5), (104, 104), (40, 1), (1000, 9), (2000, 300)])
 def test_c_sampler_is_plan_on(v, k, monkeypatch):
-    """sample_merged's one C call (kernels.shard_partials.sample_candidates) gives the bytes
+    """sample_merged's one C call (kernels.tail.shard_partials.sample_candidates) gives the bytes
     of sampler.plan_on + decide over MergedStats (the C call disabled): tokens, logprobs,
     truncated, on random and special rows (ties, +-inf, folded NaN, all -inf rows), every
     sampler mode, [R, 3|4|5] params, k above 256, and on batches with greedy rows among

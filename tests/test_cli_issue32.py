@@ -157,7 +157,7 @@ def test_limit_note_rows():
 # ---------------------------------------------------------------- the --ranks rule is the library's
 
 def test_ranks_rule_is_the_candidates_exchanges():
-    from lmtail.candidates import check_vtp
+    from lmtail.tail.candidates import check_vtp
     from lmtail.flags import SMOLLM2_VOCAB, ranks_ok
 
     def library_takes(r):

@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from conftest import bits, same_bits
-from lmtail import config as C
-from lmtail.config import TailConfig, resolve
-from lmtail.kernels.gemm import TAIL_ORDERS
-from lmtail.kernels.rowmass import row_mass
+from lmtail.tail import config as C
+from lmtail.tail.config import TailConfig, resolve
+from lmtail.kernels.gemm.bf16 import TAIL_ORDERS
+from lmtail.kernels.tail.rowmass import row_mass
 from lmtail.numerics import log64
-from lmtail.tail import TAIL_SIGNATURE, decode_tail, rows_tail, tail_signature
+from lmtail.tail.compose import TAIL_SIGNATURE, decode_tail, rows_tail, tail_signature
 
 H, V = 64, 301  # odd vocab: no lane count lines up with a chunk
 F32 = torch.float32

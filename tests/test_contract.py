@@ -15,10 +15,10 @@ from lmtail.contract import cli as contract_cli
 from lmtail.contract import harness
 from lmtail.contract import tail_kinds as tk
 from lmtail.contract.harness import Case, Config, Control, Verdict, run_control, run_gates, run_kind
-from lmtail.kernels.gemm import gemm_bf16
+from lmtail.kernels.gemm.bf16 import gemm_bf16
 from lmtail.reference.contract import range_margin, sample_decision
 from lmtail.reference.tail import sampler_ref
-from lmtail.tail import decode_tail
+from lmtail.tail.compose import decode_tail
 
 FAST = Config(fast=True)
 KINDS, CONTROLS = registry()  # one registry: the ranks gate and its control share one launch
@@ -172,9 +172,9 @@ def test_body_kinds_take_their_ranges_from_the_declarations():
     """Single-sourced: the sampler's declaration is rows_tail_decl, row_mass's sum is its
     "S (full row)", the rope kinds use rope_decl, attention's depths follow the keys, the fp32
     norm's sum of squares is the bf16 norm's (add_rms_decl's)."""
-    from lmtail.kernels.rows_tail import rows_tail_decl
+    from lmtail.kernels.tail.rows_tail import rows_tail_decl
     from lmtail.model import body
-    from lmtail.norms import add_rms_decl
+    from lmtail.glue.norms import add_rms_decl
     from lmtail.orders import strided
 
     d = KINDS["tail.sampler"].gens["random"](True)[0].data
@@ -194,10 +194,10 @@ def test_fused_mass_matches_row_mass_through_the_logprob():
     2^-28, vmax = 1) the greedy token's logprob is -(lse1 - 1) exactly: it must equal the
     value from rowmass.row_mass's S (the same declared sum64), and a 128-lane sum (planted)
     gives other bytes on most rows."""
-    from lmtail.kernels.rowmass import row_mass
+    from lmtail.kernels.tail.rowmass import row_mass
     from lmtail.numerics import log64
     from lmtail.reference.tail import logprob_emulation
-    from lmtail.tail import rows_tail
+    from lmtail.tail.compose import rows_tail
 
     rows = tk.readout_rows()
     sp = torch.tensor([[0, 1, 0, 0.5, 0]] * rows.shape[0], dtype=torch.float32)
@@ -215,7 +215,7 @@ def test_sampler_emulate_gate_compares_the_fused_kernels_own_mass():
     outputs of the tail.sampler kind, equal bit for bit to the declared mass emulation on
     every byte-gate case; planted: one ulp of one row's S1 or lse1, and the mass in 128
     lane chains, are each seen by the emulate gate's comparison."""
-    from lmtail.kernels.rows_tail import available_backends
+    from lmtail.kernels.tail.rows_tail import available_backends
 
     if not available_backends():
         pytest.skip("the fused C kernel is not built (no C compiler): no mass to export")
@@ -251,7 +251,7 @@ def test_quant_variants_without_defect_are_the_real_op():
     only in Q4_1), the adversarial weight is exactly 1.0 everywhere, and the range comes from
     gemm_q_decl (a half-depth declaration is narrower)."""
     from lmtail.contract import quant_kinds as qk
-    from lmtail.kernels.quant import dequantize, gemm_q_decl
+    from lmtail.kernels.quant.gemm_q import dequantize, gemm_q_decl
 
     for fmt in qk.FORMATS:
         d = qk.quant_data(5, 96, 9, 3, fmt=fmt)

@@ -28,13 +28,13 @@ import torch
 from conftest import same_bits
 
 from lmtail.kernels import _cc, cpu
-from lmtail.kernels import body as kbody
-from lmtail.kernels import fmachain as FC
-from lmtail.kernels import gemm as G
-from lmtail.kernels import quant as Q
-from lmtail.kernels import rowmass as RM
-from lmtail.kernels import rows_tail as RT
-from lmtail.kernels import shard_partials as SP
+from lmtail.kernels.model import body as kbody
+from lmtail.kernels.glue import fmachain as FC
+from lmtail.kernels.gemm import bf16 as G
+from lmtail.kernels.quant import gemm_q as Q
+from lmtail.kernels.tail import rowmass as RM
+from lmtail.kernels.tail import rows_tail as RT
+from lmtail.kernels.tail import shard_partials as SP
 from lmtail.model import body as decl
 from lmtail.orders import Order, contiguous, strided
 
@@ -310,7 +310,7 @@ def test_body_emulated_equals_c():
 # the build itself: native 256-bit fmas, no libm, no AVX-512 instruction outside the clones
 # ---------------------------------------------------------------------------------------
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump to read the code with")
-@pytest.mark.parametrize("source", ["gemm_amx32.c", "gemm_dp32.c", "gemm_chain.c", "gemm_q.c", "fmachain.c"])
+@pytest.mark.parametrize("source", ["gemm/gemm_amx32.c", "gemm/gemm_dp32.c", "gemm/gemm_chain.c", "quant/gemm_q.c", "glue/fmachain.c"])
 def test_emulated_code_uses_native_avx2_fmas_and_no_libm(source):
     """SIMDe's portable fallbacks (an fma spelled a*b + c, libm's fmaf) never reach the
     emulated build: its fmas are vfmadd instructions; no call to fma / fmaf / any libm
@@ -391,8 +391,8 @@ def test_planted_dpbf16_even_first_goes_red(tmp_path):
     assert hdr.count(odd) == 1 and hdr.count(even) == 1, "the dpbf16 model changed: update this plant"
     planted = (hdr.replace(odd, odd.replace("2 * i + 1", "2 * i"))
                   .replace(even, even.replace("[2 * i]", "[2 * i + 1]")))
-    for name in ("gemm_dp32.c", "lmtail_kernels.h"):
-        shutil.copy(KERNELS / name, tmp_path / name)
+    for name in ("gemm/gemm_dp32.c", "lmtail_kernels.h"):
+        shutil.copy(KERNELS / name, tmp_path / Path(name).name)
     (tmp_path / "lmtail_emulate.h").write_text(planted)
     lib = _cc.bind(_cc.load_c_library(tmp_path / "gemm_dp32.c", emulated=True), G._DP32_SIGS)
     run = G._amx32_c(3, "planted", lambda: lib, "lmtail_dp32_gemm", "dp32")
@@ -417,12 +417,12 @@ def test_without_simde_the_emulated_rows_are_unavailable(monkeypatch):
     with pytest.raises(ValueError, match="backend must be one of"):
         G.gemm_bf16(torch.ones(1, 32).bfloat16(), torch.ones(32, 8).bfloat16(), order="amx32", backend="emu-amx")
     with pytest.raises(RuntimeError, match="no SIMDe"):
-        _cc.library_path(KERNELS / "rowmass.c", "gcc", "v1", emulated=True)
+        _cc.library_path(KERNELS / "tail" / "rowmass.c", "gcc", "v1", emulated=True)
 
 
 def test_the_variant_is_in_the_cache_key(tmp_path):
     """The emulated build has its own library file, keyed by lmtail_emulate.h's bytes too."""
-    src = KERNELS / "rowmass.c"
+    src = KERNELS / "tail" / "rowmass.c"
     native = _cc.library_path(src, "gcc", "v1")
     emu = _cc.library_path(src, "gcc", "v1", emulated=True)
     assert native != emu and emu.name.startswith("rowmass-emu-")

@@ -1,4 +1,4 @@
-"""The vocab-parallel tail (lmtail.tail over lmtail.exchange) on gloo ranks spawned by lmtail.launch.
+"""The vocab-parallel tail (lmtail.tail.compose over lmtail.tail.exchange) on gloo ranks spawned by lmtail.launch.
 
 One 8-rank job runs every configuration: VTP=8 over the world and VTP=4, 2, 1 over
 subgroups of it (so the whole-world and the sub-parent paths are both exercised), every
@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 
 from conftest import bits, gather_rows as gather
-from lmtail.exchange import ExchangeError, exchange_rows, hop_groups
+from lmtail.tail.exchange import ExchangeError, exchange_rows, hop_groups
 from lmtail.launch import LaunchError, launch
-from lmtail.layout import owned_row_block, owned_rows
-from lmtail.tail import decode_tail
+from lmtail.tail.layout import owned_row_block, owned_rows
+from lmtail.tail.compose import decode_tail
 
 WORLD, GBS, H, H_U, V, K = 8, 32, 48, 40, 104, 5  # V_s = 13 at VTP = 8 (not a multiple of 8)
 FIELDS = ("topk_values", "topk_indices", "tokens", "logprobs", "truncated", "lse")

@@ -14,8 +14,8 @@ import pytest
 import torch
 from conftest import stand_ins
 
-from lmtail.kernels import fmachain
-from lmtail.norms import add_rms, inv_rms, moe_add_rms, rms_parts
+from lmtail.kernels.glue import fmachain
+from lmtail.glue.norms import add_rms, inv_rms, moe_add_rms, rms_parts
 from lmtail.numerics import fma32
 from lmtail.orders import (Order, contiguous, fma_sum, lane_totals, placebo,
                            strided, sum_squares)

@@ -44,11 +44,10 @@ from lmtail.reference import tail as tref
 from lmtail.reference.contract import logprob_ref, sample_decision, sampler_slack
 
 
-from lmtail import (SamplingParams, add_rms, compose_hops, decode_tail, embed_rows, moe_add_rms,  # the public API
-                    owned_row_block, owned_rows, rms_parts, router_topk, sampling_tensor)
-from lmtail.router import router_topk_decl
-from lmtail.sampler import validate_params
-from lmtail.tail import tail_decl
+from lmtail import SamplingParams, add_rms, compose_hops, decode_tail, embed_rows, moe_add_rms, owned_row_block, owned_rows, rms_parts, router_topk, sampling_tensor
+from lmtail.glue.router import router_topk_decl
+from lmtail.tail.sampler import validate_params
+from lmtail.tail.compose import tail_decl
 
 settings.register_profile("fuzz_default", max_examples=25, deadline=None, derandomize=True, database=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -507,7 +506,7 @@ def check_add_rms(c):
     before = snapshot(xs, res, gamma)
     h, y = add_rms(xs, res, gamma, eps=eps)
     assert unchanged(before, (xs, res, gamma)), "add_rms mutated an input"
-    from lmtail.norms import DEFAULT_ORDER
+    from lmtail.glue.norms import DEFAULT_ORDER
 
     eh, ey = gref.emu_add_rms(x.float().numpy(), res.float().numpy(), gamma.float().numpy(), eps=eps,
                               order=DEFAULT_ORDER)
@@ -529,7 +528,7 @@ def check_rms_parts(c):
     before = snapshot(xs, gamma)
     y = rms_parts(xs, gamma, part=part, rounding=rounding, eps=eps)
     assert unchanged(before, (xs, gamma))
-    from lmtail.norms import DEFAULT_ORDER
+    from lmtail.glue.norms import DEFAULT_ORDER
 
     ey = gref.emu_rms_parts(x.float().numpy().reshape(-1, x.shape[-1]), gamma.float().numpy(), part=part,
                             rounding=rounding, eps=eps, order=DEFAULT_ORDER)
@@ -552,7 +551,7 @@ def check_moe(c):
     before = snapshot(x, slots, wts, gamma)
     hh, y = moe_add_rms(x, slots, wts, gamma, eps=eps, n_shared=n_shared)
     assert unchanged(before, (x, slots, wts, gamma))
-    from lmtail.norms import DEFAULT_ORDER
+    from lmtail.glue.norms import DEFAULT_ORDER
 
     eh, ey = gref.emu_moe_add_rms(x.float().numpy(), slots.float().numpy(), wts.numpy(), gamma.float().numpy(),
                                   eps=eps, n_shared=n_shared, order=DEFAULT_ORDER)

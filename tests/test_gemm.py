@@ -19,8 +19,8 @@ import torch
 from conftest import native_or_emulated, same_bits, stand_ins
 
 from lmtail.kernels import cpu
-from lmtail.kernels import gemm as G
-from lmtail.kernels.gemm import gemm_bf16, pack_weight
+from lmtail.kernels.gemm import bf16 as G
+from lmtail.kernels.gemm.bf16 import gemm_bf16, pack_weight
 from lmtail.numerics import U, gamma
 from lmtail.reference import gemm as R
 from lmtail.reference.gemm import gemm_chain_emulation

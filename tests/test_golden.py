@@ -30,19 +30,19 @@ import numpy as np
 import pytest
 import torch
 
-from lmtail.kernels import rows_tail as fused
-from lmtail.kernels.gemm import gemm_bf16
-from lmtail.kernels.quant import QuantWeight, gemm_q
-from lmtail.kernels.rowmass import row_mass
-from lmtail.kernels.rows_tail import rows_tail_decl
+from lmtail.kernels.tail import rows_tail as fused
+from lmtail.kernels.gemm.bf16 import gemm_bf16
+from lmtail.kernels.quant.gemm_q import QuantWeight, gemm_q
+from lmtail.kernels.tail.rowmass import row_mass
+from lmtail.kernels.tail.rows_tail import rows_tail_decl
 from lmtail.model import body
 from lmtail.numerics import log64, log64_constants
-from lmtail.norms import add_rms, moe_add_rms, rms_parts
+from lmtail.glue.norms import add_rms, moe_add_rms, rms_parts
 from lmtail.orders import strided
 from lmtail.reference.glue import emu_inv_rms
-from lmtail.router import router_topk
-from lmtail.tail import decode_tail, rows_tail
-from lmtail.topk import exact_topk
+from lmtail.glue.router import router_topk
+from lmtail.tail.compose import decode_tail, rows_tail
+from lmtail.tail.topk import exact_topk
 
 _VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
          torch.float64: torch.int64}
@@ -520,7 +520,7 @@ def test_boundary_inputs_see_another_order():
     """The same boundary inputs run in other orders (contiguous(256), the placebo butterfly,
     strided(128)): y differs in exactly the rows whose inv differs by an ulp, so a one-ulp
     change of the declared order cannot hide behind the bf16 rounding."""
-    from lmtail.norms import inv_rms
+    from lmtail.glue.norms import inv_rms
     from lmtail.orders import contiguous, placebo
 
     x, inv, t, gamma = _boundary_case()

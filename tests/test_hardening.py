@@ -36,8 +36,7 @@ from conftest import bits
 
 
 
-from lmtail import (SamplingParams, add_rms, decode_tail, embed_rows, launch, moe_add_rms,  # the public API
-                    owned_rows, rms_parts, router_topk, sampling_tensor)
+from lmtail import SamplingParams, add_rms, decode_tail, embed_rows, launch, moe_add_rms, owned_rows, rms_parts, router_topk, sampling_tensor
 
 H, V, K = 16, 40, 5
 BF = torch.bfloat16

@@ -1,8 +1,8 @@
-"""Rank layout maps (lmtail.layout): coverage, mesh partitions and agreement with
+"""Rank layout maps (lmtail.tail.layout): coverage, mesh partitions and agreement with
 an independent symbolic model of the exchange; planted wrong maps must be caught.
 
 The symbolic model moves (row id, vocab shard id) labels through the hops exactly as
-lmtail.exchange moves bytes: in each hop group every member splits the rows it holds
+lmtail.tail.exchange moves bytes: in each hop group every member splits the rows it holds
 into h consecutive chunks and sends chunk i to member i, who appends the slabs in
 member order. After the last hop a rank must hold owned_rows(...) and shards 0..VTP-1.
 """
@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmtail import layout
-from lmtail.layout import compose_hops, hop_digits, owned_row_block, owned_rows, validate_layout
+from lmtail.tail import layout
+from lmtail.tail.layout import compose_hops, hop_digits, owned_row_block, owned_rows, validate_layout
 
 
 # ---------------------------------------------------------------------------------------

@@ -24,9 +24,9 @@ from conftest import bits, native_or_emulated
 from conftest import last_hidden as shared_last_hidden
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from lmtail import norms
+from lmtail.glue import norms
 from lmtail.demo.model import certify_generation
-from lmtail.kernels import body as kbody
+from lmtail.kernels.model import body as kbody
 from lmtail.kernels import cpu
 from lmtail.model import body as decl
 from lmtail.model import gguf_loader, llama
@@ -35,8 +35,8 @@ from lmtail.model.gguf_loader import ModelFileMissing, load_model, locate_gguf
 from lmtail.numerics import draw_u
 from lmtail.orders import strided
 from lmtail.reference import model as ref
-from lmtail.sampler import SamplingParams as SP
-from lmtail.tail import decode_tail
+from lmtail.tail.sampler import SamplingParams as SP
+from lmtail.tail.compose import decode_tail
 
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
 NLL_REF = {128: 3.358, 256: 3.076}  # numpy float32 forward of the same GGUF, same tokens
@@ -228,7 +228,7 @@ def drop_gamma(x, residual, gamma, *, eps, order):
 
 def test_lmtail_ops_forward_nll(bundle, gpl_ids, monkeypatch):
     """lmtail_ops(): every residual add + RMSNorm of the forward is one call of
-    lmtail.norms.add_rms on bf16 rows (61 per forward: embed + 2 per layer), and the bf16
+    lmtail.glue.norms.add_rms on bf16 rows (61 per forward: embed + 2 per layer), and the bf16
     residual stream keeps the GPL-3 NLL in the band (measured 3.3507 vs fp32 3.3583).
     Planted: the same op with gamma dropped lands far outside (measured 15.1)."""
     seen = []
@@ -739,7 +739,7 @@ def glue_rows(seed, n, h, dtype):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("H", [1, 33, 576, 700])
 def test_add_rms_rows_equals_norms_add_rms(seed, H):
-    """body.add_rms_rows (one C pass a row) is lmtail.norms.add_rms(bf16(x), r, gamma,
+    """body.add_rms_rows (one C pass a row) is lmtail.glue.norms.add_rms(bf16(x), r, gamma,
     order=strided(T)) bitwise, for fp32 and bf16 x, T = 32 and 256, odd widths, inf,
     subnormal and zero rows; NaN rows agree as NaN. Planted: another lane count differs."""
     for xdt in (torch.float32, torch.bfloat16):

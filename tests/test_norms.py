@@ -14,7 +14,7 @@ import torch
 
 from conftest import bits, same_bits
 from lmtail.contract import glue_kinds as gk
-from lmtail.norms import add_rms, embed_rows, inv_rms, moe_add_rms, rms_parts, sqrt_rn32
+from lmtail.glue.norms import add_rms, embed_rows, inv_rms, moe_add_rms, rms_parts, sqrt_rn32
 from lmtail.orders import contiguous, placebo, strided, sum_squares
 from lmtail.reference import glue as ref
 

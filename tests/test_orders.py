@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lmtail.numerics import U, fma32, gamma
-from lmtail.kernels.fmachain import products_exact
+from lmtail.kernels.glue.fmachain import products_exact
 from lmtail.orders import Order, contiguous, fma_sum, lane_totals, placebo, strided, sum_squares
 from lmtail.reference.glue import bf16_array, emu_fma_sum, fma_f32
 

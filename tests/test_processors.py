@@ -1,4 +1,4 @@
-"""The logits-processor seam (lmtail.processors) and decode_tail(processing=...).
+"""The logits-processor seam (lmtail.tail.processors) and decode_tail(processing=...).
 
 The op's bytes == the float64 reference's fp32 roundings (reference/processors.py, dense,
 lane by lane) on bit views: random inputs over several seeds, odd V, NaN / inf / -0 /
@@ -24,12 +24,12 @@ import pytest
 import torch
 
 from conftest import bits, same_bits
-from lmtail import processors as P
-from lmtail import tail as tail_mod
+from lmtail.tail import processors as P
+from lmtail.tail import compose as tail_mod
 from lmtail.launch import launch
-from lmtail.processors import LogitProcessing, Processors, apply_processing, plan_processing
+from lmtail.tail.processors import LogitProcessing, Processors, apply_processing, plan_processing
 from lmtail.reference.processors import processed_logits
-from lmtail.tail import decode_tail, head_shard
+from lmtail.tail.compose import decode_tail, head_shard
 
 ROOT = Path(__file__).resolve().parents[1]
 NAN_PAYLOAD = torch.tensor([0x7FC0BEEF], dtype=torch.int32).view(torch.float32)[0]  # a quiet NaN, odd payload
@@ -339,7 +339,7 @@ def _ranks_job(rank: int, cases):
     for seed, exchange in cases:
         x, gamma, w, sp = tail_problem(8, seed, 512)
         proc = rand_processing(8, 512, seed, edges=(0, 255, 256, 511))
-        from lmtail.layout import owned_rows
+        from lmtail.tail.layout import owned_rows
 
         rows = owned_rows(rank, 2, 8)
         o = decode_tail(x, gamma, head_shard(w, rank, 2), k=K, sampling_params=sp[rows], processing=proc,

@@ -1,5 +1,5 @@
-"""The "q32" body: the GGUF's own blocks (kernels.quant.gemm_q) on an fp32 stream, and its
-native step (kernels/step.c: the whole layer loop in one C call). Gates: native == the python
+"""The "q32" body: the GGUF's own blocks (kernels.quant.gemm_q.gemm_q) on an fp32 stream, and its
+native step (kernels/model/step.c: the whole layer loop in one C call). Gates: native == the python
 loop bitwise (planted: a bf16 rounding inside the loop), solo == batch == reversed, cached
 == chunked == one prefill, threads 1 == 2, the fp32 norm kernel == its torch spelling (special
 values; planted: another lane count), and the distance to the fp32 reference body."""
@@ -10,12 +10,12 @@ import pytest
 import torch
 from conftest import at_threads, bits, cached_vs_recomputed, last_hidden, mean_kl, teacher_forced_logp
 
-from lmtail.kernels import body as kbody
-from lmtail.kernels import step as kstep
+from lmtail.kernels.model import body as kbody
+from lmtail.kernels.model import step as kstep
 from lmtail.model import body as decl
 from lmtail.model import llama
 from lmtail.model.gguf_loader import load_model
-from lmtail.norms import inv_rms
+from lmtail.glue.norms import inv_rms
 from lmtail.orders import strided
 
 Q32 = llama.lmtail_ops(body="q32")

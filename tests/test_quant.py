@@ -18,8 +18,8 @@ import torch
 from conftest import native_or_emulated, same_bits, stand_ins
 
 from lmtail.kernels import cpu
-from lmtail.kernels import quant as Q
-from lmtail.kernels.quant import QuantWeight, dequantize, gemm_q, gemm_q_decl, lanes_emulation
+from lmtail.kernels.quant import gemm_q as Q
+from lmtail.kernels.quant.gemm_q import QuantWeight, dequantize, gemm_q, gemm_q_decl, lanes_emulation
 from lmtail.numerics import fma32
 from lmtail.reference.gemm import in_range
 from lmtail.reference.quant import dequantize_f64, gemm_q_f64, gemm_q_range

@@ -1,4 +1,4 @@
-"""The "quant" body: the declared body whose linears run kernels.quant.gemm_q on the GGUF's
+"""The "quant" body: the declared body whose linears run kernels.quant.gemm_q.gemm_q on the GGUF's
 own Q4_1 blocks (bf16 inputs widened exactly to fp32). Row-invariance gates (solo == batch,
 cached == chunked == one prefill, threads 1 == 2), its linears inside gemm_q's float64
 range, and its distance to the fp32 reference body (of the declared body's order: see the
@@ -11,7 +11,7 @@ import torch
 from conftest import at_threads, bits, cached_vs_recomputed, mean_kl, teacher_forced_logp
 from conftest import last_hidden as shared_last_hidden
 
-from lmtail.kernels.quant import GEMM_Q, dequantize, gemm_q_decl
+from lmtail.kernels.quant.gemm_q import GEMM_Q, dequantize, gemm_q_decl
 from lmtail.model import llama
 from lmtail.model.generate import generate
 from lmtail.model.gguf_loader import QuantLinears, quant_linears

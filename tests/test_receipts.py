@@ -150,7 +150,7 @@ def tiny_inputs(seed: int, n: int = 5, h: int = 96, v: int = 200):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_chain_arm_is_decode_tail_bytes(seed):
-    from lmtail.tail import decode_tail
+    from lmtail.tail.compose import decode_tail
 
     inp = tiny_inputs(seed)
     reg = default_arms()
@@ -167,7 +167,7 @@ def test_chain_arm_is_decode_tail_bytes(seed):
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_bf16x2_arm_is_decode_tail_bf16x2_bytes(seed):
-    from lmtail.tail import decode_tail
+    from lmtail.tail.compose import decode_tail
 
     inp = tiny_inputs(seed)
     reg = default_arms()
@@ -351,7 +351,7 @@ def test_ideal_bounds_is_ideal_bound_per_declaration():
     """ref once and one logits_range per mirror-free declaration give ideal_bound's bytes."""
     from lmtail.receipts.engine import CERT_DECLS, ideal_bounds
     from lmtail.reference.contract import ideal_bound
-    from lmtail.tail import tail_decl
+    from lmtail.tail.compose import tail_decl
 
     inp = tiny_inputs(4, n=6, h=64, v=300)
     decls = [tail_decl(64, True, exchange=ex, head_input=hi) for ex, hi in CERT_DECLS]

@@ -110,7 +110,7 @@ def test_exact_topk_declares_no_rounding():
     """exact_topk is exact (comparisons of integer keys): its declaration has no sum and
     says so; the contract kind checks against this same declaration."""
     from lmtail.contract import registry
-    from lmtail.topk import exact_topk_decl
+    from lmtail.tail.topk import exact_topk_decl
 
     d = ops.op("exact_topk").declaration()()
     assert d == exact_topk_decl() and d.sums == () and d.rounding_points[0].startswith("none")

@@ -12,7 +12,7 @@ import torch
 from conftest import bits
 from lmtail.contract import glue_kinds as gk
 from lmtail.reference import glue as ref
-from lmtail.router import router_topk, router_topk_decl, selection_keys
+from lmtail.glue.router import router_topk, router_topk_decl, selection_keys
 
 CONTROLS = [c for c in gk.glue_controls() if c.kind == "glue.router_topk"]
 DECL6 = router_topk_decl(6, n_slices=2)  # the declaration of router_topk(k=6) on two slices

@@ -20,8 +20,8 @@ import torch
 from conftest import stand_ins
 
 from lmtail import numerics
-from lmtail.kernels import rowmass as RM
-from lmtail.kernels.rowmass import row_mass, shifted_exp, shifted_exp_terms, sum64
+from lmtail.kernels.tail import rowmass as RM
+from lmtail.kernels.tail.rowmass import row_mass, shifted_exp, shifted_exp_terms, sum64
 from lmtail.numerics import exp64
 
 # the C backends, and the emulated rows of the vector paths this CPU lacks (SIMDe)

@@ -1,4 +1,4 @@
-"""lmtail.tail.rows_tail: path "fused" (the kernels.rows_tail C kernel) is bitwise equal to
+"""lmtail.tail.compose.rows_tail: path "fused" (the kernels.tail.rows_tail C kernel) is bitwise equal to
 path "reference" on every kernel backend and thread count.
 
 The reference is the declared path exact_topk + sample_rows, spelled out here and also
@@ -15,12 +15,12 @@ from conftest import native_or_emulated, stand_ins
 
 from lmtail import numerics
 from lmtail.kernels import cpu
-from lmtail.kernels import rowmass as RM
-from lmtail.kernels import rows_tail as rt
-from lmtail.kernels.rows_tail import available_backends, rows_tail_fused
-from lmtail.sampler import GREEDY_TEMPERATURE, sample_rows
-from lmtail.tail import rows_tail
-from lmtail.topk import exact_topk
+from lmtail.kernels.tail import rowmass as RM
+from lmtail.kernels.tail import rows_tail as rt
+from lmtail.kernels.tail.rows_tail import available_backends, rows_tail_fused
+from lmtail.tail.sampler import GREEDY_TEMPERATURE, sample_rows
+from lmtail.tail.compose import rows_tail
+from lmtail.tail.topk import exact_topk
 
 KERNEL_BACKENDS = ("avx512", "avx2", "c")
 FIELDS = ("topk_values", "topk_indices", "tokens", "logprobs", "truncated")

@@ -9,10 +9,9 @@ from conftest import bits
 
 from lmtail.numerics import draw_u
 from lmtail.reference.tail import sampler_ref
-from lmtail.kernels.rowmass import sum64
-from lmtail.sampler import (SamplingParams, draw, running_sum64, sample_rows, sampling_plan,
-                            sampling_tensor, validate_params)
-from lmtail.topk import exact_topk
+from lmtail.kernels.tail.rowmass import sum64
+from lmtail.tail.sampler import SamplingParams, draw, running_sum64, sample_rows, sampling_plan, sampling_tensor, validate_params
+from lmtail.tail.topk import exact_topk
 
 
 def run(rows, params, k=None, nan_fold=False):
@@ -331,7 +330,7 @@ def test_params_fast_check_is_the_rules():
     finds nothing in: 3,000 random [R, 3|4|5] rows built from every rule's edge values (the
     boundaries themselves, one fp32 ulp either side, +-inf, NaN, -0), and a 40-row tensor
     with one NaN. Planted: a tensor only the whole-number rule rejects is rejected."""
-    from lmtail.sampler import _params_ok, param_problems
+    from lmtail.tail.sampler import _params_ok, param_problems
 
     ulp = lambda x, d: float(np.nextafter(np.float32(x), np.float32(d)))
     edges = [0.0, -0.0, 1.0, -1.0, 0.5, 2.0, 3.5, 1e-5, ulp(0, 1), ulp(1, 0), ulp(1, 2), ulp(0, -1),
@@ -358,12 +357,12 @@ def test_params_fast_check_is_the_rules():
 
 
 def test_shifted_exp_rows_and_sum64_rows_are_the_torch_ops():
-    """kernels.rowmass.shifted_exp_rows / sum64_rows (the candidates sampler's terms and
+    """kernels.tail.rowmass.shifted_exp_rows / sum64_rows (the candidates sampler's terms and
     sums, from C) equal shifted_exp / sum64 bit for bit: random rows, +-inf, -inf rows,
     z == m, terms that underflow to subnormals and 0, widths around 256; and fall back to
     the torch ops (the same bits) where z > m or a NaN appears. Planted: a sum in plain
     order (one chain) is red."""
-    from lmtail.kernels.rowmass import shifted_exp, shifted_exp_rows, sum64_rows
+    from lmtail.kernels.tail.rowmass import shifted_exp, shifted_exp_rows, sum64_rows
 
     g = torch.Generator().manual_seed(3)
     inf = float("inf")
@@ -395,7 +394,7 @@ def test_shifted_exp_rows_and_sum64_rows_are_the_torch_ops():
 def test_sampling_tensor_calls_greedy_what_the_tail_calls_greedy():
     """T = 1e-5 rounds to fp32 9.99999974737875e-06 < 1e-5: the tail treats it as greedy, so
     sampling_tensor must not demand a seed for it (a planted fp32 comparison would)."""
-    from lmtail.sampler import GREEDY_TEMPERATURE, SamplingParams, sampling_tensor
+    from lmtail.tail.sampler import GREEDY_TEMPERATURE, SamplingParams, sampling_tensor
 
     sp = sampling_tensor([SamplingParams(temperature=1e-5)])
     assert float(sp[0, 2]) < GREEDY_TEMPERATURE  # float64 of the fp32 value
@@ -411,7 +410,7 @@ def test_min_p_one_keeps_every_tied_maximum(exchange, tail_path):
     so a draw past the middle takes the second (higher id) one. A `>` for `>=` in the min-p cut
     keeps only slot 0 and draws the first token at every u: this test is the one that sees it
     (every pass: the fused C kernel, the candidates exchange's C sampler, the torch reference)."""
-    from lmtail.tail import decode_tail
+    from lmtail.tail.compose import decode_tail
 
     h, v = 64, 300
     g = torch.Generator().manual_seed(11)
@@ -434,8 +433,8 @@ def test_min_p_one_keeps_every_tied_maximum(exchange, tail_path):
 
 def test_greedy_rows_are_valid_greedy_padding():
     """greedy_rows(n): n rows the tail accepts and decides greedily (slot 0 of the candidates)."""
-    from lmtail.sampler import GREEDY_TEMPERATURE, greedy_rows, validate_params
-    from lmtail.tail import decode_tail
+    from lmtail.tail.sampler import GREEDY_TEMPERATURE, greedy_rows, validate_params
+    from lmtail.tail.compose import decode_tail
 
     sp = greedy_rows(3)
     validate_params(sp, 3)

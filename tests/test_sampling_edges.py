@@ -2,9 +2,9 @@
 variant shown to go red.
 
 Passes (PASSES): "torch" (sampler.sample_rows on exact_topk's candidates, the float64
-reference order), "fused:<row>" (kernels.rows_tail's C kernel, every row of its Dispatch
+reference order), "fused:<row>" (kernels.tail.rows_tail's C kernel, every row of its Dispatch
 table, the emulated ones included), "candidates:c" (the candidates exchange's C sampler,
-kernels.shard_partials.sample_candidates, asserted not to decline) and "candidates:torch"
+kernels.tail.shard_partials.sample_candidates, asserted not to decline) and "candidates:torch"
 (sampler.plan_on over candidates.MergedStats). The C passes run lmtail_kernels.h's one copy
 of the candidate steps; tools/mutate.py's "sampling_h.*" mutants edit that copy (and the
 per-pass answers to "a lane past k ties the threshold") and are killed by this file.
@@ -27,12 +27,12 @@ import torch
 
 from conftest import bits
 
-from lmtail import candidates
-from lmtail.kernels import rows_tail as rt
-from lmtail.kernels.rowmass import shifted_exp_rows, sum64_rows
-from lmtail.kernels.sampling import COL, SAMPLING_COLUMNS, SAMPLING_RECORD, sampling_records
-from lmtail.sampler import FullRowStats, decide, draw, plan_on, sample_rows
-from lmtail.topk import exact_topk
+from lmtail.tail import candidates
+from lmtail.kernels.tail import rows_tail as rt
+from lmtail.kernels.tail.rowmass import shifted_exp_rows, sum64_rows
+from lmtail.kernels.tail.sampling import COL, SAMPLING_COLUMNS, SAMPLING_RECORD, sampling_records
+from lmtail.tail.sampler import FullRowStats, decide, draw, plan_on, sample_rows
+from lmtail.tail.topk import exact_topk
 
 V, K = 64, 8
 U_MAX = float(np.nextafter(np.float32(1.0), np.float32(0.0)))  # 0.99999994: the largest fp32 u below 1
@@ -345,7 +345,7 @@ def test_greedy_rows_u_is_unused_on_every_pass(pass_name):
     or any other give the same tokens, logprobs and flags, byte for byte, on every pass (so a
     padding row spelled with another u, as the benchmarks once did, decided the same bytes).
     Planted (the comparison can fail): sampled rows' tokens do change with u on the same rows."""
-    from lmtail.sampler import greedy_rows
+    from lmtail.tail.sampler import greedy_rows
 
     g = torch.Generator().manual_seed(7)
     rows = (torch.randn(4, V, generator=g) * 2).to(torch.bfloat16)  # [4, V]

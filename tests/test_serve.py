@@ -28,14 +28,13 @@ from conftest import fbits as bits  # noqa: E402
 from lmtail.model.generate import default_head_input, default_ops, head_weight, step_config  # noqa: E402
 from lmtail.model.gguf_loader import ModelFileMissing, load_model  # noqa: E402
 from lmtail.model.llama import forward, lmtail_ops, new_cache, prefill  # noqa: E402
-from lmtail.sampler import SamplingParams, sampling_tensor  # noqa: E402
+from lmtail.tail.sampler import SamplingParams, sampling_tensor  # noqa: E402
 from lmtail.serve import protocol  # noqa: E402
 from lmtail.serve.app import create_app  # noqa: E402
 from lmtail.serve.batch import grow, row_cache, step_rows  # noqa: E402
 from lmtail.serve.cli import ThreadServer  # noqa: E402
-from lmtail.serve.engine import (Done, Engine, Failed, Job, Prompt, QueueFull, TextTracker, Token,  # noqa: E402
-                                 score_positions)
-from lmtail.tail import decode_tail  # noqa: E402
+from lmtail.serve.engine import Done, Engine, Failed, Job, Prompt, QueueFull, TextTracker, Token, score_positions
+from lmtail.tail.compose import decode_tail  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 K = 256

@@ -26,7 +26,7 @@ httpx = pytest.importorskip("httpx")
 
 from test_serve import K, MODEL, REQUESTS, Collect, bits, chat_ids, solo  # noqa: E402
 
-from lmtail.sampler import SamplingParams  # noqa: E402
+from lmtail.tail.sampler import SamplingParams  # noqa: E402
 from lmtail.serve import protocol  # noqa: E402
 from lmtail.serve.app import create_app  # noqa: E402
 from lmtail.serve.cli import ThreadServer  # noqa: E402

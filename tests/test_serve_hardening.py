@@ -35,7 +35,7 @@ httpx = pytest.importorskip("httpx")
 
 from test_serve import K, MODEL, REQUESTS, Collect, bundle, chat_ids, drive, serve_process, solo  # noqa: E402,F401
 
-from lmtail.sampler import SamplingParams, sampling_tensor  # noqa: E402
+from lmtail.tail.sampler import SamplingParams, sampling_tensor  # noqa: E402
 from lmtail.serve import app as app_mod  # noqa: E402
 from lmtail.serve import protocol  # noqa: E402
 from lmtail.serve.app import create_app  # noqa: E402

@@ -37,7 +37,7 @@ from test_serve import K, MODEL, Collect, bits, bundle, chat_ids, solo  # noqa: 
 
 from lmtail.model.generate import default_ops  # noqa: E402
 from lmtail.model.llama import forward  # noqa: E402
-from lmtail.sampler import U64, SamplingParams  # noqa: E402
+from lmtail.tail.sampler import U64, SamplingParams  # noqa: E402
 from lmtail.serve import app as app_mod  # noqa: E402
 from lmtail.serve import batch as batch_mod  # noqa: E402
 from lmtail.serve import engine as engine_mod  # noqa: E402

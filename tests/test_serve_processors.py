@@ -26,14 +26,14 @@ openai = pytest.importorskip("openai")
 from conftest import fbits as bits  # noqa: E402
 from lmtail.model.generate import default_head_input, default_ops, head_weight  # noqa: E402
 from lmtail.model.llama import forward, new_cache, prefill  # noqa: E402
-from lmtail.processors import LogitProcessing, Processors  # noqa: E402
+from lmtail.tail.processors import LogitProcessing, Processors  # noqa: E402
 from lmtail.reference.processors import processed_logits  # noqa: E402
-from lmtail.sampler import SamplingParams, greedy_rows, sampling_tensor  # noqa: E402
+from lmtail.tail.sampler import SamplingParams, greedy_rows, sampling_tensor  # noqa: E402
 from lmtail.serve import protocol  # noqa: E402
 from lmtail.serve.app import create_app  # noqa: E402
 from lmtail.serve.cli import ThreadServer  # noqa: E402
 from lmtail.serve.engine import Done, Engine, Failed, Job, Token  # noqa: E402
-from lmtail.tail import decode_tail  # noqa: E402
+from lmtail.tail.compose import decode_tail  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 K = 256

@@ -1,4 +1,4 @@
-"""kernels.shard_partials: every backend ("avx512", "avx2", "c") is bitwise equal to the
+"""kernels.tail.shard_partials: every backend ("avx512", "avx2", "c") is bitwise equal to the
 "torch" backend (the declared ops) on keys, chunk mass and NaN counts, for any thread count.
 
 Every comparison is on bit views (float64 as int64). Planted wrong variants are source
@@ -13,7 +13,7 @@ import torch
 from conftest import native_or_emulated
 
 from lmtail.kernels import cpu
-from lmtail.kernels import shard_partials as SP
+from lmtail.kernels.tail import shard_partials as SP
 
 C_BACKENDS = ("avx512", "avx2", "c")
 FIELDS = ("keys", "mass", "nans")

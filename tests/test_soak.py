@@ -30,9 +30,9 @@ def api(name: str, module: str):
     return getattr(lmtail, name, None) or getattr(importlib.import_module(module), name)
 
 
-decode_tail = api("decode_tail", "lmtail.tail")
+decode_tail = api("decode_tail", "lmtail.tail.compose")
 launch = api("launch", "lmtail.launch")
-owned_rows = api("owned_rows", "lmtail.layout")
+owned_rows = api("owned_rows", "lmtail.tail.layout")
 
 CALLS, WARMUP = 1000, 100
 RSS_SLACK_MIB, FD_SLACK = 32.0, 2

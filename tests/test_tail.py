@@ -8,8 +8,8 @@ import torch
 
 from conftest import bits
 from lmtail.reference.tail import logits_range, logits_ref, mirror_range
-from lmtail.config import TailConfig
-from lmtail.tail import TailOutput, decode_tail, pad_mask, shard_logits, tail_decl
+from lmtail.tail.config import TailConfig
+from lmtail.tail.compose import TailOutput, decode_tail, pad_mask, shard_logits, tail_decl
 
 H, H_U, V = 96, 88, 1000
 
@@ -241,15 +241,15 @@ def test_validation_runs_once_per_call(monkeypatch, tail_path, eps):
     Planted: the public rows_tail on the same rows runs the params rules again."""
     x, gamma, w = problem(3, 4)
     sp = params(3)
-    tail_calls = _count_calls(monkeypatch, "lmtail.tail", ["validate_tail_inputs", "validate_params", "sum_squares"])
-    norm_calls = _count_calls(monkeypatch, "lmtail.kernels.shard_partials", ["tail_norm"])  # the C norm pass
-    sampler_calls = _count_calls(monkeypatch, "lmtail.sampler", ["validate_params"])
+    tail_calls = _count_calls(monkeypatch, "lmtail.tail.compose", ["validate_tail_inputs", "validate_params", "sum_squares"])
+    norm_calls = _count_calls(monkeypatch, "lmtail.kernels.tail.shard_partials", ["tail_norm"])  # the C norm pass
+    sampler_calls = _count_calls(monkeypatch, "lmtail.tail.sampler", ["validate_params"])
     out = decode_tail(x, gamma, w, k=8, hidden_actual=H_U, sampling_params=sp, eps=eps, tail_path=tail_path)
     assert out.tokens.shape == (3,)
     ssq = tail_calls.pop("sum_squares") + norm_calls["tail_norm"]
     assert tail_calls == {"validate_tail_inputs": 1, "validate_params": 1} and ssq == 1
     assert sampler_calls == {"validate_params": 0}
-    from lmtail.tail import rows_tail
+    from lmtail.tail.compose import rows_tail
 
     rows_tail(out.logits.to(torch.bfloat16), k=8, sampling_params=sp, path=tail_path)
     assert tail_calls["validate_params"] + sampler_calls["validate_params"] == 2  # planted: a second check counts
@@ -262,7 +262,7 @@ def test_eps0_zero_row_is_refused_before_the_gemm(monkeypatch):
     x[1] = 0.0
     x[3] = 1e-30  # squares underflow to 0 in fp32: no rms either
     x[3, H_U:] = 1.0  # pad lanes do not count
-    calls = _count_calls(monkeypatch, "lmtail.tail", ["gemm_bf16"])
+    calls = _count_calls(monkeypatch, "lmtail.tail.compose", ["gemm_bf16"])
     with pytest.raises(ValueError, match=r"eps=0.0 \(0 in fp32\) leaves hidden_states row\(s\) \[1, 3\] undefined"):
         decode_tail(x, gamma, w, k=8, hidden_actual=H_U, zero_interleaved_pad=False, eps=0.0)
     assert calls["gemm_bf16"] == 0
@@ -277,7 +277,7 @@ def test_nan_policy_names_the_same_rows_on_both_paths(nan_fold):
     """The fused path scans only the rows its kernel flags (undecided, or an all-NaN first
     candidate) and must name exactly the rows the reference path's full scan names.
     Planted: a scan that skips the flagged rows raises nothing."""
-    from lmtail import tail as tail_mod
+    from lmtail.tail import compose as tail_mod
 
     x, gamma, w = problem(12, 3)
     x[[2, 5, 9, 10, 11]] = torch.tensor(float("nan"))  # whole rows NaN
@@ -341,7 +341,7 @@ def test_tail_path_fused_is_the_default_and_gives_the_reference_bytes(monkeypatc
     NaN row is the NaN policy's ValueError, on the fused path read off the kernel's
     undecided rows, so the kernel has run once more). Planted: a kernel
     whose tokens are off by one is seen by the default path and not by "reference"."""
-    from lmtail.kernels import rows_tail as rows_kernel
+    from lmtail.kernels.tail import rows_tail as rows_kernel
 
     if not rows_kernel.available_backends():
         pytest.skip("no C compiler: tail_path 'fused' runs the reference path")
@@ -397,9 +397,9 @@ def test_dp32_logits_are_the_dp32_gemm_composed_as_the_tail_composes_it(deferred
     """gemm_order="dp32": logits == fp32(gemm_bf16(a, W, order="dp32") * rms) (deferred) or
     gemm_bf16(a, W, order="dp32") (legacy) on normed_rows' a and rms, and == the same with
     reference.gemm.gemm_dp32_emulation, byte for byte. Planted: the amx32 order differs."""
-    from lmtail.kernels.gemm import gemm_bf16
+    from lmtail.kernels.gemm.bf16 import gemm_bf16
     from lmtail.reference.gemm import gemm_dp32_emulation
-    from lmtail.tail import normed_rows
+    from lmtail.tail.compose import normed_rows
 
     x, gamma, w = problem(6, 11, h=160, v=333)
     cfg = TailConfig(hidden_actual=152, k=4, deferred_rms=deferred, gemm_order="dp32")
@@ -480,7 +480,7 @@ def test_bf16x2_split_is_exact():
 
 
 # ---------------------------------------------------------------------------------------
-# the norm's C pass (kernels.shard_partials.tail_norm) against the torch ops, bit for bit
+# the norm's C pass (kernels.tail.shard_partials.tail_norm) against the torch ops, bit for bit
 # ---------------------------------------------------------------------------------------
 def _norm_inputs(seed, gbs, h):
     """hidden [gbs, h] fp32 and gamma [h] fp32 across the fp32 range: subnormals, +-0,
@@ -507,8 +507,8 @@ def test_norm_c_pass_is_the_torch_ops(monkeypatch, h, h_u, interleaved, head_inp
     disabled) bit for bit: a, rms on every head input, pad layout and special lanes; the
     eps = 0 refusal names the same rows; fp16 / bf16 hidden and bf16 gamma widen the same.
     Planted: the C pass's ssq summed in plain lane order is red."""
-    from lmtail import tail as tail_mod
-    from lmtail.kernels import shard_partials as spk
+    from lmtail.tail import compose as tail_mod
+    from lmtail.kernels.tail import shard_partials as spk
 
     x, gamma = _norm_inputs(h + h_u, 12, h)
     cfgs = [TailConfig(hidden_actual=h_u, zero_interleaved_pad=interleaved, head_input=head_input, eps=e)
@@ -545,8 +545,8 @@ def test_norm_c_pass_is_the_torch_ops(monkeypatch, h, h_u, interleaved, head_inp
 def test_norm_c_pass_leaves_nan_rows_to_torch(monkeypatch):
     """A NaN on a real lane of x or gamma: the C pass declines (None) and the torch ops give
     the bytes (NaN payloads are theirs); a NaN on a pad lane is ignored by both."""
-    from lmtail import tail as tail_mod
-    from lmtail.kernels import shard_partials as spk
+    from lmtail.tail import compose as tail_mod
+    from lmtail.kernels.tail import shard_partials as spk
 
     x, gamma, _ = problem(3, 2)
     cfg = TailConfig(hidden_actual=H_U, zero_interleaved_pad=False, head_input="fp32")
@@ -565,10 +565,10 @@ def test_norm_c_pass_leaves_nan_rows_to_torch(monkeypatch):
 
 @pytest.mark.parametrize("gemm_order,exchange", [("amx32", "candidates"), ("dp32", "mirror")])
 def test_packed_head_equals_plain_head_bitwise(gemm_order, exchange):
-    """A head packed once at load (kernels.gemm.PackedWeight) gives the plain head's bytes;
+    """A head packed once at load (kernels.gemm.bf16.PackedWeight) gives the plain head's bytes;
     the chain order, head_shard and head_input='fp32' refuse it with their words."""
-    from lmtail.kernels.gemm import pack_weight
-    from lmtail.tail import head_shard
+    from lmtail.kernels.gemm.bf16 import pack_weight
+    from lmtail.tail.compose import head_shard
 
     x, gamma, w = problem(5, 3)
     sp = params(5, 3)

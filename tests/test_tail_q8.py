@@ -1,5 +1,5 @@
-"""decode_tail with the checkpoint's Q8_0 head: lm_head_weight_t a kernels.quant.QuantWeight
-"Q8_0" (V_s, H), head_input="fp32" (src/lmtail/tail.py; docs/quant.md, "The Q8_0 head").
+"""decode_tail with the checkpoint's Q8_0 head: lm_head_weight_t a kernels.quant.gemm_q.QuantWeight
+"Q8_0" (V_s, H), head_input="fp32" (src/lmtail/tail/compose.py; docs/quant.md, "The Q8_0 head").
 
 Each property is asserted on bit views and comes with a planted wrong variant that the same
 comparison must reject:
@@ -26,15 +26,15 @@ import pytest
 import torch
 
 from conftest import bits, gather_rows, same_bits
-from lmtail.config import TailConfig
+from lmtail.tail.config import TailConfig
 from lmtail.contract import head_kinds as hk
 from lmtail.contract.certify import certify_tail
-from lmtail.kernels.quant import QuantWeight, dequantize, gemm_q
+from lmtail.kernels.quant.gemm_q import QuantWeight, dequantize, gemm_q
 from lmtail.launch import launch
-from lmtail.layout import owned_rows
+from lmtail.tail.layout import owned_rows
 from lmtail.reference.candidates import candidates_emulation
 from lmtail.reference.tail import logits_range, topk_ref
-from lmtail.tail import TAIL_SIGNATURE, decode_tail, normed_rows, tail_decl, tail_signature
+from lmtail.tail.compose import TAIL_SIGNATURE, decode_tail, normed_rows, tail_decl, tail_signature
 
 H, H_U, V, GBS, K = 128, 120, 296, 6, 8
 FIELDS = ("logits", "topk_values", "topk_indices", "tokens", "logprobs", "truncated")
@@ -156,7 +156,7 @@ def test_errors_name_the_argument():
         (dict(head_input="bf16"), r"head_input must be 'fp32' with a Q8_0 head .*got 'bf16'"),
         (dict(head_input="bf16x2"), r"head_input must be 'fp32' with a Q8_0 head .*got 'bf16x2'"),
         (dict(lm_head_weight_t=dequantize(w).t().contiguous().bfloat16()),
-         r"head_input='fp32' needs a kernels.quant.QuantWeight Q8_0 head \(V_s, H=128\) .*got a torch.bfloat16"),
+         r"head_input='fp32' needs a kernels.quant.gemm_q.QuantWeight Q8_0 head \(V_s, H=128\) .*got a torch.bfloat16"),
         (dict(gemm_order="chain"), r"gemm_order must be the default 'amx32' with a Q8_0 head .*got 'chain'"),
         (dict(deferred_rms=False), r"head_input='fp32' needs deferred_rms=True"),
         (dict(head_input="fp64"), r"head_input must be one of \('bf16', 'bf16x2', 'fp32'\); got 'fp64'"),
@@ -256,7 +256,7 @@ def test_decode_step_tail_wakes_no_torch_team(monkeypatch):
         run = lambda: decode_tail(x[:b], gamma, w, **KW, sampling_params=sp[:b])  # noqa: E731
         run()
         assert big_torch_ops(run) == [], b
-    from lmtail.kernels import shard_partials as SP
+    from lmtail.kernels.tail import shard_partials as SP
 
     monkeypatch.setattr(SP, "scale_rows", lambda acc, rms: acc * rms[:, None])
     assert big_torch_ops(lambda: decode_tail(x[:1], gamma, w, **KW, sampling_params=sp[:1]))

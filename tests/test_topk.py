@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lmtail.reference.tail import topk_ref
-from lmtail.topk import exact_topk, mono_keys, mono_to_bf16
+from lmtail.tail.topk import exact_topk, mono_keys, mono_to_bf16
 
 
 def tie_heavy_rows(r, v, seed, levels=7):

@@ -33,7 +33,7 @@ def test_source_key_follows_the_bytes(tmp_path):
     before = _cc.source_key(src)
     src.write_text("int f(void) { return 2; }\n")  # a planted edit
     assert _cc.source_key(src) != before
-    assert _cc.source_key(KERNELS / "gemm_q.c") != _cc.source_key(KERNELS / "rows_tail.c")
+    assert _cc.source_key(KERNELS / "quant" / "gemm_q.c") != _cc.source_key(KERNELS / "tail" / "rows_tail.c")
 
 
 def test_a_matching_prebuilt_library_loads_without_a_compiler(tmp_path, monkeypatch):

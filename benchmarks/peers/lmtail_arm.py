@@ -37,11 +37,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # worker_proto
 sys.path.insert(0, str(HERE.parents[1] / "src"))
 
-from lmtail.config import TailConfig  # noqa: E402
+from lmtail.tail.config import TailConfig  # noqa: E402
 gen_mod = importlib.import_module("lmtail.model.generate")  # the module (lmtail.model.generate is the function)
 from lmtail.model import llama  # noqa: E402
 from lmtail.model.generate import DEFAULT_TAIL, decode_loop, local_step  # noqa: E402
-from lmtail.sampler import SamplingParams, greedy_rows  # noqa: E402
+from lmtail.tail.sampler import SamplingParams, greedy_rows  # noqa: E402
 
 
 def default_body() -> str:

@@ -23,7 +23,10 @@ CLASS_TITLES = {"1": "1 row", "16": "2-16 rows", "many": ">16 rows"}
 
 def tables() -> list:
     """Every op's backend table (importing the modules that define them)."""
-    from lmtail.kernels import fmachain, gemm, quant, rowmass, rows_tail, shard_partials
+    from lmtail.kernels.glue import fmachain
+    from lmtail.kernels.gemm import bf16 as gemm
+    from lmtail.kernels.quant import gemm_q as quant
+    from lmtail.kernels.tail import rowmass, rows_tail, shard_partials
     from lmtail.model import body
 
     return [*gemm.GEMM.values(), quant.GEMM_Q, rows_tail.ROWS_TAIL, rowmass.ROW_MASS,

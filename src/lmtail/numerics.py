@@ -166,7 +166,7 @@ _EXP_C = [1.0 / math.factorial(k) for k in range(14)]
 def exp64_constants() -> tuple[float, ...]:
     """exp64's 17 float64 constants in the order the C kernels take them (their K[17]):
     INV_LN2, LN2_HI, LN2_LO, then the Horner coefficients C[0..13] = 1/k!. The one source:
-    kernels.rowmass and kernels.rows_tail hand exactly these to C (no C file holds its own)."""
+    kernels.tail.rowmass and kernels.tail.rows_tail hand exactly these to C (no C file holds its own)."""
     return (_INV_LN2, _LN2_HI, _LN2_LO, *_EXP_C)
 
 
@@ -205,7 +205,7 @@ _LOG_C = tuple(1.0 / (2 * i + 1) for i in range(15))  # log64's atanh series: 1/
 
 def log64_constants() -> tuple[float, ...]:
     """log64's 16 float64 constants: SQRT2, then the series coefficients 1/(2i+1), i = 0..14
-    (kernels/rows_tail.c holds its own copy; a test compares the two bit for bit)."""
+    (kernels/tail/rows_tail.c holds its own copy; a test compares the two bit for bit)."""
     return (_SQRT2, *_LOG_C)
 
 

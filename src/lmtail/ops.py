@@ -2,8 +2,8 @@
 
     from lmtail.ops import OPS, op, owner_of_kind
     spec = op("add_rms")
-    spec.function()         # lmtail.norms.add_rms
-    spec.declaration()      # lmtail.norms.add_rms_decl (every op has one; an exact op's has no sums)
+    spec.function()         # lmtail.glue.norms.add_rms
+    spec.declaration()      # lmtail.glue.norms.add_rms_decl (every op has one; an exact op's has no sums)
     spec.backends()         # the op's backend names on this machine, fastest first
     spec.reference()        # its float64 reference (lmtail.reference.*)
     spec.kinds, spec.controls, spec.test, spec.bench
@@ -80,12 +80,12 @@ class OpSpec:
 
 
 _D32 = "tail.logits.deferred.fp32"
-_GEMM_AMX32 = Backends("lmtail.kernels.gemm:available_backends", ("amx32",))  # the tail's GEMM (TailConfig's order)
+_GEMM_AMX32 = Backends("lmtail.kernels.gemm.bf16:available_backends", ("amx32",))  # the tail's GEMM (TailConfig's order)
 OPS: tuple[OpSpec, ...] = (
     # ------------------------------------------------------------------ the decode tail
     # the decode tail, in the stages the contract checks it: logits, the bf16 mirror's
     # top-k, then end to end (certified tokens, the ranks gate); top-k and sampler below
-    OpSpec("decode_tail.logits", "lmtail.tail:decode_tail", "lmtail.tail:tail_decl", _GEMM_AMX32,
+    OpSpec("decode_tail.logits", "lmtail.tail.compose:decode_tail", "lmtail.tail.compose:tail_decl", _GEMM_AMX32,
            "lmtail.reference.tail:logits_range",
            (_D32, "tail.logits.legacy.fp32", "tail.logits.deferred.fp16", "tail.logits.deferred.bf16",
             f"{_D32}.chain", "tail.logits.legacy.fp32.chain", f"{_D32}.dp32", "tail.logits.legacy.fp32.dp32",
@@ -99,86 +99,86 @@ OPS: tuple[OpSpec, ...] = (
             "tail.bf16x2.chain.amx32_order", "tail.bf16x2.chain.decl_half_depth", "tail.bf16x2.dp32.amx32_order",
             "tail.bf16x2.dp32.decl_half_depth"),
            "tests/test_tail.py", "benchmarks/bench_tail.py"),
-    OpSpec("decode_tail.mirror", "lmtail.tail:decode_tail", "lmtail.tail:tail_decl", _GEMM_AMX32,
+    OpSpec("decode_tail.mirror", "lmtail.tail.compose:decode_tail", "lmtail.tail.compose:tail_decl", _GEMM_AMX32,
            "lmtail.reference.tail:mirror_range", ("tail.mirror.bf16",), ("tail.mirror_skipped",),
            "tests/test_tail.py", "benchmarks/bench_tail.py"),
-    OpSpec("decode_tail", "lmtail.tail:decode_tail", "lmtail.tail:tail_decl", _GEMM_AMX32,
+    OpSpec("decode_tail", "lmtail.tail.compose:decode_tail", "lmtail.tail.compose:tail_decl", _GEMM_AMX32,
            "lmtail.reference.contract:ideal_bound", ("tail.decode",),
            ("tail.temperature_ignored", "tail.ownership_off_by_one"), "tests/test_tail.py", "benchmarks/bench_tail.py"),
     # decode_tail(exchange="candidates"): shard fp32 top-(k+1) + 256 global mass chunks, merged
-    # by the owner (lmtail.candidates); checked on the op's own fp32 logits, VTP-invariant
-    OpSpec("candidates_exchange", "lmtail.candidates:merge", "lmtail.candidates:candidates_decl",
-           Backends("lmtail.kernels.shard_partials:available_backends"),
+    # by the owner (lmtail.tail.candidates); checked on the op's own fp32 logits, VTP-invariant
+    OpSpec("candidates_exchange", "lmtail.tail.candidates:merge", "lmtail.tail.candidates:candidates_decl",
+           Backends("lmtail.kernels.tail.shard_partials:available_backends"),
            "lmtail.reference.candidates:candidates_emulation", ("tail.exchange.candidates",),
            ("tail.exchange.chunks_move_with_vtp", "tail.exchange.keys_k_minus_1", "tail.exchange.keys_k",
             "tail.exchange.combine_out_of_order", "tail.exchange.decl_half_depth"),
            "tests/test_candidates.py", "benchmarks/bench_exchange.py"),
     # decode_tail with the checkpoint's Q8_0 head (head_input="fp32"): gemm_q lanes32 on fp32(x*gamma)
-    OpSpec("decode_tail.q8_0", "lmtail.tail:decode_tail", "lmtail.tail:tail_decl",
-           Backends("lmtail.kernels.quant:available_backends"), "lmtail.reference.tail:logits_range",
+    OpSpec("decode_tail.q8_0", "lmtail.tail.compose:decode_tail", "lmtail.tail.compose:tail_decl",
+           Backends("lmtail.kernels.quant.gemm_q:available_backends"), "lmtail.reference.tail:logits_range",
            ("tail.head.q8_0",), ("tail.q8_0.a_bf16", "tail.q8_0.d_bf16", "tail.q8_0.lanes_16",
                                  "tail.q8_0.shard_strided", "tail.q8_0.plain_decl", "tail.q8_0.decl_half_depth"),
            "tests/test_tail_q8.py", "benchmarks/bench_tail.py"),
     # the logits-processor seam between the GEMM's fp32 logits and the exchange (decode_tail(processing=))
-    OpSpec("logits_processors", "lmtail.processors:apply_processing", "lmtail.processors:processors_decl",
+    OpSpec("logits_processors", "lmtail.tail.processors:apply_processing", "lmtail.tail.processors:processors_decl",
            TORCH_ONLY, "lmtail.reference.processors:processed_logits", ("tail.processors",),
            ("tail.processors.bias_before_penalties", "tail.processors.bias_twice",
             "tail.processors.repetition_output_only", "tail.processors.frequency_fused",
             "tail.processors.mask_rank0_only"),
            "tests/test_processors.py", "benchmarks/bench_tail.py"),
-    OpSpec("exact_topk", "lmtail.topk:exact_topk", "lmtail.topk:exact_topk_decl", TORCH_ONLY, "lmtail.reference.tail:topk_ref",
+    OpSpec("exact_topk", "lmtail.tail.topk:exact_topk", "lmtail.tail.topk:exact_topk_decl", TORCH_ONLY, "lmtail.reference.tail:topk_ref",
            ("tail.topk.exact",), ("tail.ties_higher_id", "tail.stage1_short"),
            "tests/test_topk.py", "benchmarks/bench_rows_tail.py"),
-    OpSpec("rows_tail", "lmtail.tail:rows_tail", "lmtail.kernels.rows_tail:rows_tail_decl",
-           Backends("lmtail.kernels.rows_tail:available_backends"), "lmtail.reference.contract:sample_decision",
+    OpSpec("rows_tail", "lmtail.tail.compose:rows_tail", "lmtail.kernels.tail.rows_tail:rows_tail_decl",
+           Backends("lmtail.kernels.tail.rows_tail:available_backends"), "lmtail.reference.contract:sample_decision",
            ("tail.sampler",), ("tail.topp_drops_crossing", "tail.greedy_1e-3", "tail.sampler.mass_lanes_128"),
            "tests/test_rows_tail.py", "benchmarks/bench_rows_tail.py"),
-    OpSpec("row_mass", "lmtail.kernels.rowmass:row_mass", "lmtail.kernels.rows_tail:rows_tail_decl",
-           Backends("lmtail.kernels.rowmass:available_backends"), "lmtail.reference.tail:mass_emulation",
+    OpSpec("row_mass", "lmtail.kernels.tail.rowmass:row_mass", "lmtail.kernels.tail.rows_tail:rows_tail_decl",
+           Backends("lmtail.kernels.tail.rowmass:available_backends"), "lmtail.reference.tail:mass_emulation",
            ("tail.row_mass",), ("tail.row_mass.lanes_128", "tail.row_mass.exp_libm"),
            "tests/test_rowmass.py", "benchmarks/bench_rowmass.py"),
     # ------------------------------------------------------------------ the GEMM, per order
-    OpSpec("gemm_bf16.amx32", "lmtail.kernels.gemm:gemm_bf16", "lmtail.kernels.gemm:gemm_decl",
-           Backends("lmtail.kernels.gemm:available_backends", ("amx32",)), "lmtail.reference.gemm:gemm_range",
+    OpSpec("gemm_bf16.amx32", "lmtail.kernels.gemm.bf16:gemm_bf16", "lmtail.kernels.gemm.bf16:gemm_decl",
+           Backends("lmtail.kernels.gemm.bf16:available_backends", ("amx32",)), "lmtail.reference.gemm:gemm_range",
            ("gemm.amx32",), ("gemm.amx32.chain_bytes", "gemm.amx32.chain_range", "gemm.amx32.pair_last",
                              "gemm.amx32.no_ftz", "gemm.amx32.pad_skipped", "gemm.amx32.bf16_output",
                              "gemm.amx32.decl_half_depth"),
            "tests/test_gemm.py", "benchmarks/bench_gemm.py"),
-    OpSpec("gemm_bf16.chain", "lmtail.kernels.gemm:gemm_bf16", "lmtail.kernels.gemm:gemm_decl",
-           Backends("lmtail.kernels.gemm:available_backends", ("chain",)), "lmtail.reference.gemm:gemm_range",
+    OpSpec("gemm_bf16.chain", "lmtail.kernels.gemm.bf16:gemm_bf16", "lmtail.kernels.gemm.bf16:gemm_decl",
+           Backends("lmtail.kernels.gemm.bf16:available_backends", ("chain",)), "lmtail.reference.gemm:gemm_range",
            ("gemm.chain",), ("gemm.chain.amx32_bytes", "gemm.chain.bf16_output", "gemm.chain.decl_half_depth"),
            "tests/test_gemm.py", "benchmarks/bench_gemm.py"),
-    OpSpec("gemm_bf16.dp32", "lmtail.kernels.gemm:gemm_bf16", "lmtail.kernels.gemm:gemm_decl",
-           Backends("lmtail.kernels.gemm:available_backends", ("dp32",)), "lmtail.reference.gemm:gemm_range",
+    OpSpec("gemm_bf16.dp32", "lmtail.kernels.gemm.bf16:gemm_bf16", "lmtail.kernels.gemm.bf16:gemm_decl",
+           Backends("lmtail.kernels.gemm.bf16:available_backends", ("dp32",)), "lmtail.reference.gemm:gemm_range",
            ("gemm.dp32",), ("gemm.dp32.even_first", "gemm.dp32.acc_not_daz", "gemm.dp32.one_chain",
                             "gemm.dp32.amx32_bytes", "gemm.dp32.chain_bytes", "gemm.dp32.chain_range",
                             "gemm.dp32.bf16_output", "gemm.dp32.decl_half_depth"),
            "tests/test_dp32.py", "benchmarks/bench_gemm.py"),
-    OpSpec("gemm_q", "lmtail.kernels.quant:gemm_q", "lmtail.kernels.quant:gemm_q_decl",
-           Backends("lmtail.kernels.quant:available_backends"), "lmtail.reference.quant:gemm_q_range",
+    OpSpec("gemm_q", "lmtail.kernels.quant.gemm_q:gemm_q", "lmtail.kernels.quant.gemm_q:gemm_q_decl",
+           Backends("lmtail.kernels.quant.gemm_q:available_backends"), "lmtail.reference.quant:gemm_q_range",
            ("gemm_q.lanes32",), ("gemm_q.nibbles_swapped", "gemm_q.m_separate", "gemm_q.lanes_16",
                                  "gemm_q.decl_half_depth"),
            "tests/test_quant.py", "benchmarks/bench_quant.py"),
     # ------------------------------------------------------------------ the glue ops
-    OpSpec("add_rms", "lmtail.norms:add_rms", "lmtail.norms:add_rms_decl",
-           Backends("lmtail.kernels.fmachain:available_backends"), "lmtail.reference.glue:norm_range",
+    OpSpec("add_rms", "lmtail.glue.norms:add_rms", "lmtail.glue.norms:add_rms_decl",
+           Backends("lmtail.kernels.glue.fmachain:available_backends"), "lmtail.reference.glue:norm_range",
            ("glue.add_rms_h", "glue.add_rms_y"),
            ("glue.add_rms_fp16_squares", "glue.add_rms_no_eps", "glue.add_rms_ssq_declared_exact"),
            "tests/test_norms.py", "benchmarks/bench_norms.py"),
-    OpSpec("moe_add_rms", "lmtail.norms:moe_add_rms", "lmtail.norms:moe_add_rms_decl",
-           Backends("lmtail.kernels.fmachain:available_backends"), "lmtail.reference.glue:moe_h_range",
+    OpSpec("moe_add_rms", "lmtail.glue.norms:moe_add_rms", "lmtail.glue.norms:moe_add_rms_decl",
+           Backends("lmtail.kernels.glue.fmachain:available_backends"), "lmtail.reference.glue:moe_h_range",
            ("glue.moe_bf16_h", "glue.moe_bf16_y", "glue.moe_f32_h", "glue.moe_f32_y"),
            ("glue.moe_keep_f32", "glue.moe_fp16_combine", "glue.moe_keep_f32_fp32_slots", "glue.moe_shared_in_chain"),
            "tests/test_norms.py", "benchmarks/bench_norms.py"),
-    OpSpec("rms_parts", "lmtail.norms:rms_parts", "lmtail.norms:rms_parts_decl",
-           Backends("lmtail.kernels.fmachain:available_backends"), "lmtail.reference.glue:norm_range",
+    OpSpec("rms_parts", "lmtail.glue.norms:rms_parts", "lmtail.glue.norms:rms_parts_decl",
+           Backends("lmtail.kernels.glue.fmachain:available_backends"), "lmtail.reference.glue:norm_range",
            ("glue.rms_parts_once_y", "glue.rms_parts_mlx_y"),
            ("glue.rms_parts_once_as_mlx", "glue.rms_parts_mlx_as_once"),
            "tests/test_norms.py", "benchmarks/bench_norms.py"),
-    OpSpec("embed_rows", "lmtail.norms:embed_rows", "lmtail.norms:embed_rows_decl", TORCH_ONLY,
+    OpSpec("embed_rows", "lmtail.glue.norms:embed_rows", "lmtail.glue.norms:embed_rows_decl", TORCH_ONLY,
            "lmtail.reference.glue:bf16_array", ("glue.embed_rows",), ("glue.embed_rows_off_by_one",),
            "tests/test_norms.py", "benchmarks/bench_norms.py"),
-    OpSpec("router_topk", "lmtail.router:router_topk", "lmtail.router:router_topk_decl", TORCH_ONLY,
+    OpSpec("router_topk", "lmtail.glue.router:router_topk", "lmtail.glue.router:router_topk_decl", TORCH_ONLY,
            "lmtail.reference.glue:router_check", ("glue.router_topk",),
            ("glue.router_no_guard", "glue.router_ties_high"),
            "tests/test_router.py", "benchmarks/bench_norms.py"),
@@ -206,7 +206,7 @@ OPS: tuple[OpSpec, ...] = (
            "lmtail.reference.model:attend_range", ("body.attend",),
            ("body.attend.den_reversed", "body.attend.decl_half_depth"),
            "tests/test_model.py", "benchmarks/bench_model.py"),
-    OpSpec("add_rms_rows", "lmtail.model.body:add_rms_rows", "lmtail.norms:add_rms_decl",
+    OpSpec("add_rms_rows", "lmtail.model.body:add_rms_rows", "lmtail.glue.norms:add_rms_decl",
            FUSED, "lmtail.reference.glue:norm_range", ("body.add_rms_rows",),
            ("body.add_rms_rows.lanes_128",), "tests/test_model.py", "benchmarks/bench_model.py"),
     OpSpec("add_rms_rows32", "lmtail.model.body:add_rms_rows32", "lmtail.model.body:add_rms32_decl",

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .kernels import fmachain
+from .kernels.glue import fmachain
 
 
 
@@ -86,7 +86,7 @@ def lane_totals(lanes: torch.Tensor, order: Order) -> torch.Tensor:
 
 
 def available_backends() -> tuple[str, ...]:
-    """Backends of fma_sum / sum_squares (kernels.fmachain's), fastest first; same bytes."""
+    """Backends of fma_sum / sum_squares (kernels.glue.fmachain's), fastest first; same bytes."""
     return fmachain.available_backends()
 
 
@@ -97,7 +97,7 @@ def fma_sum(a: torch.Tensor, b: torch.Tensor, order: Order, *, backend: str | No
     a, b: [..., N] (widened to fp32; b broadcastable to a). Each lane's chain is
     acc = fma(a_i, b_i, acc) rounded once per step (exact fp32 fma), then `lane_totals`.
     Row-independent by construction: a row's result never depends on other rows.
-    backend / threads: as kernels.fmachain.fma_sum_rows (all backends give the same bits;
+    backend / threads: as kernels.glue.fmachain.fma_sum_rows (all backends give the same bits;
     NaN payloads not declared).
     """
     a = a.to(torch.float32)

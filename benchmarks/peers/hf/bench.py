@@ -39,7 +39,7 @@ from lmtail.bench import abba, format_table  # noqa: E402
 from lmtail.model import llama  # noqa: E402
 from lmtail.model.generate import DEFAULT_TAIL, decode_loop, default_head_input, local_step, step_config  # noqa: E402
 from lmtail.model.gguf_loader import load_model  # noqa: E402
-from lmtail.sampler import SamplingParams, greedy_rows  # noqa: E402
+from lmtail.tail.sampler import SamplingParams, greedy_rows  # noqa: E402
 
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
 TARGETS = {"decode": 1.5, "prefill": 1.0}

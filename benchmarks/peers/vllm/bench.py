@@ -6,7 +6,7 @@ Run in the benchmark-only venv that setup.sh builds (never a dependency of lmtai
     PYTHONPATH=src benchmarks/.venv-vllm/bin/python benchmarks/peers/vllm/bench.py [--quick]
 
 Shape legend: rows [R, V] bf16 (lmtail's input), logits [R, V] fp32 (vLLM's: an exact copy).
-  base   lmtail   lmtail.tail.rows_tail(rows, k=256, sampling_params=sp, path="fused"): exact
+  base   lmtail   lmtail.tail.compose.rows_tail(rows, k=256, sampling_params=sp, path="fused"): exact
                   top-k, tokens, raw logprobs, truncation flags
   arm    vllm     vllm.v1.sample.sampler.Sampler().forward(logits.clone(), metadata) with a
                   hand-built SamplingMetadata (temperature, top_k, top_p, one seeded

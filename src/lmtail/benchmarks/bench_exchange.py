@@ -32,7 +32,7 @@ exchange_rows(G) (the overlapped path decode_tail runs) with a serial emulation 
 (each block's all-to-all waited before the next block's GEMM); the overlap is what
 exchange_rows(G) saves over serial(G). fence=True vs False is timed the same way.
 
-Candidates section (lmtail.candidates): `decode_tail(..., group=WORLD, exchange=E)` for
+Candidates section (lmtail.tail.candidates): `decode_tail(..., group=WORLD, exchange=E)` for
 E = "mirror" (base) and "candidates", 1 torch thread per rank, sampling_params a mix by
 row (i % 4): greedy; top-k 50 (T 1); top-p 0.9 at T 0.7; min-p 0.05 (T 1); u drawn per row.
   Bytes per row per rank through the exchange (what one rank sends for one row, i.e. what
@@ -62,13 +62,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from lmtail import candidates
+from lmtail.tail import candidates
 from lmtail.bench import ABBAResult, abba, assert_bitwise, check_bitwise, format_table
-from lmtail.exchange import exchange_rows
+from lmtail.tail.exchange import exchange_rows
 from lmtail.launch import launch
-from lmtail.layout import owned_rows
-from lmtail.sampler import COL, SAMPLING_COLUMNS, greedy_rows
-from lmtail.tail import decode_tail, shard_logits
+from lmtail.tail.layout import owned_rows
+from lmtail.tail.sampler import COL, SAMPLING_COLUMNS, greedy_rows
+from lmtail.tail.compose import decode_tail, shard_logits
 
 
 def analytic(gbs, v, vtp):

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from lmtail.bench import abba, assert_bitwise, format_table
-from lmtail.kernels.gemm import ORDERS, available_backends, gemm_bf16, gemm_decl, pack_weight
+from lmtail.kernels.gemm.bf16 import ORDERS, available_backends, gemm_bf16, gemm_decl, pack_weight
 from lmtail.numerics import U, gamma
 from lmtail.reference.gemm import gemm_range, in_range
 

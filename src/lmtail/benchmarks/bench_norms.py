@@ -19,9 +19,9 @@ import argparse
 import torch
 
 from lmtail.bench import abba, assert_bitwise, assert_within, format_table, wall_time
-from lmtail.norms import add_rms, embed_rows, moe_add_rms, rms_parts
+from lmtail.glue.norms import add_rms, embed_rows, moe_add_rms, rms_parts
 from lmtail.reference.tail import rms_ref
-from lmtail.router import router_topk
+from lmtail.glue.router import router_topk
 
 EPS = 1e-5
 Y_RTOL = 2.0**-6

@@ -11,7 +11,7 @@ layout), w32t = dequantize(w).T [K, N] fp32, a16 = bf16(a).
                       memory read of the same bytes, the bandwidth at that size (cache included)
        "entry", "against"  (--against FILE) the package's lmtail_gemm_q called directly
                       (ctypes, no Python checks), and the same entry built from another
-                      gemm_q.c (e.g. `git show <rev>:src/lmtail/kernels/gemm_q.c`), both on
+                      gemm_q.c (e.g. `git show <rev>:src/lmtail/kernels/quant/gemm_q.c`), both on
                       gemm_q's default backend: a before / after of a kernel change, checked
                       bit-equal; the summary gives against / entry and the rounds entry won
 Cases: the distinct linears of a block (q,o 576x576, k,v 192x576, gate,up 1536x576, down
@@ -26,7 +26,7 @@ than gemm_q) and gemm_q's bytes/s of weight next to the read arm's.
     .venv/bin/python benchmarks/bench_quant.py --quick          # M = 1 and 16, 3 rounds
     .venv/bin/python benchmarks/bench_quant.py --m 1 4 --threads 1 --rounds 9
     .venv/bin/python benchmarks/bench_quant.py --cpu-time      # 1 thread, CPU time (loaded machine)
-    git show e9ca336:src/lmtail/kernels/gemm_q.c > /tmp/old_gemm_q.c
+    git show e9ca336:src/lmtail/kernels/quant/gemm_q.c > /tmp/old_gemm_q.c
     .venv/bin/python benchmarks/bench_quant.py --against /tmp/old_gemm_q.c --m 1 4 16 --rounds 15
 """
 from __future__ import annotations
@@ -44,9 +44,9 @@ import torch
 
 from lmtail.bench import abba, format_table, wall_time
 from lmtail.kernels import _cc
-from lmtail.kernels import quant as Q
-from lmtail.kernels.gemm import gemm_bf16, gemm_decl
-from lmtail.kernels.quant import QuantWeight, available_backends, dequantize, gemm_q, gemm_q_decl
+from lmtail.kernels.quant import gemm_q as Q
+from lmtail.kernels.gemm.bf16 import gemm_bf16, gemm_decl
+from lmtail.kernels.quant.gemm_q import QuantWeight, available_backends, dequantize, gemm_q, gemm_q_decl
 from lmtail.model.gguf_loader import locate_gguf
 from lmtail.numerics import U, gamma
 from lmtail.reference.gemm import gemm_range, in_range

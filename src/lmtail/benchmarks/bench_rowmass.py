@@ -18,7 +18,7 @@ import argparse
 import torch
 
 from lmtail.bench import abba, check_bitwise, format_table
-from lmtail.kernels.rowmass import available_backends, row_mass
+from lmtail.kernels.tail.rowmass import available_backends, row_mass
 
 
 def case(R: int, V: int, temp: float, rounds: int):

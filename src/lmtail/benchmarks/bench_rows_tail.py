@@ -1,4 +1,4 @@
-"""Speed and peak memory of the decode tail after the exchange: lmtail.tail.rows_tail's fused
+"""Speed and peak memory of the decode tail after the exchange: lmtail.tail.compose.rows_tail's fused
 path vs torch.topk alone, a sort-based torch sampler and rows_tail's reference path, A-B-B-A
 in one process.
 
@@ -30,8 +30,8 @@ import torch
 
 from lmtail.bench import abba, assert_bitwise, format_table
 from lmtail.numerics import draw_u
-from lmtail.sampler import COL, SAMPLING_COLUMNS
-from lmtail.tail import rows_tail
+from lmtail.tail.sampler import COL, SAMPLING_COLUMNS
+from lmtail.tail.compose import rows_tail
 
 K = 256
 MIXES = {"k50 p0.9 T0.8": (50, 0.9, 0.8), "k-off p0.95": (0, 0.95, 1.0)}

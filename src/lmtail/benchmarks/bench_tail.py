@@ -35,14 +35,14 @@ import time
 
 import torch
 
-from lmtail import candidates
-from lmtail import tail as tail_mod
+from lmtail.tail import candidates
+from lmtail.tail import compose as tail_mod
 from lmtail.bench import abba, assert_bitwise, assert_within, format_table
-from lmtail.config import GEMM_ORDERS, TailConfig
+from lmtail.tail.config import GEMM_ORDERS, TailConfig
 from lmtail.kernels import cpu
 from lmtail.reference.tail import rms_ref
-from lmtail.sampler import SamplingParams, sampling_tensor
-from lmtail.tail import decode_tail
+from lmtail.tail.sampler import SamplingParams, sampling_tensor
+from lmtail.tail.compose import decode_tail
 
 EPS = 1e-5
 

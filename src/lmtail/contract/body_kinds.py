@@ -30,7 +30,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from .. import norms
+from ..glue import norms
 from ..model import body
 from ..numerics import Decl, fma32, sqrt_rn32
 from ..orders import strided

@@ -28,8 +28,8 @@ import math
 import numpy as np
 
 from ..reference.contract import ideal_bound, sample_decision, sampler_slack
-from ..config import TailConfig
-from ..tail import tail_decl
+from ..tail.config import TailConfig
+from ..tail.compose import tail_decl
 
 DECISIONS = ("argmax", "topk", "sample")
 
@@ -120,7 +120,7 @@ def certify_tail(hidden, gamma, w, out, *, sampling_params=None, eps=1e-5, hidde
 
     hidden [gbs, H], gamma [H], w [H, V] bf16 (the FULL vocab: single rank, or the
     concatenated shards) or, with head_input="fp32", the full-vocab Q8_0 head (a
-    kernels.quant.QuantWeight (V, H): the ideal logits use its exact dequantized values),
+    kernels.quant.gemm_q.QuantWeight (V, H): the ideal logits use its exact dequantized values),
     out: a TailOutput (or dict) with topk_indices [gbs, k] and, when
     sampling_params [gbs, 3|4|5] is given, tokens and truncated [gbs]. eps, hidden_actual,
     interleaved (zero_interleaved_pad), deferred_rms, gemm_order, exchange, head_input: as
@@ -143,7 +143,7 @@ def certify_tail(hidden, gamma, w, out, *, sampling_params=None, eps=1e-5, hidde
     k = ids.shape[1] if k is None else k
     quant = hasattr(w, "fmt") and hasattr(w, "data")
     if quant != (head_input == "fp32"):
-        raise ValueError("head_input='fp32' goes with a Q8_0 head (a kernels.quant.QuantWeight (V, H)) and a "
+        raise ValueError("head_input='fp32' goes with a Q8_0 head (a kernels.quant.gemm_q.QuantWeight (V, H)) and a "
                          f"[H, V] bf16 w with 'bf16'/'bf16x2'; got head_input={head_input!r} with "
                          + (f"a QuantWeight {w.fmt} {w.shape}" if quant else f"a {type(w).__name__}"))
     decl = tail_decl(hidden.shape[1], deferred_rms, gemm_order, exchange, head_input) if decl is None else decl

@@ -43,25 +43,15 @@ from functools import partial
 import numpy as np
 import torch
 
-from .. import candidates
-from ..config import TailConfig
-from ..kernels import shard_partials as shard_kernel
-from ..kernels.gemm import gemm_bf16
+from ..tail import candidates
+from ..tail.config import TailConfig
+from ..kernels.tail import shard_partials as shard_kernel
+from ..kernels.gemm.bf16 import gemm_bf16
 from ..numerics import Decl, log64, sqrt_rn32
 from ..orders import sum_squares
 from ..reference.candidates import MASS_CHUNKS, candidates_emulation
-from ..sampler import GREEDY_TEMPERATURE
-from ..tail import (
-    SSQ_ORDER,
-    decode_tail,
-    head_shard,
-    head_shard_width,
-    logits_from,
-    normed_rows,
-    pad_mask,
-    tail_decl,
-    validate_tail_inputs,
-)
+from ..tail.sampler import GREEDY_TEMPERATURE
+from ..tail.compose import SSQ_ORDER, decode_tail, head_shard, head_shard_width, logits_from, normed_rows, pad_mask, tail_decl, validate_tail_inputs
 from . import tail_kinds as tk
 from .harness import Case, Control, Kind, Verdict, diff_outputs, half_depth, same_bytes
 

@@ -10,7 +10,7 @@ Kinds, each run through gates 1-4 and the byte gates:
   gemm.dp32    the same for order="dp32" (VDPBF16PS's order: DAZ inputs, FTZ slack, depth
                32 + ceil(H/32)) and reference.gemm.gemm_dp32_emulation
 
-Data dicts ("gemm data"): a [M, H] bf16, w [H, V] bf16, order (one of kernels.gemm.ORDERS).
+Data dicts ("gemm data"): a [M, H] bf16, w [H, V] bf16, order (one of kernels.gemm.bf16.ORDERS).
 Controls swap the op (another order, a wrong emulation variant, a bf16-rounded output)
 or the declaration (half the depth); each must go red at its planted gate.
 
@@ -26,7 +26,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from ..kernels.gemm import ORDERS, TAIL_ORDERS, gemm_bf16, gemm_decl
+from ..kernels.gemm.bf16 import ORDERS, TAIL_ORDERS, gemm_bf16, gemm_decl
 from ..numerics import Decl
 from ..reference.contract import range_margin
 from ..reference.gemm import (gemm_amx32_emulation, gemm_chain_emulation, gemm_dp32_emulation,

@@ -27,7 +27,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from .. import norms, router
+from ..glue import norms, router
 from ..numerics import exp64, fma32
 from ..orders import contiguous, placebo, strided
 from ..reference import glue as ref

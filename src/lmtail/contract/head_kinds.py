@@ -1,5 +1,5 @@
 """Contract kind and planted controls for the Q8_0 head: decode_tail with lm_head_weight_t a
-kernels.quant.QuantWeight "Q8_0" (V_s, H) and head_input="fp32".
+kernels.quant.gemm_q.QuantWeight "Q8_0" (V_s, H) and head_input="fp32".
 
 Kind:
   tail.head.q8_0   decode_tail(head_input="fp32", exchange="candidates", debug_taps=True) on
@@ -42,11 +42,11 @@ from functools import partial
 import numpy as np
 import torch
 
-from ..kernels.quant import QuantWeight, gemm_q
+from ..kernels.quant.gemm_q import QuantWeight, gemm_q
 from ..numerics import sqrt_rn32
 from ..orders import sum_squares
 from ..reference.quant import gemm_q_emulation
-from ..tail import SSQ_ORDER, pad_mask, validate_tail_inputs
+from ..tail.compose import SSQ_ORDER, pad_mask, validate_tail_inputs
 from . import exchange_kinds as ex
 from . import tail_kinds as tk
 from .harness import Case, Control, Kind, Verdict, diff_outputs, half_depth
@@ -219,7 +219,7 @@ def head_special(fast):
         Case("head_input 'bf16' with a Q8_0 head -> ValueError", dict(d, head_input="bf16"),
              raises=r"head_input must be 'fp32' with a Q8_0 head.*got 'bf16'"),
         Case("head_input 'fp32' with a bf16 tensor -> ValueError", dict(d, w=bf16_w),
-             raises=r"head_input='fp32' needs a kernels.quant.QuantWeight Q8_0 head"),
+             raises=r"head_input='fp32' needs a kernels.quant.gemm_q.QuantWeight Q8_0 head"),
         Case("gemm_order 'chain' with a Q8_0 head -> ValueError", dict(d, gemm_order="chain"),
              raises=r"gemm_order must be the default 'amx32' with a Q8_0 head.*got 'chain'"),
         Case("deferred_rms=False -> ValueError", dict(d, deferred=False),

@@ -1,4 +1,4 @@
-"""Contract kind of the logits-processor seam (lmtail.processors) on the harness's Kind /
+"""Contract kind of the logits-processor seam (lmtail.tail.processors) on the harness's Kind /
 Control / Case / Verdict types.
 
     kind             op                             outputs   declaration
@@ -23,7 +23,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from ..processors import LogitProcessing, apply_processing, processors_decl
+from ..tail.processors import LogitProcessing, apply_processing, processors_decl
 from ..reference.processors import processed_logits
 from .harness import Case, Control, Kind, Verdict, diff_outputs
 

@@ -1,12 +1,12 @@
 """gemm_q's contract kind and planted controls: the GEMM over GGUF Q8_0 / Q4_1 weights.
 
 Kind, run through gates 1-4 and the byte gates:
-  gemm_q.lanes32   kernels.quant.gemm_q(a, w): inside reference.quant.gemm_q_range of
+  gemm_q.lanes32   kernels.quant.gemm_q.gemm_q(a, w): inside reference.quant.gemm_q_range of
                    gemm_q_decl(K, fmt) (32 fp32 lane chains, depth NB + 5, gradual
                    underflow), and the bytes of reference.quant.gemm_q_emulation (emulate
                    gate; the special values case by case)
 
-Data dicts ("quant data"): a [M, K] fp32, w a kernels.quant.QuantWeight (N, K) made by its
+Data dicts ("quant data"): a [M, K] fp32, w a kernels.quant.gemm_q.QuantWeight (N, K) made by its
 quantizer from a random float tensor (or, for the adversarial cases, its bytes written
 directly), fmt (w.fmt). Every gate holds both formats.
 Controls swap the op (Q4_1's nibbles read high first; m added as a separately rounded fma;
@@ -22,7 +22,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from ..kernels.quant import QuantWeight, gemm_q, gemm_q_decl
+from ..kernels.quant.gemm_q import QuantWeight, gemm_q, gemm_q_decl
 from ..numerics import Decl
 from ..reference.contract import range_margin
 from ..reference.gemm import in_range

@@ -44,35 +44,20 @@ from functools import partial
 import numpy as np
 import torch
 
-from ..config import TailConfig
-from ..kernels.gemm import TAIL_ORDERS as GEMM_ORDERS
-from ..kernels.gemm import gemm_bf16
-from ..kernels.rowmass import row_mass
-from ..kernels.rows_tail import available_backends as fused_backends
-from ..kernels.rows_tail import rows_tail_decl, rows_tail_fused
+from ..tail.config import TailConfig
+from ..kernels.gemm.bf16 import TAIL_ORDERS as GEMM_ORDERS
+from ..kernels.gemm.bf16 import gemm_bf16
+from ..kernels.tail.rowmass import row_mass
+from ..kernels.tail.rows_tail import available_backends as fused_backends
+from ..kernels.tail.rows_tail import rows_tail_decl, rows_tail_fused
 from ..numerics import Decl, U, log64, sqrt_rn32
 from ..orders import sum_squares
 from ..reference.contract import decl_slack, logprob_ref, range_margin, sample_decision
 from ..reference.gemm import gemm_amx32_emulation, gemm_chain_emulation, gemm_dp32_emulation
-from ..reference.tail import (
-    as_np,
-    logits_range,
-    logprob_emulation,
-    mass_emulation,
-    mirror_range,
-    sum64_emulation,
-    topk_ref,
-)
-from ..sampler import draw, sampling_plan, validate_params
-from ..tail import (
-    SSQ_ORDER,
-    decode_tail,
-    pad_mask,
-    rows_tail,
-    tail_decl,
-    validate_tail_inputs,
-)
-from ..topk import exact_topk, exact_topk_decl, row_keys, split_keys
+from ..reference.tail import as_np, logits_range, logprob_emulation, mass_emulation, mirror_range, sum64_emulation, topk_ref
+from ..tail.sampler import draw, sampling_plan, validate_params
+from ..tail.compose import SSQ_ORDER, decode_tail, pad_mask, rows_tail, tail_decl, validate_tail_inputs
+from ..tail.topk import exact_topk, exact_topk_decl, row_keys, split_keys
 from .harness import Case, Control, Kind, Verdict, diff_outputs, half_depth
 
 # ---------------------------------------------------------------------------------------
@@ -958,7 +943,7 @@ def _rank_fn(rank, data, world):
     [(label, rank-in-group, owned rows, outputs)] for the ranks of group 0."""
     import torch.distributed as dist
 
-    from ..layout import owned_rows
+    from ..tail.layout import owned_rows
 
     torch.set_num_threads(1)
     res, made = [], {}
@@ -1039,7 +1024,7 @@ def _mirror_decl(data) -> Decl:
 
 
 def _sampler_decl(data) -> Decl:
-    """The sampler's declaration is the op's own: kernels.rows_tail.rows_tail_decl(V, k)."""
+    """The sampler's declaration is the op's own: kernels.tail.rows_tail.rows_tail_decl(V, k)."""
     return rows_tail_decl(data["rows"].shape[1], data["k"])
 
 

@@ -46,7 +46,7 @@ from ..contract.certify import certify_tail
 from ..model.generate import Generation, encode_prompts, generate, head_weight
 from ..model.llama import lmtail_ops
 from ..model.gguf_loader import ModelBundle, ModelFileMissing, load_model
-from ..sampler import GREEDY_TEMPERATURE, SamplingParams
+from ..tail.sampler import GREEDY_TEMPERATURE, SamplingParams
 from .report import cert_table, describe
 
 PROMPTS = ("Explain in two sentences why the sky is blue.", "Write a haiku about the sea.",
@@ -118,11 +118,11 @@ def header(con: Console, bundle, open_s: float, load_s: float) -> None:
     con.print(f"model: {cfg.n_layers} layers, H={cfg.hidden}, V={cfg.vocab}, the GGUF's own Q4_1 body and Q8_0 "
               f"tied head, read in place (file opened in {open_s:.1f} s; run F's bf16 weights built in "
               f"{load_s:.1f} s more); torch threads {torch.get_num_threads()}")
-    con.print("body (runs A-E, the q32 body): every linear on [bold]lmtail.kernels.quant.gemm_q[/] (lanes32 "
+    con.print("body (runs A-E, the q32 body): every linear on [bold]lmtail.kernels.quant.gemm_q.gemm_q[/] (lanes32 "
               "order over the file's exact values), an fp32 stream (add + RMSNorm [bold]add_rms_rows32[/]), "
               "declared attention / rope / silu / exp32, the layer loop as ONE native call per step "
               "(row-invariant by construction)\n"
-              "tail: [bold]lmtail.tail.decode_tail[/] (deferred RMS, the Q8_0 head GEMM on the fp32 "
+              "tail: [bold]lmtail.tail.compose.decode_tail[/] (deferred RMS, the Q8_0 head GEMM on the fp32 "
               "activation, exact fp32 top-256 and the sampler on fp32 logits (the candidates exchange); "
               "per-request seed + position draws)\n"
               "run F: the seed's design (bf16 weights and stream, bf16 head, decisions on the bf16 mirror)")

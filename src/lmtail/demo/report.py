@@ -8,7 +8,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from ..contract.certify import DECISIONS
-from ..sampler import GREEDY_TEMPERATURE, SamplingParams
+from ..tail.sampler import GREEDY_TEMPERATURE, SamplingParams
 
 
 def describe(p: SamplingParams) -> str:

@@ -18,8 +18,8 @@ from rich.console import Console
 from rich.table import Table
 
 from ..contract.certify import certify_tail
-from ..sampler import SamplingParams, sampling_tensor
-from ..tail import decode_tail
+from ..tail.sampler import SamplingParams, sampling_tensor
+from ..tail.compose import decode_tail
 from .report import cert_table, describe
 
 H, H_U, V, K, EPS = 3072, 2880, 25136, 256, 1e-5  # V: the default vocab shard

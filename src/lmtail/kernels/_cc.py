@@ -200,7 +200,7 @@ def kernel_library(source: str, signatures: dict, *, what: str, fallback: str = 
     call (an "emu-<isa>" row's first run; kernels.cpu.emulation_runs() says whether to offer
     the rows at all, without building): None without SIMDe; a failed build raises
     RuntimeError with the compiler's message (a bug in the emulation, not a missing tool)."""
-    path = Path(__file__).with_name(source)
+    path = Path(__file__).parent / source
 
     @functools.lru_cache(maxsize=None)
     def library():

@@ -14,7 +14,7 @@
  *            z <= m, scalar (shifted_exp1), 8 lanes (AVX-512: shifted_exp8) and 4 lanes
  *            (AVX2: sexp4); K[17] = INV_LN2, LN2_HI, LN2_LO, C[0..13] comes from Python
  *            (numerics.exp64_constants()): no constant here
- *   sampler  lmtail_sampling (one row's parameters, kernels/sampling.py's record) and the
+ *   sampler  lmtail_sampling (one row's parameters, kernels/tail/sampling.py's record) and the
  *            sampler's candidate steps (top-k threshold, filtered softmax, top-p, min-p, the
  *            draw, the truncation flag), shared by rows_tail.c and shard_partials.c
  *   top-k    select_top / sort_desc on uint64_t keys (rows_tail.c's and shard_partials.c's
@@ -246,9 +246,9 @@ static inline LMTAIL_UNUSED double shifted_exp1(double z, double m, const double
 }
 
 /* ================================================================ the sampler's candidate steps */
-/* One row's sampling parameters: the C side of lmtail.kernels.sampling.SAMPLING_RECORD (the
- * same field names, order and offsets; kernels.sampling.sampling_records builds the array
- * once from the public [R, 3|4|5] fp32 tensor, whose columns kernels.sampling.COL names):
+/* One row's sampling parameters: the C side of lmtail.kernels.tail.sampling.SAMPLING_RECORD (the
+ * same field names, order and offsets; kernels.tail.sampling.sampling_records builds the array
+ * once from the public [R, 3|4|5] fp32 tensor, whose columns kernels.tail.sampling.COL names):
  *   top_k                          int64: clamp(fp32 top_k, -1, 2**62) truncated (<= 0: off;
  *                                  > k caps at k, however large)
  *   top_p, temperature, u, min_p   float64: exact widenings of the fp32 columns (u = 0.5 =
@@ -261,7 +261,7 @@ typedef struct {
 
 #define LMTAIL_GREEDY_T 1e-5 /* sampler.GREEDY_TEMPERATURE: T below it (float64) is greedy */
 
-/* The steps of lmtail.sampler (its docstring's 1-6) on one row's k candidates v[0..k)
+/* The steps of lmtail.tail.sampler (its docstring's 1-6) on one row's k candidates v[0..k)
  * (float64, descending, NaN folded to -inf by the caller), written once for every C pass
  * (rows_tail.c's fused draw, shard_partials.c's candidates sampler). The caller answers the
  * questions about the row outside the candidates (a lane tied with the threshold, the

@@ -1,6 +1,6 @@
 """SmolLM2-135M-Instruct (GGUF, llama) end to end on lmtail's ops: loader, tokenizer, a forward
 whose every step has a declared order (bf16 GEMMs, attention, rope, silu; residual add + RMSNorm
-by lmtail.norms.add_rms) next to the fp32 reference body, generation on decode_tail (1 or N
+by lmtail.glue.norms.add_rms) next to the fp32 reference body, generation on decode_tail (1 or N
 vocab-parallel ranks).
 
 See docs/model.md. Typical use:

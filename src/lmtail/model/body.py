@@ -1,6 +1,6 @@
 """The declared-order pieces of the SmolLM2 body: exp32, silu_mul, rope tables, attention,
 and the model loop's fused glue (add_rms_rows, rope_qkv, silu_mul_bf16: the bytes of the
-ops they replace, lmtail.norms.add_rms, apply_rope + cache writes, silu_mul + bf16 round).
+ops they replace, lmtail.glue.norms.add_rms, apply_rope + cache writes, silu_mul + bf16 round).
 
 Every function here computes from IEEE basic operations (+, -, *, /, fma, casts) in a
 stated order, so its bytes are the same on every CPU and for every backend (one
@@ -10,13 +10,13 @@ once per machine: docs/backends.md):
            exp32 and silu_mul run their AVX2 rows there);
   "avx2"   the C kernels with the AVX2 + FMA micro-kernels (8 lanes: attention, exp32,
            silu_mul);
-  "c"      the portable C kernels (kernels/body.c through kernels.body; compiled as
+  "c"      the portable C kernels (kernels/model/body.c through kernels.model.body; compiled as
            AVX-512 / AVX2 / default clones picked at load: the same bits, only explicit
            fmaf fuses);
   "torch"  the same operations spelled in torch (fma emulated exactly by numerics.fma32):
            slow, for tests and machines without a C compiler.
 The float64 references they are checked against live in lmtail.reference.model. The model
-loop (lmtail.model.llama) validates once per forward and calls kernels.body directly.
+loop (lmtail.model.llama) validates once per forward and calls kernels.model.body directly.
 
 Shape legend: B rows, T new tokens, nh / nkv query / KV heads, g = nh // nkv, hd head dim
 (64), S_cap cache slots (capacity + SLACK), F FFN width, M rows of a linear, P positions.
@@ -31,8 +31,8 @@ import torch
 
 from ..checks import check_threads
 from ..kernels import _backend, cpu
-from ..kernels import body as kbody
-from ..norms import NormResult, add_rms, inv_rms, ssq_decl
+from ..kernels.model import body as kbody
+from ..glue.norms import NormResult, add_rms, inv_rms, ssq_decl
 from ..numerics import Decl, SumDecl, exp64, fma32, log64
 from ..orders import strided
 
@@ -346,7 +346,7 @@ def attend(q: torch.Tensor, kt: torch.Tensor, v: torch.Tensor, pad: torch.Tensor
 # ---------------------------------------------------------------------------------------
 def add_rms_rows(x: torch.Tensor, residual: torch.Tensor, gamma32: torch.Tensor, *, eps: float,
                  lanes: int):
-    """lmtail.norms.add_rms(bf16(x), residual, gamma, eps=eps, order=orders.strided(lanes)),
+    """lmtail.glue.norms.add_rms(bf16(x), residual, gamma, eps=eps, order=orders.strided(lanes)),
     the same bytes (a NaN's payload aside, as there), in one C pass per row.
 
     x [N, H] fp32 (rounded once to bf16, as `.to(torch.bfloat16)` does) or bf16, unit column
@@ -384,7 +384,7 @@ def add_rms_rows32(x: torch.Tensor, residual: torch.Tensor | None, gamma32: torc
         inv = fl32(1 / sqrt(fl32(fl32(ssq / H) + eps)))   (IEEE sqrt and division)
         y = fl32(fl32(h * inv) * gamma)
 
-    lmtail.norms.add_rms's order without its two bf16 roundings (norms.inv_rms computes the
+    lmtail.glue.norms.add_rms's order without its two bf16 roundings (norms.inv_rms computes the
     same inv). x [N, H] fp32, unit column stride; residual [N, H] fp32 C-contiguous or None;
     gamma32 [H] fp32 C-contiguous; lanes a multiple of 32, <= NORM32_MAX_LANES. Returns
     NormResult(h, y), both [N, H] fp32. Row-independent. Without the C library: the torch
@@ -457,7 +457,7 @@ def _special(g: torch.Generator, n: int, seed: int) -> torch.Tensor:
     return x
 
 
-@EXP32.probe(sources=("body.c",))
+@EXP32.probe(sources=("model/body.c",))
 def _exp32_probe(rows: int, seed: int):
     """x [rows, 1000] fp32 (timing: [rows, 4096]); seed 3 plants NaN, inf, subnormal, the cut-offs."""
     g = torch.Generator().manual_seed(7000 + seed)
@@ -473,19 +473,19 @@ def _gate_up(rows: int, seed: int) -> torch.Tensor:
     return _special(g, rows * 2 * f, seed).reshape(rows, 2 * f)  # [rows, 2F]
 
 
-@SILU_MUL.probe(sources=("body.c",))
+@SILU_MUL.probe(sources=("model/body.c",))
 def _silu_mul_probe(rows: int, seed: int):
     gu = _gate_up(rows, seed)
     return lambda name: silu_mul(gu, backend=name)
 
 
-@SILU_MUL_BF16.probe(sources=("body.c",))
+@SILU_MUL_BF16.probe(sources=("model/body.c",))
 def _silu_mul_bf16_probe(rows: int, seed: int):
     gu = _gate_up(rows, seed)
     return lambda name: silu_mul_bf16(gu, backend=name)
 
 
-@ATTEND.probe(sources=("body.c",))
+@ATTEND.probe(sources=("model/body.c",))
 def _attend_probe(rows: int, seed: int):
     """rows queries (T = 1, B = rows) of 3 heads over a 2-head cache at s0 = 37 (timing:
     9 / 3 heads, s0 = 500), with left padding."""

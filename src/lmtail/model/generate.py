@@ -5,7 +5,7 @@ lmtail.model.ranks; the `lmtail generate` command is lmtail.model.generate_cli.
 One step (every rank runs the same body; only the tail's head is split by vocab):
 
     ids [B, P] --forward (llama.py, ops = lmtail_ops(): every residual add + RMSNorm is
-                 lmtail.norms.add_rms, bf16 residual stream)--> h [B, P, H]
+                 lmtail.glue.norms.add_rms, bf16 residual stream)--> h [B, P, H]
     loop: h_last [B, H] fp32 --tail (decode_tail: final RMSNorm -> bf16 head GEMM ->
           exact top-k -> sampler)--> tokens [B] --forward (T = 1)--> h [B, 1, H]
 
@@ -41,13 +41,13 @@ for every N. Rank 0's on_step calls are forwarded to the caller through a queue.
 Processors: generate(processors=[processors.Processors | None] * B) (logit_bias, presence /
 frequency / repetition penalties): each step, row b's LogitProcessing is built from its
 prompt and the tokens it has generated so far and handed to the tail as processing= (on
-every rank: each edits its own vocab shard; lmtail.processors).
+every rank: each edits its own vocab shard; lmtail.tail.processors).
 
 The tail seam: `tail_fn(hidden_states [gbs, H] fp32, gamma [H] fp32, lm_head_weight_t
 (the head of config.head_input: [H, V_s] bf16, or the [V_s, H] Q8_0 QuantWeight for
 "fp32"), *, config: TailConfig, sampling_params [R, 5] fp32[, group])` returning an object
 with `.tokens [R] int64`, `.logprobs [R] fp32`, `.topk_indices [R, k] int64`, `.truncated
-[R] bool` (the calling convention of lmtail.tail.decode_tail, the default; config is
+[R] bool` (the calling convention of lmtail.tail.compose.decode_tail, the default; config is
 step_config's, built once per generate() call; with ranks > 1 it is also given group= and
 must be picklable).
 
@@ -65,12 +65,12 @@ import numpy as np
 import torch
 
 from ..numerics import draw_u
-from ..processors import Processors
-from ..sampler import COL, DEFAULT_U, SAMPLING_COLUMNS, SamplingParams, sampling_tensor, seed_int64
-from ..config import TailConfig
-from ..exchange import DEFAULT_TIMEOUT_S
-from ..kernels.gemm import weight_for
-from ..tail import decode_tail, head_shard
+from ..tail.processors import Processors
+from ..tail.sampler import COL, DEFAULT_U, SAMPLING_COLUMNS, SamplingParams, sampling_tensor, seed_int64
+from ..tail.config import TailConfig
+from ..tail.exchange import DEFAULT_TIMEOUT_S
+from ..kernels.gemm.bf16 import weight_for
+from ..tail.compose import decode_tail, head_shard
 from .gguf_loader import ModelBundle
 from .llama import Q32_BODY, Ops, forward, lmtail_ops, new_cache, prefill
 from .ranks import gathered_rows, pack_bundle, pad_step, rank_step, run_ranks, unpack_bundle
@@ -230,7 +230,7 @@ class StepOut:
 
 def step_head(w, pack: bool):
     """The head a decode reads every step: a bf16 [H, V_s] head in this machine's fastest
-    layout for decode_tail's default order (kernels.gemm.weight_for: packed once here when
+    layout for decode_tail's default order (kernels.gemm.bf16.weight_for: packed once here when
     that is faster; the same bytes) when `pack`, else w as it is (a QuantWeight always)."""
     if pack and isinstance(w, torch.Tensor):
         return weight_for(w, order=TailConfig.gemm_order, rows=1)
@@ -377,7 +377,7 @@ def generate(bundle: ModelBundle, prompts: list[str], *, max_new_tokens: int = 6
     options are one TailConfig (step_config), built once here and passed to every step.
     processors: None, or one processors.Processors (or None) per prompt: logit_bias and the
     presence / frequency / repetition penalties, applied at the tail's logits-processor seam
-    each step (lmtail.processors; a tail_fn then gets processing=); not with record (the
+    each step (lmtail.tail.processors; a tail_fn then gets processing=); not with record (the
     certification covers the unprocessed tail).
     """
     t0 = time.perf_counter()

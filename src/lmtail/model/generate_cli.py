@@ -5,7 +5,7 @@
 
 configure / check / run, the protocol of lmtail.cli. check refuses every flag value generate
 cannot take before anything heavy happens (this module imports the model code in run, so
-a bad flag costs no model import; the tail's choices come from lmtail.config); run loads
+a bad flag costs no model import; the tail's choices come from lmtail.tail.config); run loads
 the model, streams row 0's text and prints to stderr: the seed of a sampled run (a random one, printed, when --seed is not
 given), the timing, and which rows stopped at --max-new-tokens rather than on a stop token.
 The flags `lmtail demo` shares (--threads, --max-new-tokens, --ranks) take the same values in
@@ -20,7 +20,7 @@ import math
 import secrets
 import sys
 
-from ..config import EXCHANGES, TAIL_HEAD_INPUTS, TailConfig
+from ..tail.config import EXCHANGES, TAIL_HEAD_INPUTS, TailConfig
 from ..flags import (GREEDY_TEMPERATURE, MASS_CHUNKS, SEED_LIMIT, SMOLLM2_CONTEXT, SMOLLM2_VOCAB, fp32_sampled,
                      ranks_words, refuse, shared_rules)
 
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
 
-    from .. import candidates, sampler
+    from ..tail import candidates, sampler
     from .generate import generate, weights_needed
     from .gguf_loader import ModelFileMissing, load_model
     from .llama import BODIES, lmtail_ops

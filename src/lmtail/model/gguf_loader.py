@@ -18,7 +18,7 @@ so GGUF [in, out] is a torch [out, in] row-major matrix, the nn.Linear layout):
     (the declared body)                   -> Linears16 per block: bf16(W).T [in, out], fused
                                             q|k|v [H, qd + 2 kvd] and gate|up [H, 2F]
                                          -> Packed16 per block: the same, in gemm_bf16's amx32
-                                            load layout (kernels.gemm.pack_weight)
+                                            load layout (kernels.gemm.bf16.pack_weight)
 
 The quant body's weights are NOT built here: quant_linears(bundle) maps the file again on
 first use and keeps its Q4_1 / Q8_0 linears as QuantWeight views of the map (QuantLinears).
@@ -40,8 +40,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..kernels.gemm import PackedWeight, pack_weight
-from ..kernels.quant import QuantWeight
+from ..kernels.gemm.bf16 import PackedWeight, pack_weight
+from ..kernels.quant.gemm_q import QuantWeight
 from .gguf_read import GGUFFile, read_gguf
 from .tokenizer import ChatTokenizer, build_tokenizer
 
@@ -109,7 +109,7 @@ def linears16(lw: LayerWeights) -> Linears16:
 
 @dataclass(frozen=True)
 class Packed16:
-    """One block's Linears16 in gemm_bf16's amx32 load layout (kernels.gemm.pack_weight):
+    """One block's Linears16 in gemm_bf16's amx32 load layout (kernels.gemm.bf16.pack_weight):
     the same bytes from every GEMM as the plain [in, out] weights, fewer loads at small M."""
 
     w_qkv: PackedWeight

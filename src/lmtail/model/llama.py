@@ -9,19 +9,19 @@ Block structure, written so that every "residual add + RMSNorm" is ONE call of t
         h, y = add_rms(mlp_l(y), h, attn_norm[l+1] | final_norm)
     return h, y          # h: pre-final-norm hidden (decode_tail's input); y: final-normed
 
-Three bodies (Ops.body); "quant" is the declared body with every linear on kernels.quant.gemm_q
+Three bodies (Ops.body); "quant" is the declared body with every linear on kernels.quant.gemm_q.gemm_q
 over the GGUF's own Q4_1 blocks (gguf_loader.quant_linears; its bf16 input widened exactly to
 fp32, see linear_q), every other rounding point the declared body's:
   "declared" (lmtail_ops(), the default of generation): every step has a declared order,
       so a row's bytes are the same on every CPU, thread count and batch by construction:
-      linears on kernels.gemm.gemm_bf16 (order "amx32" by default) with the bf16 weights
+      linears on kernels.gemm.bf16.gemm_bf16 (order "amx32" by default) with the bf16 weights
       of bundle.linears16 (q|k|v and gate|up fused); rope from body.rope_table (float64
       basic ops); attention by body.attend (per query, keys in position order); silu by
-      body.silu_mul (exp32); every add_rms is lmtail.norms.add_rms on bf16 rows (the
+      body.silu_mul (exp32); every add_rms is lmtail.glue.norms.add_rms on bf16 rows (the
       residual stream is bf16). Its loop runs on fused glue with the same bytes as the
-      plain seam (tested): kernels.body.add_rms_rows when Ops.fused_norm_lanes names the
-      strided order of add_rms_bf16 (lmtail_ops sets it), kernels.body.rope_qkv (split +
-      rope + cache write in one C pass), kernels.body.silu_mul_bf16, and bundle.packed16
+      plain seam (tested): kernels.model.body.add_rms_rows when Ops.fused_norm_lanes names the
+      strided order of add_rms_bf16 (lmtail_ops sets it), kernels.model.body.rope_qkv (split +
+      rope + cache write in one C pass), kernels.model.body.silu_mul_bf16, and bundle.packed16
       (the linears in the amx32 load layout). Arguments are validated once per forward;
       the per-layer calls go to the kernels' unchecked entries (backend rows and thread
       counts resolved once per forward, `DeclaredKernels`).
@@ -56,11 +56,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as Fn
 
-from ..kernels import body as kbody
-from ..kernels import gemm as gemm_mod
-from ..kernels import quant as quant_mod
-from ..kernels import step as kstep
-from ..norms import DEFAULT_ORDER, add_rms
+from ..kernels.model import body as kbody
+from ..kernels.gemm import bf16 as gemm_mod
+from ..kernels.quant import gemm_q as quant_mod
+from ..kernels.model import step as kstep
+from ..glue.norms import DEFAULT_ORDER, add_rms
 from ..numerics import exp64
 from ..orders import Order
 from . import body as decl
@@ -96,17 +96,17 @@ class Ops:
     body: "fp32" (fp32 weights, BLAS in 16-row blocks, tree attention, libm rope: the
     receipts' reference) or "declared" (every linear on gemm_bf16 with bf16 weights in the
     declared `gemm_order`, attention / rope / silu by model.body's declared orders) or
-    "quant" (the declared body with every linear on kernels.quant.gemm_q over the GGUF's
+    "quant" (the declared body with every linear on kernels.quant.gemm_q.gemm_q over the GGUF's
     own Q4_1 / Q8_0 blocks, its bf16 input widened exactly to fp32; gemm_order unused);
-    gemm_order: the order of gemm_bf16 for the declared body (kernels.gemm.BODY_ORDERS:
+    gemm_order: the order of gemm_bf16 for the declared body (kernels.gemm.bf16.BODY_ORDERS:
     "amx32" or "chain");
-    fused_norm_lanes: None, or T when add_rms_bf16 IS lmtail.norms.add_rms in the plain
+    fused_norm_lanes: None, or T when add_rms_bf16 IS lmtail.glue.norms.add_rms in the plain
     order strided(T) (the caller's statement; lmtail_ops sets it): the declared body then
-    runs kernels.body.add_rms_rows, the same bytes in one C pass per row;
+    runs kernels.model.body.add_rms_rows, the same bytes in one C pass per row;
     "q32": the GGUF's own blocks through gemm_q on an fp32 stream (fp32 residual, norms by
     model.body.add_rms_rows32 in the order strided(fused_norm_lanes), fp32 attention and silu
     outputs straight into the next linear: no activation is rounded below fp32);
-    native_step (q32 only): run the layer loop as ONE kernels.step call when its C libraries
+    native_step (q32 only): run the layer loop as ONE kernels.model.step call when its C libraries
     are built (the same bytes as the python loop, tested), else the python loop."""
 
     add_rms: Callable
@@ -156,7 +156,7 @@ def bf16_ops(add_rms_bf16: Callable, **kwargs) -> Ops:
 
 def lmtail_ops(order: Order = DEFAULT_ORDER, *, body: str = "declared",
                gemm_order: str = gemm_mod.DEFAULT_ORDER) -> Ops:
-    """The forward on lmtail.norms.add_rms (bf16 residual stream, declared ssq `order`,
+    """The forward on lmtail.glue.norms.add_rms (bf16 residual stream, declared ssq `order`,
     default strided(256)): every residual add + RMSNorm of the body is lmtail's op; with
     body="declared" (the default) every other step is declared too (see Ops). A plain
     strided order sets Ops.fused_norm_lanes (the fused kernel gives add_rms's bytes)."""
@@ -178,7 +178,7 @@ class KVCache:
     v: list[torch.Tensor]  # L x [B, nkv, S_cap + SLACK, hd] fp32
     pad: torch.Tensor  # [B] int64, left pad slots of each row
     length: int = 0  # slots filled so far (S)
-    scratch: object = None  # the q32 body's native-step buffers (kernels.step.StepBuffers), made on first use
+    scratch: object = None  # the q32 body's native-step buffers (kernels.model.step.StepBuffers), made on first use
 
     @property
     def capacity(self) -> int:
@@ -333,7 +333,7 @@ def linear16(y: torch.Tensor, w: torch.Tensor, *, order: str, row=None, threads:
     """y @ w by lmtail's GEMM in the declared `order`: y [N, in] bf16 (fp32 is rounded
     once to bf16), w [in, out] bf16 (a Linears16 weight, or its Packed16 PackedWeight for
     order "amx32": the same bytes) -> [N, out] fp32. row, threads: the GEMM backend row
-    (kernels.gemm.GEMM[order]) and worker count the forward resolved once; then the
+    (kernels.gemm.bf16.GEMM[order]) and worker count the forward resolved once; then the
     unchecked entry runs (None: the public gemm_bf16, which validates).
     Row-invariant by declaration (each output element's sum never sees other rows)."""
     a = y if y.dtype == torch.bfloat16 else y.to(torch.bfloat16)
@@ -472,7 +472,7 @@ def _body_declared(bundle: ModelBundle, ids, cache: KVCache, ops: Ops, qpos, s0)
 # ---------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=4)
 def q32_model(bundle: ModelBundle, lanes: int, gemm_backend: str, attend_backend: str):
-    """kernels.step.Q32Model of this bundle, built once per (bundle, lanes, backends) and
+    """kernels.model.step.Q32Model of this bundle, built once per (bundle, lanes, backends) and
     cached: the weights are quant_linears(bundle) (the file's memory map), the gammas the
     bundle's norms widened to contiguous fp32."""
     cfg = bundle.config
@@ -497,7 +497,7 @@ def embed_rows(bundle: ModelBundle, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _q32_layers(bundle: ModelBundle, x, cache: KVCache, ops: Ops, pos, s0, kern: DeclaredKernels):
-    """The q32 body's layer loop in python (kernels.step.run_q32 is the same calls in C):
+    """The q32 body's layer loop in python (kernels.model.step.run_q32 is the same calls in C):
     x [N, H] fp32 embedding rows -> (h, y) [N, H] fp32."""
     cfg, lanes = bundle.config, ops.fused_norm_lanes
     B, T = pos.shape

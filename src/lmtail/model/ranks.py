@@ -35,11 +35,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..exchange import ExchangeError
+from ..tail.exchange import ExchangeError
 from ..launch import launch
-from ..kernels.quant import QuantWeight
-from ..layout import owned_rows
-from ..sampler import greedy_rows
+from ..kernels.quant.gemm_q import QuantWeight
+from ..tail.layout import owned_rows
+from ..tail.sampler import greedy_rows
 from .gguf_loader import LayerWeights, Linears16, ModelBundle, load_model
 
 _ALIGN = 16  # fp32 elements (64 bytes) between tensor starts

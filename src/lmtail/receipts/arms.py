@@ -5,13 +5,13 @@ lm_head) to logits [N, V] fp32. The built-in arms are compositions of lmtail's o
 differ in ONE declared choice each:
 
     chain        ssq strided(256), deferred rms, GEMM order "chain"    (decode_tail's math)
-    amx32        as chain, GEMM order "amx32"        (when kernels.gemm offers it)
+    amx32        as chain, GEMM order "amx32"        (when kernels.gemm.bf16 offers it)
     legacy       as chain, deferred_rms=False: a = bf16((x*rms)*gamma), logits = gemm(a, W)
     contiguous   as chain, ssq order contiguous(256)
     placebo      as chain, the GEMM chain run over h = H-1..0 (same precision, one reorder)
     placebo_norm as chain, the ssq butterfly folded 1,2,4,8,16 (orders.placebo)
     torch        plain torch: rsqrt(mean(x^2) + eps), bf16(x*gamma) @ W in fp32 BLAS, * rms
-    tail         lmtail.tail.decode_tail(...).logits as shipped (whatever its defaults are)
+    tail         lmtail.tail.compose.decode_tail(...).logits as shipped (whatever its defaults are)
     bf16x2       decode_tail(..., head_input="bf16x2").logits: the head GEMM's activation as two
                  bf16 rows a_hi + a_lo (a_hi = bf16(x*gamma), a_lo = bf16(x*gamma - a_hi)),
                  two GEMMs in the default order summed in fp32, * rms
@@ -28,8 +28,8 @@ from typing import Callable
 
 import torch
 
-from ..kernels.gemm import available_backends as gemm_backends
-from ..kernels.gemm import gemm_bf16
+from ..kernels.gemm.bf16 import available_backends as gemm_backends
+from ..kernels.gemm.bf16 import gemm_bf16
 from ..numerics import sqrt_rn32
 from ..orders import Order, contiguous, placebo, strided, sum_squares
 
@@ -129,13 +129,13 @@ def _torch_tail(inp: TailInputs) -> torch.Tensor:
 
 
 def _decode_tail(inp: TailInputs) -> torch.Tensor:
-    from ..tail import decode_tail
+    from ..tail.compose import decode_tail
 
     return decode_tail(inp.hidden, inp.gamma, inp.weight, eps=inp.eps, zero_interleaved_pad=False, k=1).logits
 
 
 def _decode_tail_bf16x2(inp: TailInputs) -> torch.Tensor:
-    from ..tail import decode_tail
+    from ..tail.compose import decode_tail
 
     return decode_tail(inp.hidden, inp.gamma, inp.weight, eps=inp.eps, zero_interleaved_pad=False, k=1,
                        head_input="bf16x2").logits
@@ -161,7 +161,7 @@ def default_arms() -> ArmRegistry:
                                                             gemm=_chain),
                      "PLACEBO: as chain, ssq butterfly folded 1,2,4,8,16"))
     reg.register(Arm("torch", _torch_tail, "plain torch: rsqrt(mean(x^2)+eps), bf16(x*gamma) @ W (BLAS), * rms"))
-    reg.register(Arm("tail", _decode_tail, "lmtail.tail.decode_tail(...).logits with its shipped defaults"))
+    reg.register(Arm("tail", _decode_tail, "lmtail.tail.compose.decode_tail(...).logits with its shipped defaults"))
     reg.register(Arm("bf16x2", _decode_tail_bf16x2,
                      "decode_tail(..., head_input='bf16x2', k=1).logits: a = a_hi + a_lo, two bf16 rows, "
                      "two GEMMs in the default order, acc_hi + acc_lo in fp32, * rms"))

@@ -219,7 +219,7 @@ def tail_topk(hidden, gamma, weight, eps, *, exchange: str, head_input: str, k: 
     """The op whose decisions are certified: decode_tail(hidden [B, H] fp32, gamma [H],
     weight [H, V] bf16, eps, zero_interleaved_pad=False, k, exchange, head_input, its default
     gemm_order).topk_indices [B, k] int64 (descending, the first is the argmax)."""
-    from ..tail import decode_tail
+    from ..tail.compose import decode_tail
 
     return decode_tail(hidden, gamma, weight, eps=eps, zero_interleaved_pad=False, k=k, exchange=exchange,
                        head_input=head_input, emit_logits=False).topk_indices
@@ -264,7 +264,7 @@ def certify_table(table: RowTable, bundle, passages: list[Passage], *, op=tail_t
     near_ties, worst_margin (min float64 gap / bound; > 1 certified)}; near_tie_rows (argmax,
     the first MAX_LISTED) and mismatches name {passage, position, kind}."""
     from ..contract.certify import certify_rows
-    from ..tail import tail_decl
+    from ..tail.compose import tail_decl
 
     gamma, weight, eps = bundle.final_norm, bundle.lm_head_weight_t, bundle.config.eps
     h_all = torch.cat(table.hidden)  # [n, H]

@@ -1,12 +1,12 @@
 """float64/NumPy reference of the candidates exchange's row statistics, on FULL rows.
 
 `candidates_emulation` computes, from a row's whole fp32 logits, what the owner of the
-row holds after the candidates exchange merged every rank's partials (lmtail.candidates,
+row holds after the candidates exchange merged every rank's partials (lmtail.tail.candidates,
 its module docstring is the declaration emulated here): the exact fp32 top-k with the
 largest lane outside it, and the row masses combined from 256 global chunk partials in
 chunk order. The chunk bounds floor(j * V / 256) depend on V alone, so these numbers are
 the same for every VTP dividing 256: one full-row computation is the reference for any
-rank layout. This module never imports lmtail.candidates nor lmtail.kernels.shard_partials
+rank layout. This module never imports lmtail.tail.candidates nor lmtail.kernels.tail.shard_partials
 (the code it checks); it uses lmtail.numerics.exp64 (the declared exp) and the sum64 /
 row-mass emulations of lmtail.reference.tail.
 
@@ -32,7 +32,7 @@ import torch
 from ..numerics import exp64
 from .tail import mass_emulation, sum64_emulation
 
-MASS_CHUNKS = 256  # the declared global chunk count (lmtail.candidates.MASS_CHUNKS)
+MASS_CHUNKS = 256  # the declared global chunk count (lmtail.tail.candidates.MASS_CHUNKS)
 CANONICAL_NAN = 0x7FC00000
 
 

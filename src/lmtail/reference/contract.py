@@ -68,7 +68,7 @@ def ideal_bound(x, gamma_, w, *, eps, decl, hidden_actual=None, interleaved=True
     exchange: decisions on the fp32 logits); so any op inside its declared range decides
     on values within ref +- delta. Computed col_chunk vocab columns at a time (the range
     is column-separable), so a 49k vocab needs a few hundred MB, not several GB.
-    w: [H, V] bf16 values, or a Q8_0 head (kernels.quant.QuantWeight (V, H)): the ideal
+    w: [H, V] bf16 values, or a Q8_0 head (kernels.quant.gemm_q.QuantWeight (V, H)): the ideal
     logits then use its exact dequantized values (reference.tail.head_values), and decl
     must be the Q8_0 head's (tail_decl(..., head_input="fp32"))."""
     w64 = head_values(w)

@@ -1,4 +1,4 @@
-"""float64 reference for the logits-processor seam (lmtail.processors), imports no op.
+"""float64 reference for the logits-processor seam (lmtail.tail.processors), imports no op.
 
 Dense and lane by lane: every step of the declared order is computed on the whole row in
 float64 from fp32 inputs and rounded to fp32 right after (numpy float32 casts, nearest

@@ -2,7 +2,7 @@
 product, the range the declaration allows, and an emulation of the declared order
 "lanes32" one rounding at a time (gemm_q_emulation, torch fp32). Imports no op: the weight is read from its
 bytes here (any object with .fmt, .shape (N, K) and .data [N, NB*BS] uint8 will do, e.g.
-kernels.quant.QuantWeight).
+kernels.quant.gemm_q.QuantWeight).
 
 Shape legend:
   M rows;  K summed axis (a multiple of 32);  NB = K/32;  N output columns (weight rows)

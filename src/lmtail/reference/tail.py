@@ -12,7 +12,7 @@ Two kinds of reference live here:
     the caller passes in: this module never imports the op it checks.
 
 The head W is [H, V] (bf16 values, a tensor or an array) or a GGUF block weight (an
-object with .fmt, .shape (V, H), .data: kernels.quant.QuantWeight, the Q8_0 head), read
+object with .fmt, .shape (V, H), .data: kernels.quant.gemm_q.QuantWeight, the Q8_0 head), read
 through `head_values` as its exact values (reference.quant.dequantize_f64, transposed).
 Which activation the GEMM reads comes from the declaration: with a rounding point
 "a:bf16" it is bf16(fp32(x*gamma)), without one (the Q8_0 head, head_input "fp32") the

@@ -33,10 +33,10 @@ import math
 
 import torch
 
-from ..kernels import quant as quant_mod
-from ..kernels import step as kstep
-from ..kernels.gemm import gemm_bf16
-from ..kernels.step import StepBuffers
+from ..kernels.quant import gemm_q as quant_mod
+from ..kernels.model import step as kstep
+from ..kernels.gemm.bf16 import gemm_bf16
+from ..kernels.model.step import StepBuffers
 from ..model import body as decl
 from ..model.gguf_loader import LlamaConfig, ModelBundle
 from ..model.llama import Q32_BODY, KVCache, Ops, embed_rows, forward, new_cache, norm_fn, q32_model
@@ -72,7 +72,7 @@ def step_rows(bundle: ModelBundle, tokens: torch.Tensor, caches: list[KVCache], 
     r at position caches[r].length of its own one-row cache (which must hold one more slot:
     see grow); appends each row's key/value. Returns h [R, H] fp32, row r bytes-equal to
     llama.forward(bundle, tokens[r, None, None], caches[r], ops=ops)[0][0, 0].
-    The q32 body runs kernels.step's rows entry (one C call for the R rows; `scratch` its
+    The q32 body runs kernels.model.step's rows entry (one C call for the R rows; `scratch` its
     buffers, kept by the caller across steps; None: fresh ones) when its libraries are
     built, else llama.forward row by row (the same bytes)."""
     cfg = bundle.config
@@ -110,7 +110,7 @@ def step_rows(bundle: ModelBundle, tokens: torch.Tensor, caches: list[KVCache], 
 
 
 def _step_rows_q32(bundle: ModelBundle, tokens, caches: list[KVCache], ops: Ops, scratch) -> torch.Tensor:
-    """step_rows for the q32 body (inputs checked): kernels.step.run_q32_rows, or per row."""
+    """step_rows for the q32 body (inputs checked): kernels.model.step.run_q32_rows, or per row."""
     gemm_row, attend_row = quant_mod.GEMM_Q.pick(None), decl.ATTEND.pick(None)
     if not (ops.native_step and kstep.available(gemm_row.name, attend_row.name)):
         return torch.cat([forward(bundle, tokens[r, None, None], c, ops=ops)[0][0] for r, c in enumerate(caches)])

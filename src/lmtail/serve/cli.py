@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 
-from ..config import EXCHANGES, TAIL_HEAD_INPUTS, TailConfig
+from ..tail.config import EXCHANGES, TAIL_HEAD_INPUTS, TailConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_BODY = 1 << 20  # app.DEFAULT_MAX_BODY (not imported: the app pulls in starlette)

@@ -73,13 +73,13 @@ from typing import Callable
 import torch
 
 from ..model.gguf_loader import ModelBundle
-from ..kernels.step import StepBuffers, StepShape
+from ..kernels.model.step import StepBuffers, StepShape
 from ..model.generate import default_head_input, default_ops, head_weight, step_config, step_head
 from ..model.llama import Q32_BODY, KVCache, Ops, forward
-from ..processors import Processors
-from ..sampler import SamplingParams, greedy_rows, sampling_tensor
-from ..config import TailConfig
-from ..tail import decode_tail
+from ..tail.processors import Processors
+from ..tail.sampler import SamplingParams, greedy_rows, sampling_tensor
+from ..tail.config import TailConfig
+from ..tail.compose import decode_tail
 from . import batch
 from .grammar import advance_row, with_masks
 
@@ -291,7 +291,7 @@ class Engine:
         self.tail_config = step_config(bundle, k=k, exchange=exchange, head_input=head_input)
         self.bundle, self.max_batch, self.max_queue, self.k, self.body = bundle, max_batch, max_queue, k, body
         self.head = step_head(head_weight(bundle, head_input), True)  # the full head, its fastest layout
-        self._scratch = None  # the q32 native rows step's buffers (kernels.step.StepBuffers), kept across steps
+        self._scratch = None  # the q32 native rows step's buffers (kernels.model.step.StepBuffers), kept across steps
         if not isinstance(ranks, int) or ranks < 1 or bundle.config.vocab % ranks:
             raise ValueError(f"ranks must be an int >= 1 dividing the vocab {bundle.config.vocab}; got {ranks!r}")
         self.ranks = ranks

@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from ..processors import LogitProcessing
+from ..tail.processors import LogitProcessing
 from .protocol import ApiError
 
 SUPPORTED = ('{"type": "text"}, {"type": "json_object"} (any JSON object) and {"type": "json_schema", '

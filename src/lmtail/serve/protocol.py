@@ -16,7 +16,7 @@ shape, `param` naming the field). Supported: model, messages | prompt, max_token
 the `developer` role (as `system`); logit_bias (OpenAI's: {"token id": bias}, keys
 decimal token ids in [0, V), biases numbers in [-100, 100]), presence_penalty and
 frequency_penalty (OpenAI's, [-2, 2]) and repetition_penalty (vLLM's, > 0, finite in
-fp32): lmtail.processors.Processors, applied at the tail's logits-processor seam;
+fp32): lmtail.tail.processors.Processors, applied at the tail's logits-processor seam;
 response_format {"type": "text"} (a no-op), {"type": "json_object"} or {"type":
 "json_schema", "json_schema": {"name", "schema", "strict", "description"}}: its shape is
 checked here, its grammar compiled by the `grammars` parse() is given
@@ -58,8 +58,8 @@ import os
 import struct
 from dataclasses import dataclass
 
-from ..processors import Processors
-from ..sampler import U64, SamplingParams, sampling_tensor
+from ..tail.processors import Processors
+from ..tail.sampler import U64, SamplingParams, sampling_tensor
 
 MAX_LOGPROBS = 20
 MAX_STOP = 4

@@ -43,14 +43,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..candidates import check_vtp
-from ..config import TailConfig
-from ..exchange import ExchangeError
+from ..tail.candidates import check_vtp
+from ..tail.config import TailConfig
+from ..tail.exchange import ExchangeError
 from ..launch import stop_processes
-from ..kernels.quant import QuantWeight
+from ..kernels.quant.gemm_q import QuantWeight
 from ..model.generate import head_weight, step_head
 from ..model.ranks import GatheredRows, gathered_rows, pad_step, rank_step
-from ..tail import head_shard
+from ..tail.compose import head_shard
 
 _CMD_TAIL, _CMD_STOP, _CMD_TAIL_PROC = 1, 0, 2  # _CMD_TAIL_PROC: the floats, then the pickled processing
 _HEADER = struct.Struct("<qq")  # (command, gbs)
@@ -68,7 +68,7 @@ def _rank_step(rank: int, n: int, xp, spp, gamma, w, config: TailConfig, timeout
     """This rank's part of one step (collective over the world): model.ranks.rank_step with
     decode_tail on this rank's shard (processing: None or gbs entries, the same on every
     rank). Returns [gbs, 3 + 2k] int64 rows in global row order."""
-    from ..tail import decode_tail
+    from ..tail.compose import decode_tail
 
     def tail(x, sp_owned):
         return decode_tail(x, gamma, w, config=config, sampling_params=sp_owned, group=dist.group.WORLD,

@@ -1,0 +1,1 @@
+"""The glue ops' kernels: fp32 fma chains (norm sums, MoE routed sums)."""

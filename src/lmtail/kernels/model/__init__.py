@@ -1,0 +1,1 @@
+"""The model body's kernels: norms, rope, silu, attention, and the native decode step."""

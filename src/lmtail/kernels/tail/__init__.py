@@ -1,0 +1,1 @@
+"""The tail passes' kernels: rows_tail (top-k + sampler), shard_partials, row mass."""

@@ -1,0 +1,1 @@
+"""The decode sampling tail: final RMSNorm -> lm_head -> exchange -> top-k -> sampler."""
