@@ -13,6 +13,8 @@ import torch
 from lmtail.contract import certify_tail, registry
 from lmtail.contract import cli as contract_cli
 from lmtail.contract import harness
+from lmtail.contract import logits_kinds as lk
+from lmtail.contract import sampler_kinds as sk
 from lmtail.contract import tail_kinds as tk
 from lmtail.contract.harness import Case, Config, Control, Verdict, run_control, run_gates, run_kind
 from lmtail.kernels.gemm.bf16 import gemm_bf16
@@ -125,11 +127,11 @@ def test_cli_green_run_and_unknown_pattern(tmp_path, capsys):
 @pytest.mark.parametrize("dtype,deferred", [(torch.float32, True), (torch.float32, False), (torch.float16, True),
                                             (torch.bfloat16, True)])
 def test_logits_variant_without_defect_is_the_real_op(dtype, deferred):
-    for case in tk.tail_shapes(True, dtype=dtype, deferred=deferred)[:5]:
+    for case in lk.tail_shapes(True, dtype=dtype, deferred=deferred)[:5]:
         d = case.data
-        assert harness.same_bytes(tk.logits_variant(d)["logits"], tk.run_logits(d)["logits"]), case.label
-    d = tk.tail_random(True, dtype=dtype, deferred=deferred)[0].data
-    assert harness.same_bytes(tk.emulate_logits(d)["logits"], tk.run_logits(d)["logits"])
+        assert harness.same_bytes(lk.logits_variant(d)["logits"], lk.run_logits(d)["logits"]), case.label
+    d = lk.tail_random(True, dtype=dtype, deferred=deferred)[0].data
+    assert harness.same_bytes(lk.emulate_logits(d)["logits"], lk.run_logits(d)["logits"])
 
 
 @pytest.mark.parametrize("deferred", [True, False])
@@ -137,21 +139,21 @@ def test_dp32_logits_variant_and_emulation_are_the_real_op(deferred):
     """In gemm_order="dp32" the control body with no defect and the emulate gate's emulation
     (reference.gemm.gemm_dp32_emulation) give decode_tail's bytes; planted: the amx32 GEMM
     (the dp32 controls' defect) does not."""
-    for case in tk.in_order(tk.tail_random, "dp32")(True)[:2]:
+    for case in tk.in_order(lk.tail_random, "dp32")(True)[:2]:
         d = dict(case.data, deferred=deferred)
-        real = tk.run_logits(d)["logits"]
-        assert harness.same_bytes(tk.logits_variant(d)["logits"], real), case.label
-        assert harness.same_bytes(tk.emulate_logits(d)["logits"], real), case.label
-        assert not harness.same_bytes(tk.logits_variant(d, defect="amx32_order")["logits"], real), case.label
+        real = lk.run_logits(d)["logits"]
+        assert harness.same_bytes(lk.logits_variant(d)["logits"], real), case.label
+        assert harness.same_bytes(lk.emulate_logits(d)["logits"], real), case.label
+        assert not harness.same_bytes(lk.logits_variant(d, defect="amx32_order")["logits"], real), case.label
 
 
 def test_other_variants_without_defect_are_the_real_ops():
-    d = tk.sampler_random(True)[0].data
-    assert not harness.diff_outputs(tk.sampler_variant(d), tk.run_sampler(d))
-    d = tk.topk_random(True)[0].data
-    assert not harness.diff_outputs(tk.topk_variant(d), tk.run_topk(d))
-    d = tk.tail_random(True, k=64, v=4096)[0].data
-    assert not harness.diff_outputs(tk.mirror_variant(d), tk.run_mirror(d))
+    d = sk.sampler_random(True)[0].data
+    assert not harness.diff_outputs(sk.sampler_variant(d), sk.run_sampler(d))
+    d = sk.topk_random(True)[0].data
+    assert not harness.diff_outputs(sk.topk_variant(d), sk.run_topk(d))
+    d = lk.tail_random(True, k=64, v=4096)[0].data
+    assert not harness.diff_outputs(lk.mirror_variant(d), lk.run_mirror(d))
 
 
 def test_body_variants_without_defect_are_the_real_ops():
@@ -199,7 +201,7 @@ def test_fused_mass_matches_row_mass_through_the_logprob():
     from lmtail.reference.tail import logprob_emulation
     from lmtail.tail.compose import rows_tail
 
-    rows = tk.readout_rows()
+    rows = sk.readout_rows()
     sp = torch.tensor([[0, 1, 0, 0.5, 0]] * rows.shape[0], dtype=torch.float32)
     out = rows_tail(rows, k=4, sampling_params=sp)
     m, s, _ = row_mass(rows.double(), torch.ones(rows.shape[0], dtype=torch.float64))
@@ -219,17 +221,17 @@ def test_sampler_emulate_gate_compares_the_fused_kernels_own_mass():
 
     if not available_backends():
         pytest.skip("the fused C kernel is not built (no C compiler): no mass to export")
-    for case in tk.sampler_bytes(True):
-        got, want = tk.run_sampler(case.data), tk.emulate_sampler(case.data)
+    for case in sk.sampler_bytes(True):
+        got, want = sk.run_sampler(case.data), sk.emulate_sampler(case.data)
         assert got["mass"].shape == (case.data["rows"].shape[0], 3) and not got["mass"].isnan().any()
         assert harness.diff_outputs(got, want, nan_equal=True) == "", case.label
         for col in (0, 1):
             bad = got["mass"].clone()
             bad[-1, col] = float(np.nextafter(bad[-1, col].item(), np.inf))
             assert harness.diff_outputs(dict(got, mass=bad), want, nan_equal=True).startswith("mass differs")
-    rows = tk.readout_rows()
-    m128 = tk.mass_rows_emulation(rows, False, lanes=128)
-    assert int((m128[:, 0] != tk.mass_rows_emulation(rows, False)[:, 0]).sum()) >= 3
+    rows = sk.readout_rows()
+    m128 = sk.mass_rows_emulation(rows, False, lanes=128)
+    assert int((m128[:, 0] != sk.mass_rows_emulation(rows, False)[:, 0]).sum()) >= 3
 
 
 def test_gemm_variants_without_defect_are_the_real_op():
@@ -271,21 +273,21 @@ def test_near_bound_data_follows_the_gemm_order():
     kw = dict(dtype=torch.float32, deferred=True, k=None)
     for order in ("amx32", "dp32"):
         for built_for, caught in (("chain", False), (order, True)):
-            d = dict(tk._gemm_at_bound(order=built_for, **kw), gemm_order=order)
-            out = tk.run_logits(d)
-            assert tk.check_logits(d, out, tk.run_logits, tk.tail_decl_of(d)).ok
-            assert tk.check_logits(d, out, tk.run_logits, tk.shallow_decl(d)).ok is not caught, (order, built_for)
+            d = dict(lk.gemm_at_bound(order=built_for, **kw), gemm_order=order)
+            out = lk.run_logits(d)
+            assert lk.check_logits(d, out, lk.run_logits, lk.tail_decl_of(d)).ok
+            assert lk.check_logits(d, out, lk.run_logits, lk.shallow_decl(d)).ok is not caught, (order, built_for)
 
 
 def test_dp32_near_bound_data_errs_as_documented():
-    """_gemm_at_bound(order="dp32"): the dp32 GEMM of a = 1 loses exactly (30 + NB) u = 94 u
+    """gemm_at_bound(order="dp32"): the dp32 GEMM of a = 1 loses exactly (30 + NB) u = 94 u
     of the declared depth 32 + NB = 96 (H = 2048); planted: amx32 on the same data loses
     fewer (its even/odd chains split block 0's lanes), so the data is dp32's own."""
-    d = tk._gemm_at_bound(order="dp32", dtype=torch.float32, deferred=True, k=None)
+    d = lk.gemm_at_bound(order="dp32", dtype=torch.float32, deferred=True, k=None)
     a = torch.ones(1, 2048, dtype=torch.bfloat16)
     exact = d["w"].double()[:, 0].sum()
     lost = lambda order: float((exact - gemm_bf16(a, d["w"], order=order)[0, 0].double()) / 2.0**-24)  # noqa: E731
-    assert lost("dp32") == 94.0 and tk.tail_decl_of(d).sum("gemm").depth == 96
+    assert lost("dp32") == 94.0 and lk.tail_decl_of(d).sum("gemm").depth == 96
     assert lost("amx32") < 94.0
 
 
@@ -355,7 +357,7 @@ def test_sample_decision_agrees_with_sampler_ref(seed):
     certifies (delta = 0, no truncation: top_k in 1..V)."""
     g = torch.Generator().manual_seed(seed)
     rows = (torch.randn(40, 300, generator=g) * 2).to(torch.bfloat16)
-    sp = tk.random_params(40, seed, 300)
+    sp = sk.random_params(40, seed, 300)
     sp[:, 0] = torch.where(sp[:, 0] > 0, sp[:, 0], torch.full_like(sp[:, 0], 300.0)).clamp(max=300)
     checked = 0
     for i in range(40):

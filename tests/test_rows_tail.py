@@ -279,10 +279,10 @@ PLANTS = {  # name -> source edits (old, new), each old text found exactly once
 def planted_libs(tmp_path_factory):
     if "c" not in available_backends():
         pytest.skip("no C compiler: the planted variants are C source mutations")
-    from lmtail.kernels._cc import bind, load_c_library
+    from lmtail.kernels._cc import HEADER, bind, load_c_library
 
     src = Path(rt.__file__).with_name("rows_tail.c").read_text()
-    header = Path(rt.__file__).with_name("lmtail_kernels.h").read_text()
+    header = HEADER.read_text()
     src = src.replace('#include "lmtail_kernels.h"', header, 1)  # a plant may edit the shared steps
     libs = {}
     for name, edits in PLANTS.items():

@@ -28,6 +28,7 @@ import torch
 from conftest import bits
 
 from lmtail.tail import candidates
+from lmtail.kernels import _cc
 from lmtail.kernels.tail import rows_tail as rt
 from lmtail.kernels.tail.rowmass import shifted_exp_rows, sum64_rows
 from lmtail.kernels.tail.sampling import COL, SAMPLING_COLUMNS, SAMPLING_RECORD, sampling_records
@@ -319,7 +320,7 @@ def test_record_layout_is_the_c_struct():
     assert SAMPLING_RECORD.names == SAMPLING_COLUMNS and SAMPLING_RECORD.itemsize == 40
     assert [SAMPLING_RECORD.fields[c][1] for c in SAMPLING_COLUMNS] == [0, 8, 16, 24, 32]
     assert SAMPLING_RECORD["top_k"] == np.int64 and all(SAMPLING_RECORD[c] == np.float64 for c in SAMPLING_COLUMNS[1:])
-    text = Path(rt.__file__).with_name("lmtail_kernels.h").read_text()
+    text = _cc.HEADER.read_text()
     assert "typedef struct {\n    int64_t top_k;\n    double top_p, temperature, u, min_p;\n} lmtail_sampling;" in text
 
 

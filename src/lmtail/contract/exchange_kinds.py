@@ -52,7 +52,8 @@ from ..orders import sum_squares
 from ..reference.candidates import MASS_CHUNKS, candidates_emulation
 from ..tail.sampler import GREEDY_TEMPERATURE
 from ..tail.compose import SSQ_ORDER, decode_tail, head_shard, head_shard_width, logits_from, normed_rows, pad_mask, tail_decl, validate_tail_inputs
-from . import tail_kinds as tk
+from . import logits_kinds as lk
+from . import sampler_kinds as sk
 from .harness import Case, Control, Kind, Verdict, diff_outputs, half_depth, same_bytes
 
 TAPS = ("outside", "has_outside", "nans", "m1", "S1", "mT", "ST")
@@ -67,7 +68,7 @@ def exchange_decl_of(data) -> Decl:
     """The tail's declaration with exchange "candidates" (no mirror rounding point: the
     certification bound is the norm + GEMM range only) + candidates.candidates_decl(V)'s
     float64 points and sums."""
-    t = tail_decl(data["x"].shape[1], data.get("deferred", True), tk.gemm_order_of(data), "candidates",
+    t = tail_decl(data["x"].shape[1], data.get("deferred", True), lk.gemm_order_of(data), "candidates",
                   data.get("head_input", "bf16"))
     c = candidates.candidates_decl(head_shard_width(data["w"]))
     return Decl(f"{t.op} + {c.op}", t.rounding_points + c.rounding_points, t.sums + c.sums)
@@ -76,7 +77,7 @@ def exchange_decl_of(data) -> Decl:
 def _cfg(data) -> TailConfig:
     return TailConfig(eps=data["eps"], hidden_actual=data["h_u"], zero_interleaved_pad=data["interleaved"],
                       k=data["k"], deferred_rms=data["deferred"], nan_fold=data["nan_fold"], debug_taps=True,
-                      gemm_order=tk.gemm_order_of(data), exchange="candidates",
+                      gemm_order=lk.gemm_order_of(data), exchange="candidates",
                       head_input=data.get("head_input", "bf16"))
 
 
@@ -248,7 +249,7 @@ def certify_verdict(data, out, decl) -> Verdict:
 
     c = certify_tail(data["x"], data["gamma"], data["w"], out, sampling_params=data["sp"], eps=data["eps"],
                      hidden_actual=data["h_u"], interleaved=data["interleaved"], deferred_rms=data["deferred"],
-                     gemm_order=tk.gemm_order_of(data), exchange="candidates",
+                     gemm_order=lk.gemm_order_of(data), exchange="candidates",
                      head_input=data.get("head_input", "bf16"), k=data["k"], decl=decl)
     counts = {"certified": c["certified"], "near_ties": c["near_ties"], "truncated": c["truncated"]}
     if c["mismatched"]:
@@ -267,7 +268,7 @@ def check_exchange_values(data, out, run, decl) -> Verdict:
 
 def check_exchange(data, out, run, decl) -> Verdict:
     """logits in range + (a) + (b) + (c) (module docstring)."""
-    r = tk.logits_verdict(data, out["logits"], decl)
+    r = lk.logits_verdict(data, out["logits"], decl)
     if not r.ok:
         return r
     ab = check_exchange_values(data, out, run, decl)
@@ -290,14 +291,14 @@ def exchange_params(gbs, seed, k) -> torch.Tensor:
     """[gbs, 5] fp32: tail_kinds.random_params with every 4th row from row 0 (top_k 0,
     T 1.5) and from row 1 (top_k -1, T 0.7) sampled over the whole row at T != 1, so the
     T pass (mT, ST) runs on some rows of every case."""
-    sp = tk.random_params(gbs, seed, k)
+    sp = sk.random_params(gbs, seed, k)
     sp[0::4, 0], sp[0::4, 2] = 0.0, 1.5
     sp[1::4, 0], sp[1::4, 2] = -1.0, 0.7
     return sp
 
 
 def exchange_data(gbs, h, h_u, v, interleaved, seed, *, k=32, scale=1.0, sampled=True):
-    d = tk.tail_data(gbs, h, h_u, v, interleaved, seed, scale=scale, k=k)
+    d = lk.tail_data(gbs, h, h_u, v, interleaved, seed, scale=scale, k=k)
     d["sp"] = exchange_params(gbs, seed, d["k"]) if sampled else None
     return d
 
@@ -393,7 +394,7 @@ def ties_everywhere(gbs=8, h=64, v=1000, k=16, seed=32):
 
 
 def exchange_adversarial(fast):
-    bound = tk._gemm_at_bound(dtype=torch.float32, deferred=True, k=16, order=TailConfig.gemm_order)
+    bound = lk.gemm_at_bound(dtype=torch.float32, deferred=True, k=16, order=TailConfig.gemm_order)
     bound["sp"] = exchange_params(2, 33, bound["k"])
     return [Case("the top k + 1 in one shard (VTP <= 8), V=1000 k=16", top_in_one_shard()),
             Case("ties everywhere (6 distinct columns), V=1000 k=16", ties_everywhere()),
@@ -403,7 +404,7 @@ def exchange_adversarial(fast):
 def exchange_kind() -> Kind:
     return Kind("tail.exchange.candidates", exchange_decl_of, run_exchange, check_exchange,
                 {"shapes": exchange_shapes, "random": exchange_random, "special": exchange_special,
-                 "adversarial": exchange_adversarial}, take_rows=tk.tail_rows,
+                 "adversarial": exchange_adversarial}, take_rows=lk.tail_rows,
                 about="decode_tail(exchange='candidates'): == candidates_emulation, VTP-invariant, certified")
 
 
@@ -411,17 +412,17 @@ def exchange_kind() -> Kind:
 # head_input="bf16x2": the logits kinds
 # ---------------------------------------------------------------------------------------
 def x2_decl_of(data) -> Decl:
-    return tail_decl(data["w"].shape[0], True, tk.gemm_order_of(data), "candidates", "bf16x2")
+    return tail_decl(data["w"].shape[0], True, lk.gemm_order_of(data), "candidates", "bf16x2")
 
 
 def plain_decl_of(data) -> Decl:
     """Control: the bf16x2 op checked against the one-bf16-input declaration."""
-    return tail_decl(data["w"].shape[0], True, tk.gemm_order_of(data), "candidates", "bf16")
+    return tail_decl(data["w"].shape[0], True, lk.gemm_order_of(data), "candidates", "bf16")
 
 
 def run_x2(data) -> dict:
     out = decode_tail(data["x"], data["gamma"], data["w"], k=1, head_input="bf16x2",
-                      **dict(tk._tail_kw(data), exchange="candidates"))
+                      **dict(lk.tail_kw(data), exchange="candidates"))
     return {"logits": out.logits}
 
 
@@ -432,7 +433,7 @@ def x2_variant(data, defect=None) -> dict:
     (acc_hi + acc_lo rounded to bf16), "k_concat" (one GEMM over the 2H lanes [a_hi | a_lo]
     against [W; W]), "amx32_order" (both GEMMs in amx32 whatever the declared order)."""
     x, g, w = data["x"], data["gamma"].reshape(-1), data["w"]
-    order = tk.gemm_order_of(data)
+    order = lk.gemm_order_of(data)
     validate_tail_inputs(x, data["gamma"], w, None,
                          TailConfig(eps=data["eps"], hidden_actual=data["h_u"],
                                     zero_interleaved_pad=data["interleaved"], k=1, gemm_order=order,
@@ -455,7 +456,7 @@ def x2_variant(data, defect=None) -> dict:
         acc = gemm_bf16(torch.cat([hi, lo], 1).contiguous(), torch.cat([w, w], 0).contiguous(), order=order)
     else:
         if defect == "emulate":
-            gemm = tk._EMULATIONS[order]
+            gemm = lk.EMULATIONS[order]
         else:
             gemm = partial(gemm_bf16, order="amx32" if defect == "amx32_order" else order)
         acc = gemm(hi, w) + gemm(lo, w)  # [gbs, V] fp32: acc_hi + acc_lo
@@ -470,11 +471,11 @@ def _x2_gen(gen, order):
 
 def x2_kind(name, order) -> Kind:
     kw = dict(dtype=torch.float32, deferred=True)
-    gens = {"shapes": partial(tk.tail_shapes, **kw), "random": partial(tk.tail_random, **kw),
-            "special": partial(tk.tail_special, **kw),
-            "adversarial": partial(tk.tail_adversarial, gemm_order=order, **kw)}
-    return Kind(name, x2_decl_of, run_x2, tk.check_logits, {g: _x2_gen(f, order) for g, f in gens.items()},
-                take_rows=tk.tail_rows, emulate=partial(x2_variant, defect="emulate"),
+    gens = {"shapes": partial(lk.tail_shapes, **kw), "random": partial(lk.tail_random, **kw),
+            "special": partial(lk.tail_special, **kw),
+            "adversarial": partial(lk.tail_adversarial, gemm_order=order, **kw)}
+    return Kind(name, x2_decl_of, run_x2, lk.check_logits, {g: _x2_gen(f, order) for g, f in gens.items()},
+                take_rows=lk.tail_rows, emulate=partial(x2_variant, defect="emulate"),
                 about=f"decode_tail(head_input='bf16x2') logits, gemm_order={order!r}: in the two-GEMM range")
 
 

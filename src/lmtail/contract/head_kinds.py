@@ -48,7 +48,7 @@ from ..orders import sum_squares
 from ..reference.quant import gemm_q_emulation
 from ..tail.compose import SSQ_ORDER, pad_mask, validate_tail_inputs
 from . import exchange_kinds as ex
-from . import tail_kinds as tk
+from . import logits_kinds as lk
 from .harness import Case, Control, Kind, Verdict, diff_outputs, half_depth
 
 KIND = "tail.head.q8_0"
@@ -65,7 +65,7 @@ def q8_head(v, h, seed, *, scale=None) -> QuantWeight:
 
 def q8_data(gbs, h, h_u, v, interleaved, seed, *, k=16, scale=1.0, sampled=True):
     """tail_kinds.tail_data's x, gamma (pad lanes of x hold 100 N(0, 1)) with a Q8_0 head."""
-    d = tk.tail_data(gbs, h, h_u, 8, interleaved, seed, scale=scale, k=k)
+    d = lk.tail_data(gbs, h, h_u, 8, interleaved, seed, scale=scale, k=k)
     k = min(k, v)
     return dict(d, w=q8_head(v, h, seed + 1), k=k, nan_fold=False, head_input="fp32",
                 sp=ex.exchange_params(gbs, seed, k) if sampled else None)
@@ -129,8 +129,8 @@ def head_variant(data, defect=None) -> dict:
 def check_head(data, out, run, decl) -> Verdict:
     """Finite inputs: exchange_kinds.check_exchange ((a)-(d), module docstring). A row with a
     NaN/inf real lane: its logits all NaN (logits_verdict), then (b) and (c)."""
-    if tk._nonfinite_rows(data).any():
-        r = tk.logits_verdict(data, out["logits"], decl)
+    if lk.nonfinite_rows(data).any():
+        r = lk.logits_verdict(data, out["logits"], decl)
         return r if not r.ok else ex.check_exchange_values(data, out, run, decl)
     return ex.check_exchange(data, out, run, decl)
 
@@ -207,7 +207,7 @@ def head_special(fast):
     d = q8_data(6, 64, 64, 104, False, 820, k=8)
     tiny = q8_data(4, 96, 96, 40, False, 821, k=5, scale=2.0**-130)  # g subnormal: gradual underflow
     pad = q8_data(5, 96, 80, 64, True, 822, k=6)
-    bf16_w = tk.tail_data(2, 64, 64, 40, False, 823)["w"]  # [H, V] bf16
+    bf16_w = lk.tail_data(2, 64, 64, 40, False, 823)["w"]  # [H, V] bf16
     q41 = QuantWeight.quantize(torch.randn(40, 64) * 0.05, "Q4_1")
     return [
         Case("d = 0 blocks, q = -128 and +127 in every block", _special_blocks(d), expect=_emulated),
@@ -265,7 +265,7 @@ def plain_decl_of(data):
 
 def head_kinds() -> list[Kind]:
     gens = {"shapes": head_shapes, "random": head_random, "special": head_special, "adversarial": head_adversarial}
-    return [Kind(KIND, ex.exchange_decl_of, ex.run_exchange, check_head, gens, take_rows=tk.tail_rows,
+    return [Kind(KIND, ex.exchange_decl_of, ex.run_exchange, check_head, gens, take_rows=lk.tail_rows,
                  emulate=partial(head_variant, defect="emulate"),
                  about="decode_tail with a Q8_0 head (head_input='fp32'): gemm_q lanes32 on fp32(x*gamma), "
                        "in range, == emulation, VTP-invariant, certified")]
