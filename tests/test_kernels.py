@@ -2,7 +2,7 @@
 loader (the shared header in every cache key), one CPU probe, one dispatch, no C file with
 its own copy of the shared helpers. The kernels' hidden numbers are tested in their own
 files: the fused rows-tail kernel's float64 S / lse1 (debug export) and rows_tail.c's
-constants in test_rows_tail.py, body.c's exp32 constants in test_model.py, the exp64
+constants in test_rows_tail.py, body.c's exp32 constants in test_model_body.py, the exp64
 constants handed to C in test_rowmass.py."""
 from __future__ import annotations
 

@@ -19,7 +19,6 @@ Shape legend: R rows, V vocab, k candidates.
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -211,7 +211,7 @@ def linear_rows(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     and a 40-row one round differently (measured: M = 1, 2..15 and >= 16 are three
     families on this MKL). Feeding it only M = ROW_BLOCK makes a row's bytes independent
     of how many rows share the call and of its position among them: solo == in-batch.
-    That is a tested property of the BLAS at a fixed shape (tests/test_model.py), not a
+    That is a tested property of the BLAS at a fixed shape (tests/test_model_forward.py), not a
     declared order."""
     lead, n_in = y.shape[:-1], y.shape[-1]
     x = y.reshape(-1, n_in)  # [N, in]
