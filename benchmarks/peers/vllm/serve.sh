@@ -4,7 +4,7 @@
 #
 #     bash benchmarks/peers/vllm/serve.sh            start; prints the --peer-url line when healthy
 #     bash benchmarks/peers/vllm/serve.sh stop       stop it (kills its whole process group)
-#     .venv/bin/python benchmarks/bench_serve.py --peer-url http://127.0.0.1:8011 \
+#     .venv/bin/python -m lmtail.benchmarks.bench_serve --peer-url http://127.0.0.1:8011 \
 #         --peer-model HuggingFaceTB/SmolLM2-135M-Instruct
 #
 # (bench_serve.py appends /v1 itself: pass the bare http://HOST:PORT.)

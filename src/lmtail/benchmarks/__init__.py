@@ -3,7 +3,8 @@
 Every bench_<name>.py in this folder is one benchmark: a script that checks its arms agree and
 then times them A-B-B-A with lmtail.bench.abba, printing markdown tables. They ship inside the
 wheel (this is a package), so `lmtail bench` finds them in an installed lmtail as in a checkout;
-the checkout's benchmarks/bench_<name>.py are pointers that run these.
+this folder is their one home (the checkout's benchmarks/ holds only peers/, the peer engines'
+set-up). One script alone: `python -m lmtail.benchmarks.bench_<name> ARGS`.
 
     lmtail bench [--only NAME ...] [--quick] [--list] [--markdown] [--dir DIR]
 

@@ -2,7 +2,7 @@
 then the whole vocab-parallel decode_tail with batch_groups G = 1 / 2 / 4 and fence on/off;
 then decode_tail's two exchanges, exchange="candidates" vs "mirror".
 
-    python benchmarks/bench_exchange.py [--section all|exchange|overlap|candidates]
+    python -m lmtail.benchmarks.bench_exchange [--section all|exchange|overlap|candidates]
         exchange:   [--gbs 32 --v 201088 --vtp 2 4 --rounds 8]
         overlap:    [--ov-gbs 32 64 --ov-h 2880 --ov-vs 25136 --ov-k 256 --ov-rounds 8]
         candidates: [--cand-gbs 128 --cand-vtp 4 --cand-h 2880 --cand-vs 25136 --cand-k 256

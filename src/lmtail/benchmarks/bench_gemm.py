@@ -20,11 +20,11 @@ lm_head) at M = 1, 4 and 256 rows with the plain weight the model passes: torch 
 (base), torch bf16, "amx32 <b>" for every vector backend, and at M = 1 "read" (a torch sum
 over the weight's bytes: the read bandwidth at that size, cache included).
 
-    .venv/bin/python benchmarks/bench_gemm.py                 # gbs 1 8 32 128 + full vocab
-    .venv/bin/python benchmarks/bench_gemm.py --quick         # a smoke run
-    .venv/bin/python benchmarks/bench_gemm.py --gbs 128 --rounds 9 --no-full-vocab
-    .venv/bin/python benchmarks/bench_gemm.py --model-shapes --threads 1   # the model's shapes
-    .venv/bin/python benchmarks/bench_gemm.py --threads 2 --no-full-vocab --base "torch bf16" \
+    .venv/bin/python -m lmtail.benchmarks.bench_gemm                 # gbs 1 8 32 128 + full vocab
+    .venv/bin/python -m lmtail.benchmarks.bench_gemm --quick         # a smoke run
+    .venv/bin/python -m lmtail.benchmarks.bench_gemm --gbs 128 --rounds 9 --no-full-vocab
+    .venv/bin/python -m lmtail.benchmarks.bench_gemm --model-shapes --threads 1   # the model's shapes
+    .venv/bin/python -m lmtail.benchmarks.bench_gemm --threads 2 --no-full-vocab --base "torch bf16" \
         --only "dp32 avx512bf16"        # VDPBF16PS (plain and packed) against torch's bf16 matmul
 """
 from __future__ import annotations

@@ -14,7 +14,7 @@ and metadata keys and their tokenizers give the same ids on a fixed text; then A
   llama.cpp          its load of the same file (Llama(model_path, n_ctx=512), mmap on), timed
                      in --peer-python's interpreter if it has llama_cpp; else a noted figure
 
-    python benchmarks/bench_load.py [--rounds 3] [--quick] [--peer-python PATH]
+    python -m lmtail.benchmarks.bench_load [--rounds 3] [--quick] [--peer-python PATH]
 
 Shape legend: none (seconds).
 """

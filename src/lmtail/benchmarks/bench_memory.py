@@ -12,7 +12,7 @@ generates `--tokens` greedy tokens for one chat prompt on one thread, and report
         for "file"; fp32 + bf16 + packed copies for "all"), counted from the bundle
 Resident weights = file + held; the issue's target is <= 1.1x the GGUF's size.
 
-    .venv/bin/python benchmarks/bench_memory.py [--tokens 16]
+    .venv/bin/python -m lmtail.benchmarks.bench_memory [--tokens 16]
 
 Arms: "q32 / file" (generate()'s default: load_model(weights="file")) and "declared / all"
 (the seed's bf16 body on load_model(), for scale). Linux only (/proc/self/smaps).

@@ -6,7 +6,7 @@ Arms alternate (A B B A, lmtail.bench.abba) after a check: the two bodies are di
 numerics, so they must agree on the greedy next token (fp32 logits) of every row; the
 prefill lengths of one body are checked to reproduce the one-shot bytes chunk by chunk.
 
-    .venv/bin/python benchmarks/bench_model.py [--rows 4] [--steps 8] [--rounds 3] [--threads 1]
+    .venv/bin/python -m lmtail.benchmarks.bench_model [--rows 4] [--steps 8] [--rounds 3] [--threads 1]
 
 The comparison with Hugging Face transformers lives in benchmarks/peers/hf/bench.py.
 Shape legend: B rows, P prompt tokens, H hidden, V vocab.

@@ -1,7 +1,7 @@
 """Speed of the glue ops against a plain torch composition of the same math, A-B-B-A in one
 process.
 
-    .venv/bin/python benchmarks/bench_norms.py [--rounds 6] [--threads 1] [--quick]
+    .venv/bin/python -m lmtail.benchmarks.bench_norms [--rounds 6] [--threads 1] [--quick]
 
 Per case, base "torch" (the composition) and arm "lmtail" (the op). The two sum in
 different orders, so before timing each arm's outputs are checked against float64 ideals

@@ -9,7 +9,7 @@ outside = step time - time inside those calls. Times are the calling thread's CP
 are printed too. The wrapper itself costs two clock reads per call, counted outside (so the
 figure is an upper bound; the call count is printed to size it).
 
-    .venv/bin/python benchmarks/bench_overhead.py [--steps 64] [--rounds 5] [--threads 1]
+    .venv/bin/python -m lmtail.benchmarks.bench_overhead [--steps 64] [--rounds 5] [--threads 1]
 
 Runs on any lmtail tree (it finds the libraries by walking the loaded ctypes objects), so
 the same script measures a tree before and after a change.

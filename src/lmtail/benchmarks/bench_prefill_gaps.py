@@ -1,7 +1,7 @@
 """Does a long prompt stall the streams beside it? `lmtail serve`'s inter-token gaps before
 and while a 2,048-token prompt is prefilled, chunked (the engine's schedule) vs whole.
 
-    .venv/bin/python benchmarks/bench_prefill_gaps.py [--streams 4] [--prompt-tokens 2048]
+    .venv/bin/python -m lmtail.benchmarks.bench_prefill_gaps [--streams 4] [--prompt-tokens 2048]
         [--rounds 1] [--quick]
 
 Two servers run as child processes on 127.0.0.1 (ephemeral ports, --max-batch 8, the

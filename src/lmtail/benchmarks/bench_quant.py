@@ -22,12 +22,12 @@ declaration, gemm_bf16 inside gemm_range of its own (on the bf16 weight), torch 
 gamma_fp32(K) * sum|a w|. The summary gives each arm's time relative to gemm_q (< 1: faster
 than gemm_q) and gemm_q's bytes/s of weight next to the read arm's.
 
-    .venv/bin/python benchmarks/bench_quant.py                  # all cases, 7 rounds
-    .venv/bin/python benchmarks/bench_quant.py --quick          # M = 1 and 16, 3 rounds
-    .venv/bin/python benchmarks/bench_quant.py --m 1 4 --threads 1 --rounds 9
-    .venv/bin/python benchmarks/bench_quant.py --cpu-time      # 1 thread, CPU time (loaded machine)
+    .venv/bin/python -m lmtail.benchmarks.bench_quant                  # all cases, 7 rounds
+    .venv/bin/python -m lmtail.benchmarks.bench_quant --quick          # M = 1 and 16, 3 rounds
+    .venv/bin/python -m lmtail.benchmarks.bench_quant --m 1 4 --threads 1 --rounds 9
+    .venv/bin/python -m lmtail.benchmarks.bench_quant --cpu-time      # 1 thread, CPU time (loaded machine)
     git show e9ca336:src/lmtail/kernels/quant/gemm_q.c > /tmp/old_gemm_q.c
-    .venv/bin/python benchmarks/bench_quant.py --against /tmp/old_gemm_q.c --m 1 4 16 --rounds 15
+    .venv/bin/python -m lmtail.benchmarks.bench_quant --against /tmp/old_gemm_q.c --m 1 4 16 --rounds 15
 """
 from __future__ import annotations
 

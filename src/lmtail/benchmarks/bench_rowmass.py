@@ -8,8 +8,8 @@ torch backend's before timing. Two scales: 1.0 (the call every row makes; the C 
 skips the division for a power of two) and 0.7 (a temperature: a real division). Ratio =
 median paired time / torch's (< 1: faster than torch).
 
-    .venv/bin/python benchmarks/bench_rowmass.py             # R = 128, V = 25136
-    .venv/bin/python benchmarks/bench_rowmass.py --r 8 128 --rounds 7
+    .venv/bin/python -m lmtail.benchmarks.bench_rowmass             # R = 128, V = 25136
+    .venv/bin/python -m lmtail.benchmarks.bench_rowmass --r 8 128 --rounds 7
 """
 from __future__ import annotations
 

@@ -15,9 +15,9 @@ fused's top-k == torch.topk's values bitwise; the sort sampler's first 256 sorte
 truncated (fp32 softmax vs the declared float64 one: near-ties may differ). Ratio = median paired time / torch.topk's (< 1: faster).
 Peak memory: the extra resident peak of one call in a fresh process, beyond the rows.
 
-    .venv/bin/python benchmarks/bench_rows_tail.py                 # the full table
-    .venv/bin/python benchmarks/bench_rows_tail.py --gbs 128 --v 201088 --rounds 7
-    .venv/bin/python benchmarks/bench_rows_tail.py --quick         # a smoke run
+    .venv/bin/python -m lmtail.benchmarks.bench_rows_tail                 # the full table
+    .venv/bin/python -m lmtail.benchmarks.bench_rows_tail --gbs 128 --v 201088 --rounds 7
+    .venv/bin/python -m lmtail.benchmarks.bench_rows_tail --quick         # a smoke run
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Throughput and time to first token of `lmtail serve` under 1, 4 and 16 concurrent clients.
 
-    .venv/bin/python benchmarks/bench_serve.py [--requests-per-client 3] [--max-tokens 32]
+    .venv/bin/python -m lmtail.benchmarks.bench_serve [--requests-per-client 3] [--max-tokens 32]
         [--clients 1,4,16] [--url http://127.0.0.1:8000] [--peer-url URL --peer-model NAME]
 
 Without --url the lmtail server runs in this process (uvicorn on 127.0.0.1, an ephemeral

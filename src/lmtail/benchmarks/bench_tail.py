@@ -1,7 +1,7 @@
 """decode_tail vs torch's fp32 matmul on pre-widened weights, A-B-B-A in one process.
 
-    python benchmarks/bench_tail.py [--gbs 128 --h 2880 --v 25136 --k 256 --rounds 7] [--quick]
-    python benchmarks/bench_tail.py --stages [--gbs 1 8 32 128] [--orders amx32 dp32]
+    python -m lmtail.benchmarks.bench_tail [--gbs 128 --h 2880 --v 25136 --k 256 --rounds 7] [--quick]
+    python -m lmtail.benchmarks.bench_tail --stages [--gbs 1 8 32 128] [--orders amx32 dp32]
 
 Arms (base: torch):
   torch   xa @ w32: the GEMM alone, bf16 inputs widened to fp32 beforehand (outside timing)

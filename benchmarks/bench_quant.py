@@ -1,7 +1,0 @@
-"""Pointer: this benchmark ships inside the package, as src/lmtail/benchmarks/bench_quant.py
-(so `lmtail bench` finds it in an installed wheel too). Running this file runs that script
-with the same arguments: `python benchmarks/bench_quant.py ARGS` = `lmtail bench --only quant`
-with ARGS."""
-import runpy
-
-runpy.run_module("lmtail.benchmarks.bench_quant", run_name="__main__", alter_sys=True)
