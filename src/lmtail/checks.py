@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -120,3 +122,40 @@ def nan_policy(ids: torch.Tensor, has_nan: torch.Tensor, all_nan: torch.Tensor, 
 def _first_rows(idx: torch.Tensor, n: int = 8) -> str:
     idx = idx.tolist()
     return str(idx[:n]) + (f" and {len(idx) - n} more" if len(idx) > n else "")
+
+
+# ---------------------------------------------------------------------------------------
+# command-line file arguments
+# ---------------------------------------------------------------------------------------
+def writable_file(flag: str, path) -> None:
+    """ValueError naming flag unless `path` can be written as a file: tried, not inferred from
+    permission bits (root passes os.access on read-only mounts such as /proc): the file is
+    opened for append (nothing truncated) and, if this call created it, removed again."""
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    if p.is_dir():
+        raise ValueError(f"{flag}: expected a file path, got the folder {str(p)!r}")
+    if not parent.is_dir():
+        raise ValueError(f"{flag}: the folder {str(parent)!r} of {str(p)!r} does not exist")
+    existed = p.exists()
+    try:
+        with open(p, "a"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot write {str(p)!r} ({e.strerror})") from None
+    if not existed:
+        p.unlink()
+
+
+def writable_dir(flag: str, path: Path) -> None:
+    """ValueError naming flag unless `path` is, or is now made as, a folder a file can be
+    written in: the folder is created (parents too) and a probe file written and removed."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{flag}: expected a folder, got the file {str(p)!r}")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=p):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot write {str(p)!r} ({e.strerror})") from None

@@ -19,7 +19,7 @@ import math
 import sys
 import time
 
-from ..receipts.receipt import writable_file
+from ..checks import writable_file
 from .harness import GATES, Config, fmt_margin
 
 RANKS = (0, 2, 4, 8)  # --ranks: 0 skips the ranks gate; the others are the worlds rank_layouts supports

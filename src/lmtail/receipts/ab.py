@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .receipt import writable_file
+from ..checks import writable_file
 
 HIGHER_SUFFIXES = ("per_s", "tok_s", "throughput")
 DEFAULT_TOL = 0.02  # a paired ratio within 2% of 1 counts as level (neither arm wins the round)

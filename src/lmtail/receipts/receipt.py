@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib
-import os
 import platform
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from ..checks import writable_dir
 
 DEFAULT_ARMS = ("chain", "amx32", "legacy", "contiguous", "placebo", "placebo_norm", "torch", "bf16x2")
 BUILTIN_ARMS = DEFAULT_ARMS[:-1] + ("tail", "bf16x2")  # every arm arms.default_arms() registers (a test holds it)
@@ -72,40 +72,6 @@ def parse_comparison(text: str):
     from .engine import Comparison
 
     return Comparison(*split_comparison(text))
-
-
-def writable_file(flag: str, path) -> None:
-    """ValueError naming flag unless `path` can be written as a file: tried, not inferred from
-    permission bits (root passes os.access on read-only mounts such as /proc): the file is
-    opened for append (nothing truncated) and, if this call created it, removed again."""
-    p = Path(path)
-    parent = p.parent if str(p.parent) else Path(".")
-    if p.is_dir():
-        raise ValueError(f"{flag}: expected a file path, got the folder {str(p)!r}")
-    if not parent.is_dir():
-        raise ValueError(f"{flag}: the folder {str(parent)!r} of {str(p)!r} does not exist")
-    existed = p.exists()
-    try:
-        with open(p, "a"):
-            pass
-    except OSError as e:
-        raise ValueError(f"{flag}: cannot write {str(p)!r} ({e.strerror})") from None
-    if not existed:
-        p.unlink()
-
-
-def writable_dir(flag: str, path: Path) -> None:
-    """ValueError naming flag unless `path` is, or is now made as, a folder a file can be
-    written in: the folder is created (parents too) and a probe file written and removed."""
-    p = Path(path)
-    if p.exists() and not p.is_dir():
-        raise ValueError(f"{flag}: expected a folder, got the file {str(p)!r}")
-    try:
-        p.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=p):
-            pass
-    except OSError as e:
-        raise ValueError(f"{flag}: cannot write {str(p)!r} ({e.strerror})") from None
 
 
 def arm_modules(names: list[str]) -> list:
