@@ -1,4 +1,7 @@
-"""`python -m lmtail.serve [options]`: the same as `lmtail serve`."""
-from .cli import main
+"""`python -m lmtail.serve [options]`: the same as `lmtail serve` (the top-level CLI's parser,
+checks and one-line errors)."""
+import sys
 
-raise SystemExit(main())
+from ..cli import main
+
+raise SystemExit(main(["serve", *sys.argv[1:]]))

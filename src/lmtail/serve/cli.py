@@ -202,10 +202,3 @@ class ThreadServer:
         self.server.should_exit = True
         self.thread.join(timeout)
         return not self.thread.is_alive()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`lmtail serve` on argv (the top-level CLI's parser, checks and one-line errors)."""
-    from ..cli import main as lmtail_main
-
-    return lmtail_main(["serve", *(sys.argv[1:] if argv is None else argv)])
