@@ -167,12 +167,12 @@ def test_ranks_1_2_4_same_text(bundle):
 # ---------------------------------------------------------------------------------------
 def test_generate_errors(bundle):
     cases = [
-        (dict(top_p=0), r"request 0: top_p must be in \(0, 1\]; got 0"),
-        (dict(temperature=-1), r"request 0: temperature must be >= 0; got -1"),
-        (dict(top_k=1.5), r"request 0: top_k must be an integer; got 1.5"),
-        (dict(params=[SP(seed=1), SP(u=1.0)], prompts=["a", "b"]), r"request 1: u must be in \[0, 1\); got 1.0"),
+        (dict(top_p=0), r"request 0: top_p must be in \(0, 1\]; got SamplingParams\(.*top_p=0,"),
+        (dict(temperature=-1), r"request 0: temperature must be >= 0; got SamplingParams\(.*temperature=-1,"),
+        (dict(top_k=1.5), r"request 0: top_k must be a whole number; got SamplingParams\(top_k=1.5,"),
+        (dict(params=[SP(seed=1), SP(u=1.0)], prompts=["a", "b"]), r"request 1: u must be in \[0, 1\); got SamplingParams\(.*u=1.0\)"),
         (dict(params=[SP(seed=1), SP()], prompts=["a", "b"]), r"request 1: .*neither"),
-        (dict(params=[SP(seed=1, u=0.5)]), r"request 0: give either seed or u, not both"),
+        (dict(params=[SP(seed=1, u=0.5)]), r"request 0: give either seed \(\+ position\) or u, not both"),
         (dict(params=[SP(seed=1), SP(seed=2)]), r"one SamplingParams per prompt \(1\); got 2"),
         (dict(max_new_tokens=0), r"max_new_tokens must be >= 1; got 0"),
         (dict(seed=[1, 2, 3], prompts=["a", "b"]), r"one per prompt \(2\); got 3"),

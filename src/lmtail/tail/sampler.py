@@ -151,16 +151,13 @@ def _request_row(i: int, p, pos) -> list[float]:
     if p.seed is not None:
         need(is_int(pos) and 0 <= pos < 1 << 63,
              f"positions[{i}] must be an int in [0, 2**63) (request {i} has a seed); got {pos!r}")
-    fields = {"top_k": p.top_k, "top_p": p.top_p, "temperature": p.temperature, "min_p": p.min_p,
-              "u": DEFAULT_U if p.u is None else p.u}
+    fields = {c: (DEFAULT_U if p.u is None else p.u) if c == "u" else getattr(p, c) for c in SAMPLING_COLUMNS}
     for name, v in fields.items():
         if not is_real(v):
             raise ValueError(f"request {i}: {name} must be a real number (not bool); got {v!r}")
     u = float(draw_u(seed_int64(p.seed), int(pos))) if p.seed is not None else float(fields["u"])
-    try:
-        row = {"top_k": float(p.top_k), "top_p": float(p.top_p), "temperature": float(p.temperature), "u": u,
-               "min_p": float(p.min_p)}
-        return [row[c] for c in SAMPLING_COLUMNS]
+    try:  # every column but u is the SamplingParams field of its name
+        return [u if c == "u" else float(getattr(p, c)) for c in SAMPLING_COLUMNS]
     except OverflowError:
         raise ValueError(f"request {i}: a field is too large for fp32; got {p}") from None
 
