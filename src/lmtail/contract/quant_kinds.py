@@ -22,14 +22,12 @@ from functools import partial
 import numpy as np
 import torch
 
-from ..kernels.quant.gemm_q import QuantWeight, gemm_q, gemm_q_decl
+from ..kernels.quant.gemm_q import FORMATS, QuantWeight, gemm_q, gemm_q_decl
 from ..numerics import Decl
 from ..reference.contract import range_margin
 from ..reference.gemm import in_range
 from ..reference.quant import gemm_q_emulation, gemm_q_range
 from .harness import Case, Control, Kind, Verdict, diff_outputs, half_depth
-
-FORMATS = ("Q8_0", "Q4_1")
 
 
 # ---------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from ..kernels.gemm.bf16 import PackedWeight, pack_weight
-from ..kernels.quant.gemm_q import QuantWeight
+from ..kernels.quant.gemm_q import FORMATS, QuantWeight
 from .gguf_read import GGUFFile, read_gguf
 from .tokenizer import ChatTokenizer, build_tokenizer
 
@@ -186,8 +186,8 @@ def _quant_linears_at(path: str, cfg: LlamaConfig) -> tuple[QuantLinears, ...]:
         if name not in tensors:
             raise ValueError(f"GGUF tensor {name!r} missing")
         kind = tensors[name].tensor_type.name
-        if kind not in ("Q4_1", "Q8_0"):
-            raise ValueError(f"GGUF tensor {name} must be Q4_1 or Q8_0 for the quant body; got {kind}")
+        if kind not in FORMATS:
+            raise ValueError(f"GGUF tensor {name} must be one of {FORMATS} for the quant body; got {kind}")
         w = QuantWeight.from_gguf(tensors[name])  # [out, in], the file's bytes
         if w.shape != shape:
             raise ValueError(f"GGUF tensor {name} must be {shape}; got {w.shape}")
@@ -322,8 +322,8 @@ def load_model(path: str | None = None, *, weights: str = "all") -> ModelBundle:
     def lin(name, shape):
         return get(name, shape) if weights == "all" else None
 
-    if "token_embd.weight" not in tensors or tensors["token_embd.weight"].tensor_type.name not in ("Q8_0", "Q4_1"):
-        raise ValueError("GGUF tensor 'token_embd.weight' must be present as Q8_0 or Q4_1")
+    if "token_embd.weight" not in tensors or tensors["token_embd.weight"].tensor_type.name not in FORMATS:
+        raise ValueError(f"GGUF tensor 'token_embd.weight' must be present as one of {FORMATS}")
     embed_q = QuantWeight.from_gguf(tensors["token_embd.weight"])  # [V, H], the file's bytes
     if embed_q.shape != (V, H):
         raise ValueError(f"GGUF tensor token_embd.weight must be {(V, H)}; got {embed_q.shape}")
