@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def registry_problems(records) -> list[str]:
     """What is wrong with a list of OpSpec records (empty: nothing)."""
-    bad, seen, seen_ctl = [], {}, {}
+    bad, seen = [], {}
     for spec in records:
         if not spec.kinds:
             bad.append(f"{spec.name}: no contract kind")
@@ -29,10 +29,6 @@ def registry_problems(records) -> list[str]:
             if k in seen:
                 bad.append(f"kind {k} in both {seen[k]} and {spec.name}")
             seen[k] = spec.name
-        for c in spec.controls:
-            if c in seen_ctl:
-                bad.append(f"control {c} in both {seen_ctl[c]} and {spec.name}")
-            seen_ctl[c] = spec.name
         for what, rel in (("test", spec.test), ("bench", spec.bench)):
             if not (ROOT / rel).is_file():
                 bad.append(f"{spec.name}: {what} file {rel} missing")
@@ -80,15 +76,14 @@ def test_every_kind_and_control_comes_from_exactly_one_record():
     kinds, ctls = walk()
     named = [k for s in ops.OPS for k in s.kinds]
     assert sorted(named) == sorted(kinds) and len(set(named)) == len(named)
-    named_ctl = [c for s in ops.OPS for c in s.controls]
-    assert sorted(named_ctl) == sorted(c.name for c in ctls)
-    for c in ctls:
-        assert c.kind in ops.owner_of_kind(c.kind).kinds and c.name in ops.owner_of_kind(c.kind).controls
+    assert len({c.name for c in ctls}) == len(ctls) and all(c.kind in kinds for c in ctls)
+    order = [ops.OPS.index(ops.owner_of_kind(c.kind)) for c in ctls]
+    assert order == sorted(order), "controls come in record order, each with its kind's op"
 
 
 def test_walk_refuses_an_unnamed_or_unknown_kind(monkeypatch):
     """Planted: a record dropped (its kinds become orphans), a kind that no module builds,
-    a control moved to another record."""
+    a control planted in a kind no record names."""
     from lmtail.contract import walk
 
     real = ops.OPS
@@ -99,10 +94,13 @@ def test_walk_refuses_an_unnamed_or_unknown_kind(monkeypatch):
                                           for s in real))
     with pytest.raises(ValueError, match=r"names contract kind 'body.nope', which no kind module builds"):
         walk()
-    moved = tuple(replace(s, controls=s.controls + ("body.exp32.libm",)) if s.name == "silu_mul" else
-                  replace(s, controls=tuple(c for c in s.controls if c != "body.exp32.libm")) for s in real)
-    monkeypatch.setattr(ops, "OPS", moved)
-    with pytest.raises(ValueError, match=r"planted in 'body.exp32', not one of its kinds"):
+    from lmtail.contract import body_kinds
+
+    real_controls = body_kinds.body_controls
+    orphan = lambda: real_controls() + [replace(real_controls()[0], name="body.orphan", kind="body.gone")]  # noqa: E731
+    monkeypatch.setattr(ops, "OPS", real)
+    monkeypatch.setattr(body_kinds, "body_controls", orphan)
+    with pytest.raises(ValueError, match=r"the kinds of controls \['body.orphan'\]"):
         walk()
 
 

@@ -17,7 +17,8 @@ from .harness import Config, Control, Kind, run_control, run_kind, select
 def registry(*, kinds: str | None = None):
     """({name: Kind}, [Control]) for the kinds matching `kinds` (comma-separated fnmatch
     patterns or substrings; None: all) and the controls planted in those kinds, in the
-    order of lmtail.ops.OPS (each record names its kinds and controls; see `walk`)."""
+    order of lmtail.ops.OPS (each record names its kinds; its controls are those planted in
+    them; see `walk`)."""
     all_kinds, ctls = walk()
     names = select(all_kinds, kinds)
     chosen = {n: all_kinds[n] for n in names}
@@ -26,9 +27,9 @@ def registry(*, kinds: str | None = None):
 
 def walk():
     """Every kind and control, walked from the op registry: ({name: Kind}, [Control]) in
-    record order. ValueError if a record names a kind or control no module builds, a
-    kind module builds one no record names, or a record's control sits on another
-    record's kind (one op, one home)."""
+    record order (an op's controls are the ones planted in its kinds; each control names its
+    kind once, in its kind module). ValueError if a record names a kind no module builds,
+    or a kind module builds a kind (or a control on a kind) no record names."""
     from ..ops import OPS
     from .body_kinds import body_controls, body_kinds
     from .exchange_kinds import exchange_controls, exchange_kinds
@@ -50,14 +51,12 @@ def walk():
             if name not in built:
                 raise ValueError(f"op {spec.name!r} names contract kind {name!r}, which no kind module builds")
             kinds[name] = built.pop(name)
-        for name in spec.controls:
-            c = built_ctl.pop(name, None)
-            if c is None or c.kind not in spec.kinds:
-                raise ValueError(f"op {spec.name!r} names control {name!r}: "
-                                 + ("not built" if c is None else f"planted in {c.kind!r}, not one of its kinds"))
-            ctls.append(c)
+        for c in list(built_ctl.values()):  # the op's controls: those planted in its kinds
+            if c.kind in spec.kinds:
+                ctls.append(built_ctl.pop(c.name))
     if built or built_ctl:
-        raise ValueError(f"no op record names kinds {sorted(built)} / controls {sorted(built_ctl)}")
+        raise ValueError(f"no op record names kinds {sorted(built)}"
+                         + (f" / the kinds of controls {sorted(built_ctl)}" if built_ctl else ""))
     return kinds, ctls
 
 
