@@ -77,7 +77,7 @@ def machine_report() -> dict:
              else "compiled here at first use")
     return {"cpu": _verify.cpu_model(), "machine": platform.machine(),
             "features": sorted(cpu.features()), "compiler": compiler,
-            "cache": str(_cc._cache_dir()), "kernels": built, "torch": torch.__version__,
+            "cache": str(_cc.cache_dir()), "kernels": built, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 

@@ -84,7 +84,7 @@ def stop_processes(procs, *, settle_s: float) -> bool:
     return clean
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     """Bind this rank's life to its launcher's: on Linux the kernel SIGKILLs it when the
     launching process dies, however that dies (prctl PR_SET_PDEATHSIG); and if the
     launcher is already gone (it died before the prctl), exit now."""
@@ -97,7 +97,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _child(fn, rank, nprocs, backend, port, args, pg_timeout_s, threads, conn, parent_pid):
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     ok = False
     try:
         if threads is not None:

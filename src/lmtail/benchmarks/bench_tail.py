@@ -92,11 +92,11 @@ def tail_stages(x, gamma, w, sp, cfg: TailConfig) -> tuple[list[float], object]:
         t.append(time.perf_counter())
         merged = candidates.merge(part, k=cfg.k)
         t.append(time.perf_counter())
-        out = tail_mod._owned_candidates(merged, sp, cfg, logits, v)
+        out = tail_mod.owned_candidates(merged, sp, cfg, logits, v)
     else:
         mirror = logits.to(torch.bfloat16)  # [gbs, V]
         t.append(time.perf_counter())
-        out = tail_mod._owned_tail(mirror, sp, cfg, logits)
+        out = tail_mod.owned_tail(mirror, sp, cfg, logits)
     t.append(time.perf_counter())
     return [b - a for a, b in zip(t, t[1:])], out
 

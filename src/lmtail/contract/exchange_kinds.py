@@ -74,7 +74,7 @@ def exchange_decl_of(data) -> Decl:
     return Decl(f"{t.op} + {c.op}", t.rounding_points + c.rounding_points, t.sums + c.sums)
 
 
-def _cfg(data) -> TailConfig:
+def tail_config(data) -> TailConfig:
     return TailConfig(eps=data["eps"], hidden_actual=data["h_u"], zero_interleaved_pad=data["interleaved"],
                       k=data["k"], deferred_rms=data["deferred"], nan_fold=data["nan_fold"], debug_taps=True,
                       gemm_order=lk.gemm_order_of(data), exchange="candidates",
@@ -93,7 +93,7 @@ def run_exchange(data) -> dict:
     the same bytes through VTP shards in one process)."""
     if data.get("vtp", 1) != 1:
         return exchange_variant(data)
-    out = decode_tail(data["x"], data["gamma"], data["w"], sampling_params=data["sp"], config=_cfg(data))
+    out = decode_tail(data["x"], data["gamma"], data["w"], sampling_params=data["sp"], config=tail_config(data))
     return _flat(out)
 
 
@@ -138,7 +138,7 @@ def exchange_variant(data, defect=None, vtp=None) -> dict:
     k - 1 / k real keys, the rest pads), "combine_out_of_order" (the chunk terms combined
     in hop_transposed_order)."""
     x, w, sp = data["x"], data["w"], data["sp"]
-    cfg = _cfg(data)
+    cfg = tail_config(data)
     v, k, nf = head_shard_width(w), data["k"], data["nan_fold"]
     vtp = data.get("vtp") or vtp or _default_vtp(v)
     validate_tail_inputs(x, data["gamma"], w, sp, cfg, vocab_size=v)

@@ -104,7 +104,7 @@ def head_variant(data, defect=None) -> dict:
     "shard_strided" (rank r's rows r::VTP instead of r V_s .. (r+1) V_s). defect=None
     gives the real op's bytes."""
     w, vtp = data["w"], data.get("vtp", 1)
-    validate_tail_inputs(data["x"], data["gamma"], w, data["sp"], ex._cfg(data), vocab_size=w.shape[0])
+    validate_tail_inputs(data["x"], data["gamma"], w, data["sp"], ex.tail_config(data), vocab_size=w.shape[0])
     g, rms = _norm(data)
     if defect == "a_bf16":
         g = g.to(torch.bfloat16).to(torch.float32)

@@ -53,7 +53,7 @@ EMULATE_HEADER = Path(__file__).with_name("lmtail_emulate.h")
 SIMDE_VERSION_FILE = Path("simde") / "simde-common.h"  # holds SIMDE_VERSION
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lmtail"
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -147,7 +147,7 @@ def library_path(source: Path, cc: str, version: str, *, emulated: bool = False)
     key = hashlib.sha256(Path(source).read_bytes() + b"\0" + HEADER.read_bytes()
                          + repr((version, cc, FLAGS + extra, platform.machine())).encode() + extra_key)
     stem = Path(source).stem + ("-emu" if emulated else "")
-    return _cache_dir() / f"{stem}-{key.hexdigest()[:16]}.so"
+    return cache_dir() / f"{stem}-{key.hexdigest()[:16]}.so"
 
 
 def load_c_library(source: Path, *, emulated: bool = False) -> ctypes.CDLL:

@@ -116,7 +116,7 @@ def cache_key(table) -> str:
 
 
 def cache_file(table, cache_dir: Path | None = None) -> Path:
-    root = Path(cache_dir) if cache_dir is not None else _cc._cache_dir()
+    root = Path(cache_dir) if cache_dir is not None else _cc.cache_dir()
     slug = "".join(ch if ch.isalnum() else "_" for ch in table.op)
     return root / "verdicts" / f"{slug}-{cache_key(table)}.json"
 

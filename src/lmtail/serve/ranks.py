@@ -23,7 +23,7 @@ RankOut's rows are the bytes of decode_tail(x, gamma, w, sampling_params=sp) on 
 (tests/test_serve.py: an Engine(ranks=2) vs Engine(ranks=1), every token and logprob bit).
 
 Lifetime: a rank exits on a stop command, on EOF of its pipe (the server closed it or
-died), on a failed collective, and by PR_SET_PDEATHSIG (launch._die_with_parent) when the
+died), on a failed collective, and by PR_SET_PDEATHSIG (launch.die_with_parent) when the
 server process dies however it dies. One RankTail per process at a time (it owns the
 default process group; a second is a RuntimeError).
 
@@ -80,9 +80,9 @@ def _rank_step(rank: int, n: int, xp, spp, gamma, w, config: TailConfig, timeout
 def _worker(rank, n, port, gamma, w, config, timeout, conn, parent_pid, threads):
     """Rank `rank` (>= 1): join the group, then serve tail commands from the pipe until a
     stop command, EOF or a failed collective."""
-    from ..launch import _die_with_parent
+    from ..launch import die_with_parent
 
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     code = 0
     try:
         torch.set_num_threads(threads)

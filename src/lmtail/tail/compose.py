@@ -442,7 +442,7 @@ def check_nan_rows(rows_bf16: torch.Tensor, *, nan_fold: bool, only: torch.Tenso
     nan_policy(ids, nan.any(dim=1), nan.all(dim=1), nan_fold=nan_fold)
 
 
-def _owned_candidates(merged, sampling_params, cfg: TailConfig, logits, v: int) -> TailOutput:
+def owned_candidates(merged, sampling_params, cfg: TailConfig, logits, v: int) -> TailOutput:
     """The owned rows' tail on merged candidates (lmtail.tail.candidates): fp32 top-k, and with
     sampling_params the NaN policy from the NaN counts, then the sampler on fp32 values.
     taps (debug_taps): the merged row statistics (outside value, masses, NaN counts)."""
@@ -461,7 +461,7 @@ def _owned_candidates(merged, sampling_params, cfg: TailConfig, logits, v: int) 
                       logprobs=lp, truncated=tr, lse=lse, taps=taps)
 
 
-def _owned_tail(rows_bf16, sampling_params, cfg: TailConfig, logits) -> TailOutput:
+def owned_tail(rows_bf16, sampling_params, cfg: TailConfig, logits) -> TailOutput:
     """The owned rows' tail: rows_tail with the sampler's NaN policy (check_nan_rows)."""
     out = rows_tail_unchecked(rows_bf16, k=cfg.k, sampling_params=sampling_params, nan_fold=cfg.nan_fold,
                               debug_taps=cfg.debug_taps, path=cfg.tail_path, nan_policy=True)
@@ -561,8 +561,8 @@ def decode_tail(hidden_states, gamma, lm_head_weight_t, *, eps: float = 1e-5,
         part = candidates.shard_partials(logits, col0=0, v=v, k=cfg.k, nan_fold=cfg.nan_fold, sp=sampling_params)
         # one rank: the ranks' wire (candidates.pack -> unpack, vtp=1) is the identity on every
         # byte a returned output reads (tests/test_candidates.py proves it), so it is skipped
-        return _owned_candidates(candidates.merge(part, k=cfg.k), sampling_params, cfg, logits, v)
-    return _owned_tail(logits.to(torch.bfloat16), sampling_params, cfg, logits)
+        return owned_candidates(candidates.merge(part, k=cfg.k), sampling_params, cfg, logits, v)
+    return owned_tail(logits.to(torch.bfloat16), sampling_params, cfg, logits)
 
 
 _OPTION_NAMES = frozenset(f.name for f in fields(TailConfig))  # decode_tail's keywords that are TailConfig's
@@ -675,7 +675,7 @@ def _decode_tail_ranks(hidden_states, gamma, lm_head_weight_t, sampling_params, 
                                   batch_groups=batch_groups, fence=fence, timeout=timeout)
     assert recv.shape == (gbs // vtp, head_shard_width(lm_head_weight_t) * vtp), "received [R, V]"
     logits = kept[0] if len(kept) == 1 else torch.cat(kept, dim=0)  # [gbs, V_s]
-    return _owned_tail(recv, sampling_params, cfg, logits)
+    return owned_tail(recv, sampling_params, cfg, logits)
 
 
 def _candidates_ranks(a, rms, lm_head_weight_t, sampling_params, cfg, *, group, parent, hops, batch_groups,
@@ -706,4 +706,4 @@ def _candidates_ranks(a, rms, lm_head_weight_t, sampling_params, cfg, *, group, 
                                   fence=fence, timeout=timeout)  # [R, VTP*B]
     part = candidates.unpack(recv, vtp=vtp, k=cfg.k, sp=sampling_params)
     logits = kept[0] if len(kept) == 1 else torch.cat(kept, dim=0)  # [gbs, V_s]
-    return _owned_candidates(candidates.merge(part, k=cfg.k), sampling_params, cfg, logits, v)
+    return owned_candidates(candidates.merge(part, k=cfg.k), sampling_params, cfg, logits, v)
