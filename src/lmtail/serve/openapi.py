@@ -4,21 +4,26 @@ fields clients send), their responses and OpenAI's error shape, /v1/models and /
 Every body the server accepts is valid here (a fuzzer's negative cases must be refused);
 a few valid ones are still refused by rules a schema does not say (prompt + max_tokens
 past the context, top_p that is 0.0 in fp32, top_logprobs without logprobs).
-Written by hand beside protocol.py (tests/test_serve_hardening.py checks that every
-FIELDS name is in it and fuzzes the server from it with schemathesis).
+Written beside protocol.py; the range fields come from FIELDS' own checks (each carries its
+schema), so a field's range is spelled once. tests/test_serve_hardening.py checks that every
+FIELDS name is in it and fuzzes the server from it with schemathesis.
 
 Shape legend: none (JSON values).
 """
 from __future__ import annotations
 
-from .protocol import INT64, LOGIT_BIAS_RANGE, MAX_LOGPROBS, MAX_STOP
+from .protocol import BOTH, FIELDS, LOGIT_BIAS_RANGE, MAX_LOGPROBS, MAX_STOP, number_schema
 
 
 def _num(lo, hi, *, lo_open=False, nullable=True) -> dict:
-    d = {"type": "number", "minimum": lo, "maximum": hi, "nullable": nullable}
-    if lo_open:
-        d["exclusiveMinimum"] = True
-    return d
+    return number_schema(lo, hi, lo_open=lo_open, nullable=nullable)
+
+
+def _ranged() -> dict:
+    """Both endpoints' fields whose FIELDS check carries its schema (temperature, top_p,
+    min_p, seed, the penalties, ...): their ranges as protocol checks them, written once."""
+    return {name: check.schema for name, (where, check) in FIELDS.items()
+            if where == BOTH and hasattr(check, "schema")}
 
 
 def _common(k: int, context: int, max_n: int) -> dict:
@@ -27,20 +32,14 @@ def _common(k: int, context: int, max_n: int) -> dict:
                       {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP}],
             "nullable": True}
     return {
+        **_ranged(),
         "model": {"type": "string"},
         "max_tokens": {"type": "integer", "minimum": 1, "maximum": context - 1, "nullable": True},
-        "temperature": _num(0, 2),
-        "top_p": _num(0, 1, lo_open=True),
         "top_k": {"type": "integer", "minimum": -1, "maximum": k, "nullable": True},
-        "min_p": _num(0, 1),
-        "seed": {"type": "integer", "minimum": INT64[0], "maximum": INT64[1], "nullable": True},
         "stop": stop,
         "stream": {"type": "boolean", "nullable": True},
         "n": {"type": "integer", "minimum": 1, "maximum": max_n, "nullable": True},
         "user": {"type": "string", "nullable": True},
-        "presence_penalty": _num(-2, 2),
-        "frequency_penalty": _num(-2, 2),
-        "repetition_penalty": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "nullable": True},
         # keys: decimal token ids in [0, V) (a rule this schema does not say: other keys are a 400)
         "logit_bias": {"type": "object", "additionalProperties": _num(*LOGIT_BIAS_RANGE, nullable=False),
                        "nullable": True},

@@ -178,6 +178,24 @@ def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def number_schema(lo, hi, *, lo_open=False, nullable=True) -> dict:
+    """The OpenAPI schema of a number in [lo, hi] ((lo, hi] with lo_open); hi = inf: no
+    maximum (JSON has no infinity)."""
+    d = {"type": "number", "minimum": lo, "nullable": nullable}
+    if hi != math.inf:
+        d["maximum"] = hi
+    if lo_open:
+        d["exclusiveMinimum"] = True
+    return d
+
+
+def _with_schema(check, schema: dict):
+    """A field check that also carries its OpenAPI schema (openapi.py builds the request
+    bodies' range fields from FIELDS through it: a field's range is written once)."""
+    check.schema = schema
+    return check
+
+
 def _num_in(lo, hi, *, lo_open=False):
     def check(name, v):
         if v is None:
@@ -186,7 +204,7 @@ def _num_in(lo, hi, *, lo_open=False):
         if not ok:
             raise bad(name, f"a number in {'(' if lo_open else '['}{lo}, {hi}]", v)
         return float(v)
-    return check
+    return _with_schema(check, number_schema(lo, hi, lo_open=lo_open))
 
 
 def _int_in(lo, hi):
@@ -196,7 +214,7 @@ def _int_in(lo, hi):
         if not (_is_int(v) and lo <= v <= hi):
             raise bad(name, f"an integer in [{lo}, {hi}]", v)
         return v
-    return check
+    return _with_schema(check, {"type": "integer", "minimum": lo, "maximum": hi, "nullable": True})
 
 
 def _bool(name, v):
@@ -236,7 +254,7 @@ def _penalty(lo: float, hi: float, *, lo_open: bool = False):
             raise ApiError(400, f"{name} must be > 0 and finite in fp32 (the tail's dtype); got {v!r}, which is "
                                 f"{_fp32_or_inf(float(v))!r} in fp32", param=name)
         return float(v)
-    return check
+    return _with_schema(check, number_schema(lo, hi, lo_open=lo_open))
 
 
 def _fp32_or_inf(x: float) -> float:
