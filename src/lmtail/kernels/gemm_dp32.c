@@ -42,6 +42,8 @@ enum { NT_DIRECT = 1024 };
 /* VDPBF16PS (dp_strip): at most DP_GMAX groups of 32 columns per strip, chunks of DP_KC lanes,
  * tiles of DP_NT1 columns for M <= 2 (a multiple of the strip widths 192 and 96), else NT. */
 enum { DP_GMAX = 6, DP_KC = 128, DP_NT1 = 960 };
+/* VDPBF16PS with M > 6 (dpb_*): column tiles of DPB_W columns, chunks of DPB_KC lanes */
+enum { DPB_W = 64, DPB_KC = 256 };
 /* Threads per call: each thread gets at least MIN_WEIGHT weight elements (256 KiB) */
 enum { MIN_WEIGHT = 1 << 17 };
 
@@ -439,6 +441,167 @@ static BF16 void dp_panel(const job_t *j, int64_t k0, int64_t kc, int64_t c0, ui
     }
 }
 
+/* ---- M > 6 on VDPBF16PS: column tiles of DPB_W = 64 columns over the whole K (dpb_*) ----
+ * Tile t (columns [c0, c0+64), c0 = 64t) for all M rows:
+ *   1. dpb_panel: the tile's weight as VNNI pairs over all Kp lanes, once, in natural column
+ *      order: pp[(i/2)*128 + 32q + 2c + e] = w[i+e, c0 + 16q + c] (q = 0..3 the 16-column
+ *      quarters, c = 0..15, e = 0 the even lane, 1 the odd), 0 at or past H or V. Plain
+ *      layout: two rows interleaved with vpermt2w; packed: the pair row copied as it is (its
+ *      words are already these). Kp*128 bytes (368 KiB at H = 2880: in L2).
+ *   2. dpb_rows: row tiles of R = 3..6 rows (M split as evenly as can be); per block of 32
+ *      lanes, for each row: t = +0, 16 VDPBF16PS over the pairs in order (odd lane then
+ *      even, DAZ, FTZ: the instruction), then acc = acc + t (vaddps, MXCSR FTZ|DAZ), acc
+ *      parked in a [R, 64] buffer that stays in L1 over all blocks: the declared steps,
+ *      the same words in the same lanes as every other path.
+ *   3. acc copied to out, NaN canonical, columns at or past V masked off.
+ * While the row tiles run, each block prefetches (into L2) a share of the weight rows of
+ * the tile this thread takes next (claimed one ahead in worker), so dpb_panel reads L2,
+ * not memory, and the weight's reads overlap the VDPBF16PS. */
+typedef struct { /* the next tile's weight lines, spread over this tile's blocks */
+    const char *base;  /* NULL: none */
+    int64_t stride;    /* bytes between rows (plain: a row of w; packed: a pair row) */
+    int64_t rows, lines, per_block; /* rows to fetch, 64-byte lines per row, rows per block */
+} dpb_pf;
+
+/* The vpermt2w indices: even row's word c and odd row's word c interleaved, c in the low
+ * (q = 0) or high (q = 1) 16 columns of a group of 32. */
+static BF16 __m512i dpb_idx(int hi) {
+    uint16_t x[32];
+    for (int c = 0; c < 16; ++c) {
+        x[2 * c] = (uint16_t)(16 * hi + c);
+        x[2 * c + 1] = (uint16_t)(32 + 16 * hi + c);
+    }
+    return _mm512_loadu_si512((const void *)x);
+}
+
+static BF16 void dpb_panel(const job_t *j, int64_t c0, uint16_t *pp) {
+    const int64_t H = j->H, ldw = j->ldw, np = j->Kp / 2;
+    if (j->packed) {
+        const int64_t ld = 2 * j->Vp;
+        const int in0 = c0 < j->Vp, in1 = c0 + 32 < j->Vp; /* groups inside Vp (Vp: 32k) */
+        for (int64_t q = 0; q < np; ++q) {
+            const uint16_t *src = j->w + q * ld + 2 * c0;
+            uint16_t *dst = pp + q * 128;
+            for (int g = 0; g < 2; ++g) {
+                const int in = g ? in1 : in0;
+                const __m512i x0 = in ? _mm512_loadu_si512((const void *)(src + 64 * g)) : _mm512_setzero_si512();
+                const __m512i x1 = in ? _mm512_loadu_si512((const void *)(src + 64 * g + 32)) : _mm512_setzero_si512();
+                _mm512_store_si512((void *)(dst + 64 * g), x0);
+                _mm512_store_si512((void *)(dst + 64 * g + 32), x1);
+            }
+        }
+        return;
+    }
+    const __m512i lo = dpb_idx(0), hi = dpb_idx(1);
+    __mmask32 cm[2];
+    for (int g = 0; g < 2; ++g) {
+        const int64_t left = j->V - (c0 + 32 * g);
+        cm[g] = left >= 32 ? 0xFFFFFFFFu : left <= 0 ? 0 : (__mmask32)((1u << left) - 1);
+    }
+    const int whole = cm[1] == 0xFFFFFFFFu;
+    for (int64_t q = 0; q < np; ++q) {
+        const int64_t i = 2 * q;
+        const uint16_t *p = j->w + i * ldw + c0;
+        uint16_t *dst = pp + q * 128;
+        const int inside = whole && i + 1 < H;
+        for (int g = 0; g < 2; ++g) {
+            const __m512i x0 = inside ? _mm512_loadu_si512((const void *)(p + 32 * g))
+                                      : _mm512_maskz_loadu_epi16(i < H ? cm[g] : 0, p + 32 * g);
+            const __m512i x1 = inside ? _mm512_loadu_si512((const void *)(p + ldw + 32 * g))
+                                      : _mm512_maskz_loadu_epi16(i + 1 < H ? cm[g] : 0, p + ldw + 32 * g);
+            _mm512_store_si512((void *)(dst + 64 * g), _mm512_permutex2var_epi16(x0, lo, x1));
+            _mm512_store_si512((void *)(dst + 64 * g + 32), _mm512_permutex2var_epi16(x0, hi, x1));
+        }
+    }
+}
+
+/* ESTIMATE (llvm-mca, not a measurement) of the pair loop below (one pair: 4 panel loads,
+ * R broadcasts, 4R VDPBF16PS), gcc 12 -O3, R = 6: see the note under dpb_rows. */
+static inline __attribute__((always_inline)) BF16 void
+dpb_rows(const int R, const uint16_t *pp, const uint16_t *a, int64_t lda, int64_t nb, float *acc,
+         int first, dpb_pf pf, int64_t pf_row) {
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512 t[6][4];
+        for (int r = 0; r < R; ++r)
+            for (int q = 0; q < 4; ++q) t[r][q] = _mm512_setzero_ps();
+        const uint16_t *pb = pp + b * 16 * 128;
+        const uint16_t *ab = a + 32 * b;
+        for (int64_t i = 0; i < 16; ++i) {
+            const __m512bh w0 = (__m512bh)_mm512_load_si512((const void *)(pb + 128 * i));
+            const __m512bh w1 = (__m512bh)_mm512_load_si512((const void *)(pb + 128 * i + 32));
+            const __m512bh w2 = (__m512bh)_mm512_load_si512((const void *)(pb + 128 * i + 64));
+            const __m512bh w3 = (__m512bh)_mm512_load_si512((const void *)(pb + 128 * i + 96));
+            for (int r = 0; r < R; ++r) {
+                uint32_t pair;
+                memcpy(&pair, ab + r * lda + 2 * i, 4); /* (a[2i], a[2i+1]): the odd lane is high */
+                const __m512bh av = (__m512bh)_mm512_set1_epi32((int)pair);
+                t[r][0] = _mm512_dpbf16_ps(t[r][0], av, w0);
+                t[r][1] = _mm512_dpbf16_ps(t[r][1], av, w1);
+                t[r][2] = _mm512_dpbf16_ps(t[r][2], av, w2);
+                t[r][3] = _mm512_dpbf16_ps(t[r][3], av, w3);
+            }
+        }
+        for (int r = 0; r < R; ++r)
+            for (int q = 0; q < 4; ++q) {
+                float *cq = acc + r * DPB_W + 16 * q;
+                const __m512 prev = first && b == 0 ? _mm512_setzero_ps() : _mm512_load_ps(cq);
+                _mm512_store_ps(cq, _mm512_add_ps(prev, t[r][q]));
+            }
+        if (pf.base) /* this block's share of the next tile's weight rows */
+            for (int64_t k = pf_row + b * pf.per_block, e = k + pf.per_block; k < e && k < pf.rows; ++k)
+                for (int64_t l = 0; l < pf.lines; ++l) _mm_prefetch(pf.base + k * pf.stride + 64 * l, _MM_HINT_T1);
+    }
+}
+
+typedef void (*dpb_fn)(const uint16_t *, const uint16_t *, int64_t, int64_t, float *, int, dpb_pf, int64_t);
+#define DPB_N(R)                                                                                        \
+    static BF16 __attribute__((noinline)) void dpb_##R(const uint16_t *pp, const uint16_t *a, int64_t lda, \
+                                                       int64_t nb, float *acc, int first, dpb_pf pf, int64_t pf_row) { \
+        dpb_rows(R, pp, a, lda, nb, acc, first, pf, pf_row);                                                   \
+    }
+DPB_N(3) DPB_N(4) DPB_N(5) DPB_N(6)
+static const dpb_fn DPB[7] = {0, 0, 0, dpb_3, dpb_4, dpb_5, dpb_6};
+
+/* rows [m, m+R) of acc [R, 64] -> out, NaN canonical, columns < V only */
+static BF16 void dpb_store(const job_t *j, const float *acc, int64_t m, int64_t R, int64_t c0) {
+    const __m512 qnan = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000));
+    for (int q = 0; q < 4; ++q) {
+        const int64_t left = j->V - (c0 + 16 * q);
+        const __mmask16 cm = left >= 16 ? 0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+        if (!cm) break;
+        for (int64_t r = 0; r < R; ++r) {
+            const __m512 x = _mm512_load_ps(acc + r * DPB_W + 16 * q);
+            const __m512 y = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), qnan);
+            _mm512_mask_storeu_ps(j->out + (m + r) * j->ldc + c0 + 16 * q, cm, y);
+        }
+    }
+}
+
+/* Tile t (M > 6): the panel, then the row tiles; `next` the tile this thread takes next
+ * (>= ntiles: none), whose weight rows the row tiles prefetch. */
+static void tile_dpb(const job_t *j, int64_t t, int64_t next, uint16_t *pp, float *acc) {
+    const int64_t c0 = t * DPB_W, M = j->M, nb = j->Kp / 32, tiles = (M + 5) / 6;
+    dpb_panel(j, c0, pp);
+    dpb_pf pf = {0};
+    if (next < j->ntiles) {
+        const int64_t n0 = next * DPB_W;
+        pf.base = j->packed ? (const char *)(j->w + 2 * n0) : (const char *)(j->w + n0);
+        pf.stride = 2 * (j->packed ? 2 * j->Vp : j->ldw);
+        pf.rows = j->packed ? j->Kp / 2 : j->H;
+        pf.lines = j->packed ? 4 : 2;
+        pf.per_block = (pf.rows + tiles * nb - 1) / (tiles * nb);
+    }
+    for (int64_t k0 = 0, u = 0; k0 < j->Kp; k0 += DPB_KC) { /* chunks of lanes: a's slice stays in L2 */
+        const int64_t nbc = (j->Kp - k0 < DPB_KC ? j->Kp - k0 : DPB_KC) / 32;
+        for (int64_t q = 0, m = 0; q < tiles; ++q, u += nbc) { /* rows m .. m+R-1 */
+            const int64_t R = (M - m) / (tiles - q) + ((M - m) % (tiles - q) != 0);
+            DPB[R](pp + k0 * 64, j->ab + m * j->Kp + k0, j->Kp, nbc, acc + m * DPB_W, k0 == 0, pf, u * pf.per_block);
+            m += R;
+        }
+    }
+    dpb_store(j, acc, 0, M, c0);
+}
+
 /* Tile t on VDPBF16PS: rows in tiles of R (M <= 2: one; else 3..6 rows, as even as can be),
  * per chunk of DP_KC lanes: strips of 32*G columns, row tiles inside (a strip's chunk of w
  * stays in L1 over the row tiles); acc [M, ldacc] in dp_col order, copied to out at the end. */
@@ -479,8 +642,12 @@ static void tile_dp(const job_t *j, int64_t t, float *acc, int64_t ldacc, uint16
 /* ---------------------------------------------------------------- one tile */
 /* Tile t: all M rows x columns [c0, c0+nc), nc <= nt. panel: KC*sw fp32 (or the bf16 pair
  * panel); acc [M, nt] fp32: the tile's acc, copied to out (NaN canonical) at the end. */
-static void tile(const job_t *j, int64_t t, void *panel, float *acc) {
+static void tile(const job_t *j, int64_t t, int64_t next, void *panel, float *acc) {
 #if defined(__x86_64__)
+    if (j->isa == ISA_BF16 && j->nt == DPB_W) {
+        tile_dpb(j, t, next, (uint16_t *)panel, acc);
+        return;
+    }
     if (j->isa == ISA_BF16) {
         tile_dp(j, t, acc, j->nt + 32 * DP_GMAX, (uint16_t *)panel);
         return;
@@ -530,13 +697,17 @@ static void *worker(void *arg) {
     const unsigned csr = lmtail_mxcsr_pin(j->isa == ISA_C ? LMTAIL_MXCSR_IEEE : LMTAIL_MXCSR_FTZ_DAZ);
     void *panel = NULL;
     float *acc = NULL;
-    int ok = !posix_memalign(&panel, 64, sizeof(float) * KC * 32) &&
+    const int64_t np = j->isa == ISA_BF16 && j->nt == DPB_W ? j->Kp * 128 : (int64_t)sizeof(float) * KC * 32;
+    int ok = !posix_memalign(&panel, 64, np) &&
              !posix_memalign((void **)&acc, 64, sizeof(float) * j->M * (j->nt + 32 * DP_GMAX));
-    while (ok) { /* a worker without buffers takes no tile; the others take them all */
-        const int64_t t = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
-        if (t >= j->ntiles) break;
-        tile(j, t, panel, acc);
+    /* a worker without buffers takes no tile; the others take them all. Each tile is claimed
+     * one ahead, so the one in hand knows the next (tile_dpb prefetches its weight). */
+    int64_t t = ok ? __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED) : j->ntiles;
+    while (t < j->ntiles) {
+        const int64_t next = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+        tile(j, t, next, panel, acc);
         __atomic_fetch_add(&j->done, 1, __ATOMIC_RELAXED);
+        t = next;
     }
     lmtail_mxcsr_restore(csr);
     free(panel);
@@ -568,7 +739,8 @@ int lmtail_dp32_gemm(const uint16_t *a, int64_t lda, const uint16_t *w, int64_t 
     j.w = w; j.packed = packed; j.ldw = ldw; j.Vp = (V + 31) / 32 * 32;
     j.out = out; j.M = M; j.H = H; j.Kp = Kp; j.V = V; j.ldc = ldc; j.isa = isa;
     j.sw = isa == ISA_AVX2 || isa == ISA_BF16 ? 16 : 32;
-    j.nt = isa == ISA_AVX2 && M < MR ? NT_DIRECT : isa == ISA_BF16 && M <= 2 ? DP_NT1 : NT;
+    j.nt = isa == ISA_AVX2 && M < MR ? NT_DIRECT : isa == ISA_BF16 && M <= 2 ? DP_NT1
+         : isa == ISA_BF16 && M > 6 ? DPB_W : NT;
     j.ntiles = (V + j.nt - 1) / j.nt;
     float *aw = NULL;
     uint16_t *ab = NULL;
