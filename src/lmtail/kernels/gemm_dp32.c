@@ -42,8 +42,11 @@ enum { NT_DIRECT = 1024 };
 /* VDPBF16PS (dp_strip): at most DP_GMAX groups of 32 columns per strip, chunks of DP_KC lanes,
  * tiles of DP_NT1 columns for M <= 2 (a multiple of the strip widths 192 and 96), else NT. */
 enum { DP_GMAX = 6, DP_KC = 128, DP_NT1 = 960 };
-/* VDPBF16PS with M > 6 (dpb_*): column tiles of DPB_W columns, chunks of DPB_KC lanes */
-enum { DPB_W = 64, DPB_KC = 256 };
+/* VDPBF16PS with M > 6 packed, M > DPB_PLAIN_M plain (dpb_*): column tiles of DPB_W columns,
+ * chunks of DPB_KC lanes, row tiles of at most DPB_R rows. Plain weights with 7..32 rows stay
+ * on dp_strip's 256-column tiles (their panel reads each weight row in 128-byte runs at 64
+ * columns; measured on Zen 4, 1 thread, ms of CPU: M = 8 23.6 there vs 25.9, M = 32 equal). */
+enum { DPB_W = 64, DPB_KC = 256, DPB_R = 3, DPB_PF_TILES = 16, DPB_PLAIN_M = 32 };
 /* Threads per call: each thread gets at least MIN_WEIGHT weight elements (256 KiB) */
 enum { MIN_WEIGHT = 1 << 17 };
 
@@ -474,14 +477,14 @@ static BF16 __m512i dpb_idx(int hi) {
     return _mm512_loadu_si512((const void *)x);
 }
 
-static BF16 void dpb_panel(const job_t *j, int64_t c0, uint16_t *pp) {
-    const int64_t H = j->H, ldw = j->ldw, np = j->Kp / 2;
+static BF16 void dpb_panel(const job_t *j, int64_t c0, int64_t k0, int64_t kc, uint16_t *pp) {
+    const int64_t H = j->H, ldw = j->ldw, np = kc / 2, q0 = k0 / 2;
     if (j->packed) {
         const int64_t ld = 2 * j->Vp;
         const int in0 = c0 < j->Vp, in1 = c0 + 32 < j->Vp; /* groups inside Vp (Vp: 32k) */
-        for (int64_t q = 0; q < np; ++q) {
+        for (int64_t q = q0; q < q0 + np; ++q) {
             const uint16_t *src = j->w + q * ld + 2 * c0;
-            uint16_t *dst = pp + q * 128;
+            uint16_t *dst = pp + (q - q0) * 128;
             for (int g = 0; g < 2; ++g) {
                 const int in = g ? in1 : in0;
                 const __m512i x0 = in ? _mm512_loadu_si512((const void *)(src + 64 * g)) : _mm512_setzero_si512();
@@ -499,10 +502,10 @@ static BF16 void dpb_panel(const job_t *j, int64_t c0, uint16_t *pp) {
         cm[g] = left >= 32 ? 0xFFFFFFFFu : left <= 0 ? 0 : (__mmask32)((1u << left) - 1);
     }
     const int whole = cm[1] == 0xFFFFFFFFu;
-    for (int64_t q = 0; q < np; ++q) {
+    for (int64_t q = q0; q < q0 + np; ++q) {
         const int64_t i = 2 * q;
         const uint16_t *p = j->w + i * ldw + c0;
-        uint16_t *dst = pp + q * 128;
+        uint16_t *dst = pp + (q - q0) * 128;
         const int inside = whole && i + 1 < H;
         for (int g = 0; g < 2; ++g) {
             const __m512i x0 = inside ? _mm512_loadu_si512((const void *)(p + 32 * g))
@@ -515,13 +518,14 @@ static BF16 void dpb_panel(const job_t *j, int64_t c0, uint16_t *pp) {
     }
 }
 
-/* ESTIMATE (llvm-mca, not a measurement) of the pair loop below (one pair: 4 panel loads,
- * R broadcasts, 4R VDPBF16PS), gcc 12 -O3, R = 6: see the note under dpb_rows. */
 static inline __attribute__((always_inline)) BF16 void
 dpb_rows(const int R, const uint16_t *pp, const uint16_t *a, int64_t lda, int64_t nb, float *acc,
          int first, dpb_pf pf, int64_t pf_row) {
+    __m512 s[DPB_R][4]; /* acc of the R rows x 64 columns, in registers over the chunk */
+    for (int r = 0; r < R; ++r)
+        for (int q = 0; q < 4; ++q) s[r][q] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + r * DPB_W + 16 * q);
     for (int64_t b = 0; b < nb; ++b) {
-        __m512 t[6][4];
+        __m512 t[DPB_R][4];
         for (int r = 0; r < R; ++r)
             for (int q = 0; q < 4; ++q) t[r][q] = _mm512_setzero_ps();
         const uint16_t *pb = pp + b * 16 * 128;
@@ -542,15 +546,13 @@ dpb_rows(const int R, const uint16_t *pp, const uint16_t *a, int64_t lda, int64_
             }
         }
         for (int r = 0; r < R; ++r)
-            for (int q = 0; q < 4; ++q) {
-                float *cq = acc + r * DPB_W + 16 * q;
-                const __m512 prev = first && b == 0 ? _mm512_setzero_ps() : _mm512_load_ps(cq);
-                _mm512_store_ps(cq, _mm512_add_ps(prev, t[r][q]));
-            }
-        if (pf.base) /* this block's share of the next tile's weight rows */
+            for (int q = 0; q < 4; ++q) s[r][q] = _mm512_add_ps(s[r][q], t[r][q]); /* acc = acc + t */
+        if (pf.base) /* this block's share of the next chunk's weight lines */
             for (int64_t k = pf_row + b * pf.per_block, e = k + pf.per_block; k < e && k < pf.rows; ++k)
                 for (int64_t l = 0; l < pf.lines; ++l) _mm_prefetch(pf.base + k * pf.stride + 64 * l, _MM_HINT_T1);
     }
+    for (int r = 0; r < R; ++r)
+        for (int q = 0; q < 4; ++q) _mm512_store_ps(acc + r * DPB_W + 16 * q, s[r][q]);
 }
 
 typedef void (*dpb_fn)(const uint16_t *, const uint16_t *, int64_t, int64_t, float *, int, dpb_pf, int64_t);
@@ -559,47 +561,60 @@ typedef void (*dpb_fn)(const uint16_t *, const uint16_t *, int64_t, int64_t, flo
                                                        int64_t nb, float *acc, int first, dpb_pf pf, int64_t pf_row) { \
         dpb_rows(R, pp, a, lda, nb, acc, first, pf, pf_row);                                                   \
     }
-DPB_N(3) DPB_N(4) DPB_N(5) DPB_N(6)
-static const dpb_fn DPB[7] = {0, 0, 0, dpb_3, dpb_4, dpb_5, dpb_6};
+DPB_N(1) DPB_N(2) DPB_N(3)
+static const dpb_fn DPB[DPB_R + 1] = {0, dpb_1, dpb_2, dpb_3};
 
-/* rows [m, m+R) of acc [R, 64] -> out, NaN canonical, columns < V only */
-static BF16 void dpb_store(const job_t *j, const float *acc, int64_t m, int64_t R, int64_t c0) {
+/* acc [M, ldacc] (columns c0 ..) -> out, NaN canonical, columns < V only */
+static BF16 void dpb_store(const job_t *j, const float *acc, int64_t ldacc, int64_t M, int64_t c0) {
     const __m512 qnan = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000));
-    for (int q = 0; q < 4; ++q) {
-        const int64_t left = j->V - (c0 + 16 * q);
+    for (int64_t c = 0; c < ldacc; c += 16) {
+        const int64_t left = j->V - (c0 + c);
         const __mmask16 cm = left >= 16 ? 0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
         if (!cm) break;
-        for (int64_t r = 0; r < R; ++r) {
-            const __m512 x = _mm512_load_ps(acc + r * DPB_W + 16 * q);
+        for (int64_t r = 0; r < M; ++r) {
+            const __m512 x = _mm512_load_ps(acc + r * ldacc + c);
             const __m512 y = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), qnan);
-            _mm512_mask_storeu_ps(j->out + (m + r) * j->ldc + c0 + 16 * q, cm, y);
+            _mm512_mask_storeu_ps(j->out + r * j->ldc + c0 + c, cm, y);
         }
     }
 }
 
-/* Tile t (M > 6): the panel, then the row tiles; `next` the tile this thread takes next
- * (>= ntiles: none), whose weight rows the row tiles prefetch. */
-static void tile_dpb(const job_t *j, int64_t t, int64_t next, uint16_t *pp, float *acc) {
-    const int64_t c0 = t * DPB_W, M = j->M, nb = j->Kp / 32, tiles = (M + 5) / 6;
-    dpb_panel(j, c0, pp);
+/* The packed weight's lines of chunk [k0, k0+kc) of tile t (its pair rows, 4 lines each),
+ * spread over `blocks` blocks; t >= ntiles: none. */
+static dpb_pf dpb_prefetch(const job_t *j, int64_t t, int64_t k0, int64_t blocks) {
     dpb_pf pf = {0};
-    if (next < j->ntiles) {
-        const int64_t n0 = next * DPB_W;
-        pf.base = j->packed ? (const char *)(j->w + 2 * n0) : (const char *)(j->w + n0);
-        pf.stride = 2 * (j->packed ? 2 * j->Vp : j->ldw);
-        pf.rows = j->packed ? j->Kp / 2 : j->H;
-        pf.lines = j->packed ? 4 : 2;
-        pf.per_block = (pf.rows + tiles * nb - 1) / (tiles * nb);
-    }
-    for (int64_t k0 = 0, u = 0; k0 < j->Kp; k0 += DPB_KC) { /* chunks of lanes: a's slice stays in L2 */
-        const int64_t nbc = (j->Kp - k0 < DPB_KC ? j->Kp - k0 : DPB_KC) / 32;
-        for (int64_t q = 0, m = 0; q < tiles; ++q, u += nbc) { /* rows m .. m+R-1 */
+    if (t >= j->ntiles) return pf;
+    const int64_t kc = j->Kp - k0 < DPB_KC ? j->Kp - k0 : DPB_KC, c0 = t * j->nt;
+    const int64_t nc = j->Vp - c0 < j->nt ? j->Vp - c0 : j->nt;
+    pf.base = (const char *)(j->w + (k0 / 2) * 2 * j->Vp + 2 * c0);
+    pf.stride = 4 * j->Vp, pf.rows = kc / 2, pf.lines = nc / 16;
+    pf.per_block = (pf.rows + blocks - 1) / blocks;
+    return pf;
+}
+
+/* Tile t (M > 6): columns [c0, c0 + 64), chunk by chunk of DPB_KC lanes: the chunk's panel,
+ * then the row tiles. acc [M, 64]. With a packed weight and at most DPB_PF_TILES row tiles
+ * (too few VDPBF16PS per chunk to hide the reads), the row tiles prefetch the next chunk's
+ * lines (this tile's, or the first chunk of `next`, the tile this thread takes next;
+ * >= ntiles: none). Measured on Zen 4, 1 thread, ms of CPU (min of 10, A B B A): packed
+ * M = 8 12.4 with it, 20.1 without; M = 128 100.0 / 103.8; plain M = 32 48.4 / 44.5. */
+static void tile_dpb(const job_t *j, int64_t t, int64_t next, uint16_t *pp, float *acc) {
+    const int64_t c0 = t * DPB_W, M = j->M, tiles = (M + DPB_R - 1) / DPB_R;
+    const int pfon = j->packed && tiles <= DPB_PF_TILES;
+    for (int64_t k0 = 0; k0 < j->Kp; k0 += DPB_KC) {
+        const int64_t kc = j->Kp - k0 < DPB_KC ? j->Kp - k0 : DPB_KC, nbc = kc / 32;
+        dpb_panel(j, c0, k0, kc, pp);
+        dpb_pf pf = {0};
+        if (pfon)
+            pf = k0 + DPB_KC < j->Kp ? dpb_prefetch(j, t, k0 + DPB_KC, tiles * nbc)
+                                     : dpb_prefetch(j, next, 0, tiles * nbc);
+        for (int64_t q = 0, m = 0; q < tiles; ++q) { /* rows m .. m+R-1 */
             const int64_t R = (M - m) / (tiles - q) + ((M - m) % (tiles - q) != 0);
-            DPB[R](pp + k0 * 64, j->ab + m * j->Kp + k0, j->Kp, nbc, acc + m * DPB_W, k0 == 0, pf, u * pf.per_block);
+            DPB[R](pp, j->ab + m * j->Kp + k0, j->Kp, nbc, acc + m * DPB_W, k0 == 0, pf, q * nbc * pf.per_block);
             m += R;
         }
     }
-    dpb_store(j, acc, 0, M, c0);
+    dpb_store(j, acc, DPB_W, M, c0);
 }
 
 /* Tile t on VDPBF16PS: rows in tiles of R (M <= 2: one; else 3..6 rows, as even as can be),
@@ -697,7 +712,7 @@ static void *worker(void *arg) {
     const unsigned csr = lmtail_mxcsr_pin(j->isa == ISA_C ? LMTAIL_MXCSR_IEEE : LMTAIL_MXCSR_FTZ_DAZ);
     void *panel = NULL;
     float *acc = NULL;
-    const int64_t np = j->isa == ISA_BF16 && j->nt == DPB_W ? j->Kp * 128 : (int64_t)sizeof(float) * KC * 32;
+    const int64_t np = j->isa == ISA_BF16 && j->nt == DPB_W ? DPB_KC * 128 : (int64_t)sizeof(float) * KC * 32;
     int ok = !posix_memalign(&panel, 64, np) &&
              !posix_memalign((void **)&acc, 64, sizeof(float) * j->M * (j->nt + 32 * DP_GMAX));
     /* a worker without buffers takes no tile; the others take them all. Each tile is claimed
@@ -740,7 +755,7 @@ int lmtail_dp32_gemm(const uint16_t *a, int64_t lda, const uint16_t *w, int64_t 
     j.out = out; j.M = M; j.H = H; j.Kp = Kp; j.V = V; j.ldc = ldc; j.isa = isa;
     j.sw = isa == ISA_AVX2 || isa == ISA_BF16 ? 16 : 32;
     j.nt = isa == ISA_AVX2 && M < MR ? NT_DIRECT : isa == ISA_BF16 && M <= 2 ? DP_NT1
-         : isa == ISA_BF16 && M > 6 ? DPB_W : NT;
+         : isa == ISA_BF16 && M > (packed ? 6 : DPB_PLAIN_M) ? DPB_W : NT;
     j.ntiles = (V + j.nt - 1) / j.nt;
     float *aw = NULL;
     uint16_t *ab = NULL;
