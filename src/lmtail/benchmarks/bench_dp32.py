@@ -7,7 +7,8 @@ states, gamma [H] fp32.
 
 GEMM table, per M (base "torch bf16"; every cell = torch bf16's time / the arm's, > 1 = faster):
   "dp32 avx512bf16" / "... pk"   gemm_bf16(a, w | pw, order="dp32", backend="avx512bf16")
-  "dp32 avx512" / "... pk"       the FMA emulation of the same order (where asked: --emulation)
+  "dp32 avx512" / "... pk"       the FMA emulation of the same order (--emulation; also avx2),
+                                 or alone where the CPU lacks AVX512-BF16
   "torch bf16"                   a @ w (oneDNN; bf16 result)
   "torch fp32"                   a.float() @ w.float() (pre-widened weight)
 Checked before timing (bench_gemm.make_check): the dp32 arms bit-equal to each other and in
@@ -28,6 +29,7 @@ lmtail arms bitwise equal in every output; the naive tail's logits within the bf
 
     python -m lmtail.benchmarks.bench_dp32 --threads 2
     python -m lmtail.benchmarks.bench_dp32 --threads 1 --gbs 1 8 32 128 --rounds 7
+    python -m lmtail.benchmarks.bench_dp32 --quick          # a smoke run
 """
 from __future__ import annotations
 
@@ -122,14 +124,19 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads first")
     p.add_argument("--tail-gbs", type=int, default=128, help="the whole-tail case's rows (0: none)")
-    p.add_argument("--emulation", action="store_true", help="also the FMA emulation (dp32 avx512)")
+    p.add_argument("--emulation", action="store_true", help="also the FMA emulations (dp32 avx512, avx2)")
+    p.add_argument("--quick", action="store_true", help="gbs 1 and 8, V 4096, 3 rounds, tail gbs 8 (a smoke run)")
     args = p.parse_args()
+    if args.quick:
+        args.gbs, args.v, args.rounds, args.tail_gbs = [1, 8], 4096, 3, 8
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     have = available_backends("dp32")
-    backends = tuple(b for b in ("avx512bf16",) + (("avx512",) if args.emulation else ()) if b in have)
+    backends = tuple(b for b in ("avx512bf16",) + (("avx512", "avx2") if args.emulation else ()) if b in have)
+    if not backends:  # no AVX512-BF16: the table with the fastest emulation this CPU has
+        backends = tuple(b for b in ("avx512", "avx2", "c") if b in have)[:1]
     if not backends:
-        raise SystemExit(f"no dp32 vector backend here (have {have}); CPU: {' '.join(cpu.features())}")
+        raise SystemExit(f"no dp32 backend here (no C compiler?); CPU: {' '.join(cpu.features())}")
     print(f"# dp32 on the seed's tail shape: H={args.h} V_s={args.v} threads={torch.get_num_threads()} "
           f"backends={backends}; CPU flags: {' '.join(cpu.features())}")
     results, rows = {}, []
