@@ -29,7 +29,9 @@
  * register tiles. acc is parked in a per-thread [M, NT] buffer between blocks (an exact
  * fp32 store and load) and copied to out, NaN canonical, at the end of the tile. AVX2 with
  * fewer than MR rows reads the weight straight into registers, several strips at once
- * (direct_avx2), where the lanes are below H and the strips inside V.
+ * (direct_avx2), where the lanes are below H and the strips inside V. VDPBF16PS: dp_strip
+ * (M <= 6, and plain weights with M <= 32), dpb_* (more rows: 64-column tiles over all K,
+ * see there); every path's lanes hold the same words, so the same steps.
  */
 #include "lmtail_kernels.h"
 
@@ -518,6 +520,15 @@ static BF16 void dpb_panel(const job_t *j, int64_t c0, int64_t k0, int64_t kc, u
     }
 }
 
+/* ESTIMATE (llvm-mca, not a measurement) of the pair loop `for i` below as gcc 12 -O3 compiles
+ * it for R = 3 (4 panel loads, 3 vpbroadcastd, 12 VDPBF16PS, no spill), cycles per pair:
+ * mca-14 sapphirerapids 6.4, mca-19 sapphirerapids 24.1, mca-19 znver4 36.1 (mca-14 has no
+ * znver4 model and rejects AVX-512 under znver3). The models' VDPBF16PS zmm throughputs
+ * differ (2 per cycle; 1 per 2; 1 per 3). MEASURED on this Zen 4 (CPU time, 1 thread): the
+ * same loop alone 0.28-0.29 ns per VDPBF16PS (panel from L2, acc in registers), a bare loop
+ * of 24 independent VDPBF16PS 0.28-0.30 ns: the instruction's rate; in the whole GEMM at
+ * M = 128 (H = 2880, V = 25136) 0.35-0.39 ns (packed), the rest in the panel, the
+ * activations' and the weight's reads. */
 static inline __attribute__((always_inline)) BF16 void
 dpb_rows(const int R, const uint16_t *pp, const uint16_t *a, int64_t lda, int64_t nb, float *acc,
          int first, dpb_pf pf, int64_t pf_row) {
