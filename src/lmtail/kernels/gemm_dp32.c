@@ -62,6 +62,7 @@ typedef struct {
     float *out;
     int64_t M, H, Kp, V, ldc, sw, ntiles, nt; /* nt: columns per tile (NT or NT_DIRECT) */
     int isa;
+    int ahead;          /* claim each tile one ahead (tile_dpb prefetches the next one's lines) */
     int64_t next, done; /* next tile to take, tiles finished (atomic) */
 } job_t;
 
@@ -726,14 +727,15 @@ static void *worker(void *arg) {
     const int64_t np = j->isa == ISA_BF16 && j->nt == DPB_W ? DPB_KC * 128 : (int64_t)sizeof(float) * KC * 32;
     int ok = !posix_memalign(&panel, 64, np) &&
              !posix_memalign((void **)&acc, 64, sizeof(float) * j->M * (j->nt + 32 * DP_GMAX));
-    /* a worker without buffers takes no tile; the others take them all. Each tile is claimed
-     * one ahead, so the one in hand knows the next (tile_dpb prefetches its weight). */
+    /* a worker without buffers takes no tile; the others take them all. With j->ahead each
+     * tile is claimed one ahead, so the one in hand knows the next (tile_dpb prefetches its
+     * weight); only where there are many tiles per thread, so no thread idles for it. */
     int64_t t = ok ? __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED) : j->ntiles;
     while (t < j->ntiles) {
-        const int64_t next = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+        const int64_t next = j->ahead ? __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED) : j->ntiles;
         tile(j, t, next, panel, acc);
         __atomic_fetch_add(&j->done, 1, __ATOMIC_RELAXED);
-        t = next;
+        t = j->ahead ? next : __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
     }
     lmtail_mxcsr_restore(csr);
     free(panel);
@@ -786,6 +788,7 @@ int lmtail_dp32_gemm(const uint16_t *a, int64_t lda, const uint16_t *w, int64_t 
     const int64_t work = Kp * V / MIN_WEIGHT; /* each thread reads at least MIN_WEIGHT of w */
     if (nthreads > work) nthreads = work < 1 ? 1 : (int)work;
     if (nthreads > j.ntiles) nthreads = (int)j.ntiles;
+    j.ahead = isa == ISA_BF16 && j.nt == DPB_W && packed && j.ntiles >= 4 * (int64_t)nthreads;
     lmtail_parallel(worker, &j, nthreads);
     free(aw);
     free(ab);
