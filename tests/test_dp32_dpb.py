@@ -1,5 +1,5 @@
 """gemm_dp32.c's VDPBF16PS path for M > 6 rows on a packed weight and M > 32 on a plain one
-(dpb_*: 64-column tiles, chunks of 256 lanes, row tiles of 3 with the block sums kept in
+(dpb_*: 64-column tiles, chunks of 512 lanes, row tiles of 3 with the block sums kept in
 registers, the next chunk prefetched for packed weights with few row tiles): bit-equal to
 reference.gemm.gemm_dp32_emulation on odd shapes (M not a multiple of 3, H not a multiple
 of 32 or 256, V cutting a 64-column tile), several seeds, NaN / inf / subnormal inputs, both
@@ -19,10 +19,11 @@ from lmtail.kernels import gemm as G
 from lmtail.kernels.gemm import gemm_bf16, pack_weight
 from lmtail.reference import gemm as R
 
-# (M, H, V): 7..128 rows (3k, 3k+1, 3k+2), H = 61 (one masked block), 257 / 300 (a second
-# chunk that is partial), 600; V cutting a tile, one tile, several tiles
+# (M, H, V): 7..128 rows (3k, 3k+1, 3k+2), H = 61 (one masked block), 257 / 300 (one
+# partial chunk), 600 / 1100 (a second / third chunk that is partial); V cutting a tile, one
+# tile, several tiles
 DPB_SHAPES = [(7, 61, 65), (8, 300, 129), (10, 257, 64), (33, 600, 200), (34, 61, 1),
-              (47, 300, 130), (128, 257, 70)]
+              (47, 1100, 130), (128, 257, 70)]
 
 
 @pytest.mark.parametrize("shape", DPB_SHAPES)

@@ -48,7 +48,7 @@ enum { DP_GMAX = 6, DP_KC = 128, DP_NT1 = 960 };
  * chunks of DPB_KC lanes, row tiles of at most DPB_R rows. Plain weights with 7..32 rows stay
  * on dp_strip's 256-column tiles (their panel reads each weight row in 128-byte runs at 64
  * columns; measured on Zen 4, 1 thread, ms of CPU: M = 8 23.6 there vs 25.9, M = 32 equal). */
-enum { DPB_W = 64, DPB_KC = 256, DPB_R = 3, DPB_PF_TILES = 16, DPB_PLAIN_M = 32 };
+enum { DPB_W = 64, DPB_KC = 512, DPB_R = 3, DPB_PF_TILES = 16, DPB_PLAIN_M = 32 };
 /* Threads per call: each thread gets at least MIN_WEIGHT weight elements (256 KiB) */
 enum { MIN_WEIGHT = 1 << 17 };
 
@@ -447,23 +447,22 @@ static BF16 void dp_panel(const job_t *j, int64_t k0, int64_t kc, int64_t c0, ui
     }
 }
 
-/* ---- M > 6 on VDPBF16PS: column tiles of DPB_W = 64 columns over the whole K (dpb_*) ----
- * Tile t (columns [c0, c0+64), c0 = 64t) for all M rows:
- *   1. dpb_panel: the tile's weight as VNNI pairs over all Kp lanes, once, in natural column
- *      order: pp[(i/2)*128 + 32q + 2c + e] = w[i+e, c0 + 16q + c] (q = 0..3 the 16-column
+/* ---- many rows on VDPBF16PS (dpb_*): column tiles of DPB_W = 64 columns ----
+ * Tile t (columns [c0, c0+64), c0 = 64t) for all M rows, chunk by chunk of DPB_KC lanes:
+ *   1. dpb_panel: the chunk of the tile's weight as VNNI pairs in natural column order:
+ *      pp[((i-k0)/2)*128 + 32q + 2c + e] = w[i+e, c0 + 16q + c] (q = 0..3 the 16-column
  *      quarters, c = 0..15, e = 0 the even lane, 1 the odd), 0 at or past H or V. Plain
  *      layout: two rows interleaved with vpermt2w; packed: the pair row copied as it is (its
- *      words are already these). Kp*128 bytes (368 KiB at H = 2880: in L2).
- *   2. dpb_rows: row tiles of R = 3..6 rows (M split as evenly as can be); per block of 32
+ *      words are already these). DPB_KC*128 bytes.
+ *   2. dpb_rows: row tiles of R <= DPB_R rows (M split as evenly as can be); per block of 32
  *      lanes, for each row: t = +0, 16 VDPBF16PS over the pairs in order (odd lane then
- *      even, DAZ, FTZ: the instruction), then acc = acc + t (vaddps, MXCSR FTZ|DAZ), acc
- *      parked in a [R, 64] buffer that stays in L1 over all blocks: the declared steps,
- *      the same words in the same lanes as every other path.
- *   3. acc copied to out, NaN canonical, columns at or past V masked off.
- * While the row tiles run, each block prefetches (into L2) a share of the weight rows of
- * the tile this thread takes next (claimed one ahead in worker), so dpb_panel reads L2,
- * not memory, and the weight's reads overlap the VDPBF16PS. */
-typedef struct { /* the next tile's weight lines, spread over this tile's blocks */
+ *      even, DAZ, FTZ: the instruction), then acc = acc + t (vaddps, MXCSR FTZ|DAZ), acc in
+ *      registers over the chunk and parked in a [M, 64] buffer between chunks (an exact
+ *      store and load): the declared steps, the same words in the same lanes as every path.
+ *   3. at the tile's end acc is stored to out, NaN canonical, columns at or past V masked off.
+ * With a packed weight and few row tiles, each block prefetches (into L2) a share of the next
+ * chunk's lines (tile_dpb). */
+typedef struct { /* the next chunk's weight lines, spread over this chunk's blocks */
     const char *base;  /* NULL: none */
     int64_t stride;    /* bytes between rows (plain: a row of w; packed: a pair row) */
     int64_t rows, lines, per_block; /* rows to fetch, 64-byte lines per row, rows per block */
