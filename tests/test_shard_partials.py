@@ -161,10 +161,12 @@ def test_wide_and_uneven_chunks(backend):
 @pytest.mark.parametrize("backend", C_BACKENDS)
 def test_vector_block_edge_widths(backend):
     """Chunk widths around the vector paths' blocks (AVX2: 16 lanes, AVX-512: 32) and the
-    256 chains: 1, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 255, 256, 257, 288, 300."""
+    256 chains: 1, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 255, 256, 257, 288, 300; and
+    around the AVX-512 halving tree's powers of two (the chains it reads past act are +0.0)."""
     backend = backend_or_skip(backend)
     gen = torch.Generator().manual_seed(8)
-    widths = [1, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 255, 256, 257, 288, 300]
+    widths = [1, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 255, 256, 257, 288, 300,
+              2, 3, 5, 7, 8, 9, 65, 97, 127, 128, 129, 193]  # and around the halving tree's powers of two
     bounds = torch.tensor([0] + np.cumsum(widths).tolist(), dtype=torch.int64)
     x = edge_rows(6, int(bounds[-1]), gen, nan=True)
     for nan_fold in (True, False):

@@ -29,7 +29,9 @@
  * register tiles. acc is parked in a per-thread [M, NT] buffer between blocks (an exact
  * fp32 store and load) and copied to out, NaN canonical, at the end of the tile. AVX2 with
  * fewer than MR rows reads the weight straight into registers, several strips at once
- * (direct_avx2), where the lanes are below H and the strips inside V.
+ * (direct_avx2), where the lanes are below H and the strips inside V. VDPBF16PS: dp_strip
+ * (M <= 6, and plain weights with M <= 32), dpb_* (more rows: 64-column tiles over all K,
+ * see there); every path's lanes hold the same words, so the same steps.
  */
 #include "lmtail_kernels.h"
 
@@ -42,6 +44,11 @@ enum { NT_DIRECT = 1024 };
 /* VDPBF16PS (dp_strip): at most DP_GMAX groups of 32 columns per strip, chunks of DP_KC lanes,
  * tiles of DP_NT1 columns for M <= 2 (a multiple of the strip widths 192 and 96), else NT. */
 enum { DP_GMAX = 6, DP_KC = 128, DP_NT1 = 960 };
+/* VDPBF16PS with M > 6 packed, M > DPB_PLAIN_M plain (dpb_*): column tiles of DPB_W columns,
+ * chunks of DPB_KC lanes, row tiles of at most DPB_R rows. Plain weights with 7..32 rows stay
+ * on dp_strip's 256-column tiles (their panel reads each weight row in 128-byte runs at 64
+ * columns; measured on Zen 4, 1 thread, ms of CPU: M = 8 23.6 there vs 25.9, M = 32 equal). */
+enum { DPB_W = 64, DPB_KC = 512, DPB_R = 3, DPB_PF_TILES = 16, DPB_PLAIN_M = 32 };
 /* Threads per call: each thread gets at least MIN_WEIGHT weight elements (256 KiB) */
 enum { MIN_WEIGHT = 1 << 17 };
 
@@ -55,6 +62,7 @@ typedef struct {
     float *out;
     int64_t M, H, Kp, V, ldc, sw, ntiles, nt; /* nt: columns per tile (NT or NT_DIRECT) */
     int isa;
+    int ahead;          /* claim each tile one ahead (tile_dpb prefetches the next one's lines) */
     int64_t next, done; /* next tile to take, tiles finished (atomic) */
 } job_t;
 
@@ -439,6 +447,187 @@ static BF16 void dp_panel(const job_t *j, int64_t k0, int64_t kc, int64_t c0, ui
     }
 }
 
+/* ---- many rows on VDPBF16PS (dpb_*): column tiles of DPB_W = 64 columns ----
+ * Tile t (columns [c0, c0+64), c0 = 64t) for all M rows, chunk by chunk of DPB_KC lanes:
+ *   1. dpb_panel: the chunk of the tile's weight as VNNI pairs in natural column order:
+ *      pp[((i-k0)/2)*128 + 32q + 2c + e] = w[i+e, c0 + 16q + c] (q = 0..3 the 16-column
+ *      quarters, c = 0..15, e = 0 the even lane, 1 the odd), 0 at or past H or V. Plain
+ *      layout: two rows interleaved with vpermt2w; packed: the pair row copied as it is (its
+ *      words are already these). DPB_KC*128 bytes.
+ *   2. dpb_rows: row tiles of R <= DPB_R rows (M split as evenly as can be); per block of 32
+ *      lanes, for each row: t = +0, 16 VDPBF16PS over the pairs in order (odd lane then
+ *      even, DAZ, FTZ: the instruction), then acc = acc + t (vaddps, MXCSR FTZ|DAZ), acc in
+ *      registers over the chunk and parked in a [M, 64] buffer between chunks (an exact
+ *      store and load): the declared steps, the same words in the same lanes as every path.
+ *   3. at the tile's end acc is stored to out, NaN canonical, columns at or past V masked off.
+ * With a packed weight and few row tiles, each block prefetches (into L2) a share of the next
+ * chunk's lines (tile_dpb). */
+typedef struct { /* the next chunk's weight lines, spread over this chunk's blocks */
+    const char *base;  /* NULL: none */
+    int64_t stride;    /* bytes between rows (plain: a row of w; packed: a pair row) */
+    int64_t rows, lines, per_block; /* rows to fetch, 64-byte lines per row, rows per block */
+} dpb_pf;
+
+/* The vpermt2w indices: even row's word c and odd row's word c interleaved, c in the low
+ * (q = 0) or high (q = 1) 16 columns of a group of 32. */
+static BF16 __m512i dpb_idx(int hi) {
+    uint16_t x[32];
+    for (int c = 0; c < 16; ++c) {
+        x[2 * c] = (uint16_t)(16 * hi + c);
+        x[2 * c + 1] = (uint16_t)(32 + 16 * hi + c);
+    }
+    return _mm512_loadu_si512((const void *)x);
+}
+
+static BF16 void dpb_panel(const job_t *j, int64_t c0, int64_t k0, int64_t kc, uint16_t *pp) {
+    const int64_t H = j->H, ldw = j->ldw, np = kc / 2, q0 = k0 / 2;
+    if (j->packed) {
+        const int64_t ld = 2 * j->Vp;
+        const int in0 = c0 < j->Vp, in1 = c0 + 32 < j->Vp; /* groups inside Vp (Vp: 32k) */
+        for (int64_t q = q0; q < q0 + np; ++q) {
+            const uint16_t *src = j->w + q * ld + 2 * c0;
+            uint16_t *dst = pp + (q - q0) * 128;
+            for (int g = 0; g < 2; ++g) {
+                const int in = g ? in1 : in0;
+                const __m512i x0 = in ? _mm512_loadu_si512((const void *)(src + 64 * g)) : _mm512_setzero_si512();
+                const __m512i x1 = in ? _mm512_loadu_si512((const void *)(src + 64 * g + 32)) : _mm512_setzero_si512();
+                _mm512_store_si512((void *)(dst + 64 * g), x0);
+                _mm512_store_si512((void *)(dst + 64 * g + 32), x1);
+            }
+        }
+        return;
+    }
+    const __m512i lo = dpb_idx(0), hi = dpb_idx(1);
+    __mmask32 cm[2];
+    for (int g = 0; g < 2; ++g) {
+        const int64_t left = j->V - (c0 + 32 * g);
+        cm[g] = left >= 32 ? 0xFFFFFFFFu : left <= 0 ? 0 : (__mmask32)((1u << left) - 1);
+    }
+    const int whole = cm[1] == 0xFFFFFFFFu;
+    for (int64_t q = q0; q < q0 + np; ++q) {
+        const int64_t i = 2 * q;
+        const uint16_t *p = j->w + i * ldw + c0;
+        uint16_t *dst = pp + (q - q0) * 128;
+        const int inside = whole && i + 1 < H;
+        for (int g = 0; g < 2; ++g) {
+            const __m512i x0 = inside ? _mm512_loadu_si512((const void *)(p + 32 * g))
+                                      : _mm512_maskz_loadu_epi16(i < H ? cm[g] : 0, p + 32 * g);
+            const __m512i x1 = inside ? _mm512_loadu_si512((const void *)(p + ldw + 32 * g))
+                                      : _mm512_maskz_loadu_epi16(i + 1 < H ? cm[g] : 0, p + ldw + 32 * g);
+            _mm512_store_si512((void *)(dst + 64 * g), _mm512_permutex2var_epi16(x0, lo, x1));
+            _mm512_store_si512((void *)(dst + 64 * g + 32), _mm512_permutex2var_epi16(x0, hi, x1));
+        }
+    }
+}
+
+/* ESTIMATE (llvm-mca, not a measurement) of the pair loop `for i` below as gcc 12 -O3 compiles
+ * it for R = 3 (4 panel loads, 3 vpbroadcastd, 12 VDPBF16PS, no spill), cycles per pair:
+ * mca-14 sapphirerapids 6.4, mca-19 sapphirerapids 24.1, mca-19 znver4 36.1 (mca-14 has no
+ * znver4 model and rejects AVX-512 under znver3). The models' VDPBF16PS zmm throughputs
+ * differ (2 per cycle; 1 per 2; 1 per 3). MEASURED on this Zen 4 (CPU time, 1 thread): the
+ * same loop alone 0.28-0.29 ns per VDPBF16PS (panel from L2, acc in registers), a bare loop
+ * of 24 independent VDPBF16PS 0.28-0.30 ns: the instruction's rate; in the whole GEMM at
+ * M = 128 (H = 2880, V = 25136) 0.35-0.39 ns (packed), the rest in the panel, the
+ * activations' and the weight's reads. */
+static inline __attribute__((always_inline)) BF16 void
+dpb_rows(const int R, const uint16_t *pp, const uint16_t *a, int64_t lda, int64_t nb, float *acc,
+         int first, dpb_pf pf, int64_t pf_row) {
+    __m512 s[DPB_R][4]; /* acc of the R rows x 64 columns, in registers over the chunk */
+    for (int r = 0; r < R; ++r)
+        for (int q = 0; q < 4; ++q) s[r][q] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + r * DPB_W + 16 * q);
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512 t[DPB_R][4];
+        for (int r = 0; r < R; ++r)
+            for (int q = 0; q < 4; ++q) t[r][q] = _mm512_setzero_ps();
+        const uint16_t *pb = pp + b * 16 * 128;
+        const uint16_t *ab = a + 32 * b;
+        for (int64_t i = 0; i < 16; ++i) {
+            const __m512bh w0 = (__m512bh)_mm512_load_si512((const void *)(pb + 128 * i));
+            const __m512bh w1 = (__m512bh)_mm512_load_si512((const void *)(pb + 128 * i + 32));
+            const __m512bh w2 = (__m512bh)_mm512_load_si512((const void *)(pb + 128 * i + 64));
+            const __m512bh w3 = (__m512bh)_mm512_load_si512((const void *)(pb + 128 * i + 96));
+            for (int r = 0; r < R; ++r) {
+                uint32_t pair;
+                memcpy(&pair, ab + r * lda + 2 * i, 4); /* (a[2i], a[2i+1]): the odd lane is high */
+                const __m512bh av = (__m512bh)_mm512_set1_epi32((int)pair);
+                t[r][0] = _mm512_dpbf16_ps(t[r][0], av, w0);
+                t[r][1] = _mm512_dpbf16_ps(t[r][1], av, w1);
+                t[r][2] = _mm512_dpbf16_ps(t[r][2], av, w2);
+                t[r][3] = _mm512_dpbf16_ps(t[r][3], av, w3);
+            }
+        }
+        for (int r = 0; r < R; ++r)
+            for (int q = 0; q < 4; ++q) s[r][q] = _mm512_add_ps(s[r][q], t[r][q]); /* acc = acc + t */
+        if (pf.base) /* this block's share of the next chunk's weight lines */
+            for (int64_t k = pf_row + b * pf.per_block, e = k + pf.per_block; k < e && k < pf.rows; ++k)
+                for (int64_t l = 0; l < pf.lines; ++l) _mm_prefetch(pf.base + k * pf.stride + 64 * l, _MM_HINT_T1);
+    }
+    for (int r = 0; r < R; ++r)
+        for (int q = 0; q < 4; ++q) _mm512_store_ps(acc + r * DPB_W + 16 * q, s[r][q]);
+}
+
+typedef void (*dpb_fn)(const uint16_t *, const uint16_t *, int64_t, int64_t, float *, int, dpb_pf, int64_t);
+#define DPB_N(R)                                                                                        \
+    static BF16 __attribute__((noinline)) void dpb_##R(const uint16_t *pp, const uint16_t *a, int64_t lda, \
+                                                       int64_t nb, float *acc, int first, dpb_pf pf, int64_t pf_row) { \
+        dpb_rows(R, pp, a, lda, nb, acc, first, pf, pf_row);                                                   \
+    }
+DPB_N(1) DPB_N(2) DPB_N(3)
+static const dpb_fn DPB[DPB_R + 1] = {0, dpb_1, dpb_2, dpb_3};
+
+/* acc [M, ldacc] (columns c0 ..) -> out, NaN canonical, columns < V only */
+static BF16 void dpb_store(const job_t *j, const float *acc, int64_t ldacc, int64_t M, int64_t c0) {
+    const __m512 qnan = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000));
+    for (int64_t c = 0; c < ldacc; c += 16) {
+        const int64_t left = j->V - (c0 + c);
+        const __mmask16 cm = left >= 16 ? 0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+        if (!cm) break;
+        for (int64_t r = 0; r < M; ++r) {
+            const __m512 x = _mm512_load_ps(acc + r * ldacc + c);
+            const __m512 y = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), qnan);
+            _mm512_mask_storeu_ps(j->out + r * j->ldc + c0 + c, cm, y);
+        }
+    }
+}
+
+/* The packed weight's lines of chunk [k0, k0+kc) of tile t (its pair rows, 4 lines each),
+ * spread over `blocks` blocks; t >= ntiles: none. */
+static dpb_pf dpb_prefetch(const job_t *j, int64_t t, int64_t k0, int64_t blocks) {
+    dpb_pf pf = {0};
+    if (t >= j->ntiles) return pf;
+    const int64_t kc = j->Kp - k0 < DPB_KC ? j->Kp - k0 : DPB_KC, c0 = t * j->nt;
+    const int64_t nc = j->Vp - c0 < j->nt ? j->Vp - c0 : j->nt;
+    pf.base = (const char *)(j->w + (k0 / 2) * 2 * j->Vp + 2 * c0);
+    pf.stride = 4 * j->Vp, pf.rows = kc / 2, pf.lines = nc / 16;
+    pf.per_block = (pf.rows + blocks - 1) / blocks;
+    return pf;
+}
+
+/* Tile t (M > 6): columns [c0, c0 + 64), chunk by chunk of DPB_KC lanes: the chunk's panel,
+ * then the row tiles. acc [M, 64]. With a packed weight and at most DPB_PF_TILES row tiles
+ * (too few VDPBF16PS per chunk to hide the reads), the row tiles prefetch the next chunk's
+ * lines (this tile's, or the first chunk of `next`, the tile this thread takes next;
+ * >= ntiles: none). Measured on Zen 4, 1 thread, ms of CPU (min of 10, A B B A): packed
+ * M = 8 12.4 with it, 20.1 without; M = 128 100.0 / 103.8; plain M = 32 48.4 / 44.5. */
+static void tile_dpb(const job_t *j, int64_t t, int64_t next, uint16_t *pp, float *acc) {
+    const int64_t c0 = t * DPB_W, M = j->M, tiles = (M + DPB_R - 1) / DPB_R;
+    const int pfon = j->packed && tiles <= DPB_PF_TILES;
+    for (int64_t k0 = 0; k0 < j->Kp; k0 += DPB_KC) {
+        const int64_t kc = j->Kp - k0 < DPB_KC ? j->Kp - k0 : DPB_KC, nbc = kc / 32;
+        dpb_panel(j, c0, k0, kc, pp);
+        dpb_pf pf = {0};
+        if (pfon)
+            pf = k0 + DPB_KC < j->Kp ? dpb_prefetch(j, t, k0 + DPB_KC, tiles * nbc)
+                                     : dpb_prefetch(j, next, 0, tiles * nbc);
+        for (int64_t q = 0, m = 0; q < tiles; ++q) { /* rows m .. m+R-1 */
+            const int64_t R = (M - m) / (tiles - q) + ((M - m) % (tiles - q) != 0);
+            DPB[R](pp, j->ab + m * j->Kp + k0, j->Kp, nbc, acc + m * DPB_W, k0 == 0, pf, q * nbc * pf.per_block);
+            m += R;
+        }
+    }
+    dpb_store(j, acc, DPB_W, M, c0);
+}
+
 /* Tile t on VDPBF16PS: rows in tiles of R (M <= 2: one; else 3..6 rows, as even as can be),
  * per chunk of DP_KC lanes: strips of 32*G columns, row tiles inside (a strip's chunk of w
  * stays in L1 over the row tiles); acc [M, ldacc] in dp_col order, copied to out at the end. */
@@ -479,8 +668,12 @@ static void tile_dp(const job_t *j, int64_t t, float *acc, int64_t ldacc, uint16
 /* ---------------------------------------------------------------- one tile */
 /* Tile t: all M rows x columns [c0, c0+nc), nc <= nt. panel: KC*sw fp32 (or the bf16 pair
  * panel); acc [M, nt] fp32: the tile's acc, copied to out (NaN canonical) at the end. */
-static void tile(const job_t *j, int64_t t, void *panel, float *acc) {
+static void tile(const job_t *j, int64_t t, int64_t next, void *panel, float *acc) {
 #if defined(__x86_64__)
+    if (j->isa == ISA_BF16 && j->nt == DPB_W) {
+        tile_dpb(j, t, next, (uint16_t *)panel, acc);
+        return;
+    }
     if (j->isa == ISA_BF16) {
         tile_dp(j, t, acc, j->nt + 32 * DP_GMAX, (uint16_t *)panel);
         return;
@@ -530,13 +723,18 @@ static void *worker(void *arg) {
     const unsigned csr = lmtail_mxcsr_pin(j->isa == ISA_C ? LMTAIL_MXCSR_IEEE : LMTAIL_MXCSR_FTZ_DAZ);
     void *panel = NULL;
     float *acc = NULL;
-    int ok = !posix_memalign(&panel, 64, sizeof(float) * KC * 32) &&
+    const int64_t np = j->isa == ISA_BF16 && j->nt == DPB_W ? DPB_KC * 128 : (int64_t)sizeof(float) * KC * 32;
+    int ok = !posix_memalign(&panel, 64, np) &&
              !posix_memalign((void **)&acc, 64, sizeof(float) * j->M * (j->nt + 32 * DP_GMAX));
-    while (ok) { /* a worker without buffers takes no tile; the others take them all */
-        const int64_t t = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
-        if (t >= j->ntiles) break;
-        tile(j, t, panel, acc);
+    /* a worker without buffers takes no tile; the others take them all. With j->ahead each
+     * tile is claimed one ahead, so the one in hand knows the next (tile_dpb prefetches its
+     * weight); only where there are many tiles per thread, so no thread idles for it. */
+    int64_t t = ok ? __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED) : j->ntiles;
+    while (t < j->ntiles) {
+        const int64_t next = j->ahead ? __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED) : j->ntiles;
+        tile(j, t, next, panel, acc);
         __atomic_fetch_add(&j->done, 1, __ATOMIC_RELAXED);
+        t = j->ahead ? next : __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
     }
     lmtail_mxcsr_restore(csr);
     free(panel);
@@ -568,7 +766,8 @@ int lmtail_dp32_gemm(const uint16_t *a, int64_t lda, const uint16_t *w, int64_t 
     j.w = w; j.packed = packed; j.ldw = ldw; j.Vp = (V + 31) / 32 * 32;
     j.out = out; j.M = M; j.H = H; j.Kp = Kp; j.V = V; j.ldc = ldc; j.isa = isa;
     j.sw = isa == ISA_AVX2 || isa == ISA_BF16 ? 16 : 32;
-    j.nt = isa == ISA_AVX2 && M < MR ? NT_DIRECT : isa == ISA_BF16 && M <= 2 ? DP_NT1 : NT;
+    j.nt = isa == ISA_AVX2 && M < MR ? NT_DIRECT : isa == ISA_BF16 && M <= 2 ? DP_NT1
+         : isa == ISA_BF16 && M > (packed ? 6 : DPB_PLAIN_M) ? DPB_W : NT;
     j.ntiles = (V + j.nt - 1) / j.nt;
     float *aw = NULL;
     uint16_t *ab = NULL;
@@ -588,6 +787,7 @@ int lmtail_dp32_gemm(const uint16_t *a, int64_t lda, const uint16_t *w, int64_t 
     const int64_t work = Kp * V / MIN_WEIGHT; /* each thread reads at least MIN_WEIGHT of w */
     if (nthreads > work) nthreads = work < 1 ? 1 : (int)work;
     if (nthreads > j.ntiles) nthreads = (int)j.ntiles;
+    j.ahead = isa == ISA_BF16 && j.nt == DPB_W && packed && j.ntiles >= 4 * (int64_t)nthreads;
     lmtail_parallel(worker, &j, nthreads);
     free(aw);
     free(ab);

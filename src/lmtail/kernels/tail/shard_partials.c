@@ -308,12 +308,32 @@ static AVX2 double chunk_sum_avx2(const float *x, int64_t lo, int64_t w, int fol
 
 enum { BLK8 = 8 * EXP8_U /* lanes per shifted_exp8 call: 32 | 256 */ };
 
+/* tree_active in vectors: the same adds (lane t += lane t + h, h = 128, ..., 1), where the
+ * chains [act, p2) are +0.0 (p2 >= 8 a power of two >= act, 64-byte aligned acc): a step
+ * h >= act is skipped (tree_active adds nothing there), every other adds all t < h, and
+ * where t + h >= act that adds +0.0 to a chain >= +0.0, which leaves its bits as they are
+ * (chains are +0.0 plus terms >= +0.0: never -0.0 or NaN). */
+static AVX512 double tree_512(double *acc, int64_t act) {
+    for (int64_t h = LANES / 2; h >= 8; h /= 2)
+        if (h < act)
+            for (int64_t t = 0; t < h; t += 8)
+                _mm512_store_pd(acc + t, _mm512_add_pd(_mm512_load_pd(acc + t), _mm512_load_pd(acc + t + h)));
+    const __m512d x = _mm512_load_pd(acc);
+    const __m256d x4 = _mm256_add_pd(_mm512_castpd512_pd256(x), _mm512_extractf64x4_pd(x, 1)); /* h = 4 */
+    const __m128d x2 = _mm_add_pd(_mm256_castpd256_pd128(x4), _mm256_extractf128_pd(x4, 1));   /* h = 2 */
+    return _mm_cvtsd_f64(_mm_add_sd(x2, _mm_unpackhi_pd(x2, x2)));                            /* h = 1 */
+}
+
 static AVX512 double chunk_sum_avx512(const float *x, int64_t lo, int64_t w, int fold, double s,
                                       double inv, double m, const __m512d *KV, double *acc) {
     x += lo; /* t below: the position in the chunk */
     const int64_t act = w < LANES ? w : LANES;
+    /* chains [0, nz) take their first term by a store (+0.0 + y is y: y >= +0.0); the tree
+     * reads up to p2, the power of two >= act (at least 8): [nz, p2) set to +0.0 */
     const int64_t nz = w < LANES ? (w + BLK8 - 1) / BLK8 * BLK8 : LANES;
-    for (int64_t t = 0; t < nz; t += 8) _mm512_store_pd(acc + t, _mm512_setzero_pd());
+    int64_t p2 = 8;
+    while (p2 < act) p2 *= 2;
+    for (int64_t t = nz; t < p2; t += 8) _mm512_store_pd(acc + t, _mm512_setzero_pd());
     const __m512d mv = _mm512_set1_pd(m), sv = _mm512_set1_pd(s), iv = _mm512_set1_pd(inv);
     const __m512d ninf = _mm512_set1_pd(NEG_INF);
     const int use_inv = inv != 0.0;
@@ -329,10 +349,13 @@ static AVX512 double chunk_sum_avx512(const float *x, int64_t lo, int64_t w, int
         }
         shifted_exp8(y, z, mv, KV);
         double *a = acc + (t % LANES);
-        for (int u = 0; u < EXP8_U; ++u)
-            _mm512_store_pd(a + 8 * u, _mm512_add_pd(_mm512_load_pd(a + 8 * u), y[u]));
+        if (t < LANES)
+            for (int u = 0; u < EXP8_U; ++u) _mm512_store_pd(a + 8 * u, y[u]);
+        else
+            for (int u = 0; u < EXP8_U; ++u)
+                _mm512_store_pd(a + 8 * u, _mm512_add_pd(_mm512_load_pd(a + 8 * u), y[u]));
     }
-    return tree_active(acc, act);
+    return tree_512(acc, act);
 }
 #endif
 
