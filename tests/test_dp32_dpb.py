@@ -15,8 +15,8 @@ import pytest
 from conftest import native_or_emulated, same_bits
 from test_dp32 import NO_BF16, rand_data, special_data, underflow_data
 
-from lmtail.kernels import gemm as G
-from lmtail.kernels.gemm import gemm_bf16, pack_weight
+from lmtail.kernels.gemm import bf16 as G
+from lmtail.kernels.gemm.bf16 import gemm_bf16, pack_weight
 from lmtail.reference import gemm as R
 
 # (M, H, V): 7..128 rows (3k, 3k+1, 3k+2), H = 61 (one masked block), 257 / 300 (one

@@ -40,12 +40,12 @@ import torch
 from lmtail.bench import abba, assert_bitwise, assert_within, format_table
 from lmtail.benchmarks.bench_gemm import make_check, make_data
 from lmtail.benchmarks.bench_tail import EPS
-from lmtail.config import TailConfig
+from lmtail.tail.config import TailConfig
 from lmtail.kernels import cpu
-from lmtail.kernels.gemm import available_backends, gemm_bf16, pack_weight
+from lmtail.kernels.gemm.bf16 import available_backends, gemm_bf16, pack_weight
 from lmtail.reference.tail import rms_ref
-from lmtail.sampler import SamplingParams, sampling_tensor
-from lmtail.tail import decode_tail
+from lmtail.tail.sampler import SamplingParams, sampling_tensor
+from lmtail.tail.compose import decode_tail
 
 
 def gemm_case(M: int, H: int, V: int, rounds: int, backends: tuple[str, ...]):
