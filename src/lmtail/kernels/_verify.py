@@ -105,7 +105,7 @@ def cache_key(table) -> str:
     kernels = Path(_cc.__file__).parent
     h = hashlib.sha256()
     own = [kernels / s for s in getattr(table, "sources", ())] or list(kernels.rglob("*.c"))
-    for p in sorted({*own, kernels / "cpu.c", *kernels.glob("*.h")}):
+    for p in sorted({*own, kernels / "cpu.c", *(h for h in kernels.rglob("*.h") if "_prebuilt" not in h.parts)}):
         h.update(p.name.encode() + b"\0" + p.read_bytes())
     mod = sys.modules.get(table.module or "")
     if mod is not None and getattr(mod, "__file__", None):

@@ -485,7 +485,7 @@ def _silu_mul_bf16_probe(rows: int, seed: int):
     return lambda name: silu_mul_bf16(gu, backend=name)
 
 
-@ATTEND.probe(sources=("model/body.c",))
+@ATTEND.probe(sources=("model/attend.c",))
 def _attend_probe(rows: int, seed: int):
     """rows queries (T = 1, B = rows) of 3 heads over a 2-head cache at s0 = 37 (timing:
     9 / 3 heads, s0 = 500), with left padding."""

@@ -1,4 +1,5 @@
-"""The SmolLM2 body's C kernels (kernels/model/body.c): their ctypes bindings, unchecked.
+"""The SmolLM2 body's C kernels (kernels/model/body.c, attend.c, their shared exp32.h): their
+ctypes bindings, unchecked.
 
 lmtail.model.body holds the ops (validation, declarations, the torch spellings, the backend
 tables); this module only hands validated tensors to C. Every function here assumes what its
@@ -6,14 +7,15 @@ docstring says about shapes, dtypes and strides (the op checked it once) and all
 outputs. Shape legend: B rows, T new tokens, nh / nkv query / KV heads, HD = 64 head dim,
 S_cap cache slots, F FFN width, M rows, N rows of a norm, H hidden, P positions.
 
-Numerics: body.c's top comment and model/body.py's declarations (exp32, silu_mul, attend,
-add_rms_rows, rope_qkv, silu_mul_bf16); `constants()` returns exp32's constants as body.c
-holds them, for the test that compares them with model/body.py's.
+Numerics: the top comments of body.c, attend.c and exp32.h, and model/body.py's
+declarations (exp32, silu_mul, attend, add_rms_rows, rope_qkv, silu_mul_bf16); `constants()`
+returns exp32's constants as the C code holds them, for the test that compares them with
+model/body.py's.
 
-`isa` (exp32, silu_mul, attend) caps the micro-kernels body.c may pick (every one gives the
-same bytes): "avx512" the widest this CPU has (AVX-512, else AVX2 + FMA, else portable;
-exp32 and silu_mul have no AVX-512 rows and run AVX2 there), "avx2" at most AVX2 + FMA, "c"
-the portable C only. emulated=True runs them on body.c's emulated build (SIMDe and
+`isa` (exp32, silu_mul, attend) caps the micro-kernels body.c / attend.c may pick (every one
+gives the same bytes): "avx512" the widest this CPU has (AVX-512, else AVX2 + FMA, else
+portable; exp32 and silu_mul have no AVX-512 rows and run AVX2 there), "avx2" at most AVX2 +
+FMA, "c" the portable C only. emulated=True runs them on the emulated builds (SIMDe and
 lmtail_emulate.h: every path, on any CPU with AVX2 + FMA + F16C; the "emu-avx512" rows).
 """
 from __future__ import annotations
@@ -24,21 +26,24 @@ import torch
 
 from lmtail.kernels._cc import kernel_library
 
-HD = 64  # the head dim body.c's attention is built for
-ISA_CAP = {"avx512": 0, "avx2": 1, "c": 2}  # body.c's pick_isa cap of each `isa` name
+HD = 64  # the head dim attend.c is built for
+ISA_CAP = {"avx512": 0, "avx2": 1, "c": 2}  # the C kernels' ISA cap of each `isa` name
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "lmtail_exp32_isa": ([_P, _P, _I64, _INT], None),
     "lmtail_silu_mul_isa": ([_P, _P, _I64, _I64, _I64, _INT], None),
-    "lmtail_attend": ([_P] * 5 + [_I64] * 6 + [_F32, _INT, _INT], _INT),
     "lmtail_add_rms_rows": ([_P, _I64, _INT, _P, _P, _I64, _I64, _F32, _I64, _P, _P], _INT),
     "lmtail_add_rms_rows32": ([_P, _I64, _P, _P, _I64, _I64, _F32, _I64, _P, _P], _INT),
     "lmtail_rope_qkv": ([_P, _I64, _P, _P, _P, _P, _P, _P] + [_I64] * 6, None),
     "lmtail_silu_mul_bf16": ([_P, _P, _I64, _I64, _I64, _INT], None),
     "lmtail_body_constants": ([_P], _INT),
 }
+_ATTEND_SIGNATURES = {"lmtail_attend": ([_P] * 5 + [_I64] * 6 + [_F32, _INT, _INT], _INT)}
 _library = kernel_library("model/body.c", _SIGNATURES, what="model body", fallback="the torch emulation (same bytes, slow)")
 _emulated = kernel_library("model/body.c", _SIGNATURES, what="model body", emulated=True)
+_attend_library = kernel_library("model/attend.c", _ATTEND_SIGNATURES, what="attention",
+                                 fallback="the torch emulation (same bytes, slow)")
+_attend_emulated = kernel_library("model/attend.c", _ATTEND_SIGNATURES, what="attention", emulated=True)
 
 
 def _lib(emulated: bool):
@@ -46,9 +51,14 @@ def _lib(emulated: bool):
     return _emulated() if emulated else _library()
 
 
+def attend_library(emulated: bool = False):
+    """attend.c's native library (or its emulated build); None when it was not built."""
+    return _attend_emulated() if emulated else _attend_library()
+
+
 def available() -> bool:
-    """True when body.c was built (else the ops run their torch spellings)."""
-    return _library() is not None
+    """True when body.c and attend.c were built (else the ops run their torch spellings)."""
+    return _library() is not None and _attend_library() is not None
 
 
 def constants() -> torch.Tensor:
@@ -86,7 +96,7 @@ def attend(q, kt, v, pad, s0: int, scale: float, threads: int, *, isa: str, emul
     if out.numel() == 0:
         return out
     pad_c = pad.contiguous()
-    rc = _lib(emulated).lmtail_attend(q.data_ptr(), kt.data_ptr(), v.data_ptr(), out.data_ptr(), pad_c.data_ptr(),
+    rc = attend_library(emulated).lmtail_attend(q.data_ptr(), kt.data_ptr(), v.data_ptr(), out.data_ptr(), pad_c.data_ptr(),
                                   B, T, nh, kt.shape[1], kt.shape[3], s0, float(scale), threads, ISA_CAP[isa])
     if rc != 0:
         raise MemoryError("attend: scratch allocation failed")

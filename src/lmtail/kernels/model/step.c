@@ -1,7 +1,7 @@
 /* lmtail's native body step: the q32 body's whole layer loop in ONE call (decode step,
  * batch decode or a prefill chunk). It computes nothing itself: it calls the declared
  * kernels it is handed (gemm_q.c's lmtail_gemm_q_cat, body.c's lmtail_add_rms_rows32,
- * lmtail_rope_qkv, lmtail_attend, lmtail_silu_mul) in the order model/llama.py's python loop
+ * lmtail_rope_qkv, lmtail_silu_mul, attend.c's lmtail_attend) in the order model/llama.py's python loop
  * calls them, on buffers the caller allocated once, so its bytes are the python loop's by
  * construction (tests/test_q32.py::test_native_step_equals_python_loop checks them equal).
  * What it removes is per-op python:
@@ -68,7 +68,7 @@ typedef struct {
     const float *final_norm, *cos_t, *sin_t; /* [H]; rope tables [P, HD/2] */
     int64_t L, H, nh, nkv, F, lanes;
     float eps, scale;
-    int64_t gemm_isa, attend_isa; /* gemm_q's isa code; body.c's attend cap */
+    int64_t gemm_isa, attend_isa; /* gemm_q's isa code; attend.c's cap */
     int64_t silu_isa;             /* body.c's silu_mul cap */
 } model_t;
 

@@ -1,7 +1,7 @@
 """The native body step (kernels/model/step.c): the q32 body's layer loop in one C call.
 
 step.c calls the declared kernels themselves (gemm_q.c's lmtail_gemm_q_cat, body.c's
-lmtail_add_rms_rows32, lmtail_rope_qkv, lmtail_attend, lmtail_silu_mul), reached as function
+lmtail_add_rms_rows32, lmtail_rope_qkv, lmtail_silu_mul, attend.c's lmtail_attend), reached as function
 pointers of the libraries the kernel loader already built, in the order of the python loop
 in model/llama.py (`_q32_layers`): the same bytes by construction
 (tests/test_q32.py::test_native_step_equals_python_loop).
@@ -79,7 +79,7 @@ class Q32Model:
     QuantWeights (q, k, v, o, gate, up, down), `attn_norms` / `ffn_norms` L x [H] fp32,
     `final_norm` [H] fp32, rope tables cos_t, sin_t [P, 32] fp32, the norm's lane count, eps,
     the attention scale, the gemm_q backend ("avx512" | "avx2" | "c") and the attend backend
-    ("avx512" | "avx2" | "c": the micro-kernels body.c's attend may pick; the same bytes) and
+    ("avx512" | "avx2" | "c": the micro-kernels attend.c may pick; the same bytes) and
     the silu_mul backend (the same caps; another name: "c"). Keeps every tensor it points into
     alive."""
 
@@ -99,7 +99,7 @@ class Q32Model:
         blib, qlib = kbody._library(), kquant._library()
         self.struct = _Model(
             gemm_q=_fn(qlib, "lmtail_gemm_q_cat"), norm=_fn(blib, "lmtail_add_rms_rows32"),
-            rope=_fn(blib, "lmtail_rope_qkv"), attend=_fn(blib, "lmtail_attend"), silu=_fn(blib, "lmtail_silu_mul_isa"),
+            rope=_fn(blib, "lmtail_rope_qkv"), attend=_fn(kbody.attend_library(), "lmtail_attend"), silu=_fn(blib, "lmtail_silu_mul_isa"),
             layers=ctypes.cast(layers, ctypes.POINTER(_Layer)), final_norm=fin.data_ptr(), cos_t=cs.data_ptr(),
             sin_t=sn.data_ptr(), L=shape.L, H=shape.H, nh=shape.nh, nkv=shape.nkv, F=shape.F, lanes=lanes,
             eps=eps, scale=scale, gemm_isa=kquant._ISA[gemm_backend], attend_isa=kbody.ISA_CAP[attend_backend],
