@@ -84,9 +84,8 @@ from . import batch
 from .grammar import advance_row, with_masks
 
 PREFILL_CHUNK = 256  # prompt positions per forward call at most (cache-invariant: no byte depends on it)
-PREFILL_SHARE = 1.0  # a prefill chunk beside decoding rows takes about this share of a decode period
-GROW_AHEAD = 64  # a row's cache may grow early this many slots before it is full (_grow_early)
-PERIODS = 15  # decode periods kept (their median sizes the prefill chunks)
+PREFILL_SHARE = 0.5  # a prefill chunk beside decoding rows adds about this share of a decode period
+PERIODS = 15  # decode periods (and plain body calls) kept: their medians size the prefill chunks
 FIRST_CHUNK = 2  # a group's first chunk beside decoding rows (then Chunker adapts it)
 SCORE_ROWS = 64  # positions per teacher-forced tail call
 _log = logging.getLogger("uvicorn.error")  # the server's log (a plain logger when run without uvicorn)
@@ -308,6 +307,10 @@ class Engine:
         self._prefills: list[Prefill] = []  # groups being prefilled (oldest first)
         self._periods: collections.deque[float] = collections.deque(maxlen=PERIODS)  # see _note_period
         self._last_step: float | None = None  # perf_counter() at the last decode step's start
+        self._bodies: collections.deque[float] = collections.deque(maxlen=PERIODS)  # plain body calls (s)
+        self._ride: tuple[Prefill, int] | None = None  # a chunk to run inside the next body call
+        self._rode: tuple | None = None  # (Prefill, h [c, H], t1, seconds over a plain body call) of the last
+        self._rode_last = False  # the last decode step carried a chunk (its period is not a plain one)
         self._cv = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -407,15 +410,16 @@ class Engine:
                 while self._pending and len(self._pending[0]) <= self.room() - sum(len(g) for g in groups):
                     groups.append(self._pending.popleft())
                 self._prefills += [Prefill(g) for g in groups]  # caches allocated at their first chunk
-            chunked = self._prefill_some()
+            chunked = self._prefill_some() and self._ride is None  # a chunk ran alone just now
             if self._rows:
-                self._note_period(time.perf_counter(), chunked)
+                self._note_period(time.perf_counter(), chunked or self._rode_last)
                 try:
                     self.step()
                 except Exception as e:  # a bug outside the per-row guards: fail the rows, keep serving
                     rows, self._rows = self._rows, []
                     for r in rows:
                         _emit(r.job, _failure(e))
+                self._finish_ride()
             else:
                 self._last_step = None  # no stream waits: the next period starts afresh
         for job in dropped:
@@ -458,20 +462,52 @@ class Engine:
 
     def _note_period(self, now: float, chunked: bool) -> None:
         """A decode step starts at `now`: the time since the last one is a decode period
-        (what a stream sees between tokens) when no prefill chunk ran between them; the
-        last PERIODS of those are kept."""
+        (what a stream sees between tokens) when no prefill chunk ran between them or
+        inside the last step (`chunked`); the last PERIODS of those are kept."""
         if self._last_step is not None and not chunked:
             self._periods.append(now - self._last_step)
         self._last_step = now
 
     def _prefill_chunk(self, pre: "Prefill", budget: float | None) -> None:
         """One chunk of prefilling group `pre` (sized by its Chunker for `budget` seconds;
-        None: PREFILL_CHUNK); a group that finishes or fails leaves _prefills."""
+        None: PREFILL_CHUNK); a group that finishes or fails leaves _prefills. With a
+        budget (rows decoding) and the batched body, the chunk rides in the next decode
+        step's body call (_body: one weight pass for the rows and the chunk's positions;
+        no byte changes, Prefill.ride) unless the group runs alone (pre.solo) or all its
+        jobs are cancelled; the budget is then the time the chunk adds to that call."""
         size = PREFILL_CHUNK if budget is None else pre.chunker.next
+        if budget is not None and self.body == "batched" and not pre.solo \
+                and not all(j.cancelled.is_set() for j in pre.jobs):
+            self._ride = (pre, size)
+            return
         t0 = time.perf_counter()
         finished = self._advance_prefill(pre, size)
         if budget is not None:
             pre.chunker.note(size, time.perf_counter() - t0, budget)
+        if finished:
+            with self._cv:
+                self._prefills.remove(pre)
+
+    def _finish_ride(self) -> None:
+        """After a step: the chunk that rode in its body call (if any) is taken by its
+        group (echo logprobs; the group joins when its prompt is done, failing its jobs on
+        an error) and its Chunker told the time it added; a planned ride that found no
+        body call (every row left at the tail) is dropped (planned again next loop)."""
+        rode, self._rode, self._ride = self._rode, None, None
+        self._rode_last = rode is not None
+        if rode is None:
+            return
+        pre, h, t1, extra = rode
+        pre.chunker.note(h.shape[0], extra, self.prefill_share * statistics.median(self._periods))
+        finished = True
+        try:
+            if pre.took(self, h, t1):
+                self._join(pre)
+            else:
+                finished = False
+        except Exception as e:
+            for j in pre.jobs:
+                _emit(j, _failure(e))
         if finished:
             with self._cv:
                 self._prefills.remove(pre)
@@ -645,22 +681,43 @@ class Engine:
         return sampling_tensor([r.job.params for r in rows], positions=[r.position for r in rows])
 
     def _grow(self, rows: list[Row]) -> None:
-        """Each row's cache gets a free slot for this step (batch.grow when full); one row
-        near full grows early (_grow_early)."""
+        """Each row's cache has a free slot for this step: it does (Prefill.alloc sizes a
+        group's caches for prompt + max_tokens), so batch.grow copies nothing here; it is
+        kept as the rule's guard."""
         cfg = self.bundle.config
         for r in rows:
             r.cache = batch.grow(cfg, r.cache, r.cache.length + 1)
-        _grow_early(cfg, rows)
 
     def _body(self, rows: list[Row], tokens: torch.Tensor) -> None:
-        """Feed each row's new token through the body; row.x becomes its next hidden state."""
+        """Feed each row's new token through the body; row.x becomes its next hidden state.
+        A chunk planned to ride (_ride, taken by the first call of the step only) joins the
+        batched call as rows after these (Prefill.ride); its hidden states and the time it
+        added over the median plain call go to _rode for _finish_ride. When that call
+        raises, the group is marked to run alone (its cache's length never moved)."""
         self._grow(rows)
+        ride, self._ride = self._ride, None
         if self.body == "batched":
             if self._scratch is None and self.ops.body == Q32_BODY:
                 c = self.bundle.config
                 self._scratch = StepBuffers(StepShape(L=c.n_layers, H=c.hidden, nh=c.n_heads, nkv=c.n_kv_heads, F=c.ffn))
-            h = batch.step_rows(self.bundle, tokens, [r.cache for r in rows], self.ops,
-                                scratch=self._scratch)  # [R, H]
+            caches, views = [r.cache for r in rows], []
+            if ride is not None:
+                views, ptoks = ride[0].ride(self, ride[1])
+                tokens = torch.cat([tokens, ptoks])
+            t0 = time.perf_counter()
+            try:
+                h = batch.step_rows(self.bundle, tokens, caches + views, self.ops, scratch=self._scratch)  # [R + c, H]
+            except Exception:
+                if ride is not None:
+                    ride[0].solo = True
+                raise
+            took = time.perf_counter() - t0
+            if ride is None:
+                self._bodies.append(took)
+            else:
+                extra = took - (statistics.median(self._bodies) if self._bodies else 0.0)
+                self._rode = (ride[0], h[len(rows):], ride[0].done + len(views), extra)
+                h = h[:len(rows)]
         else:
             h = torch.cat([forward(self.bundle, tokens[i, None, None], r.cache, ops=self.ops)[0][0]
                            for i, r in enumerate(rows)])  # [R, H]
@@ -704,26 +761,50 @@ class Prefill:
         self.lps: list[float] = []
         self.tops: list | None = [] if self.echo_n else None
         self.chunker = Chunker()
+        self.solo = False  # its chunks run alone (a decode step it rode in raised)
+
+    def alloc(self, cfg) -> None:
+        """The prompt's cache, at the first chunk: room for the prompt and every slot its
+        jobs may decode into (batch.row_cache: memory only as slots are written), so no
+        row of the group grows its cache on the step path."""
+        if self.cache is None:
+            most = max(max(j.max_tokens for j in self.jobs), 1)
+            self.cache = batch.row_cache(cfg, min(cfg.context_length, self.ids.shape[1] + most))
 
     def step(self, engine: "Engine", size: int) -> bool:
         """llama.forward over the next `size` positions; True when the prompt is done."""
-        cfg, P = engine.bundle.config, self.ids.shape[1]
-        if self.cache is None:
-            first = min(max(self.jobs[0].max_tokens, 1), batch.GROW_SLOTS)  # slots past the prompt; grown as needed
-            self.cache = batch.row_cache(cfg, min(cfg.context_length, P + first))
-        t0, t1 = self.done, min(self.done + size, P)
-        h, _ = forward(engine.bundle, self.ids[:, t0:t1], self.cache, ops=engine.ops)  # [1, c, H]
-        self.done = t1
+        self.alloc(engine.bundle.config)
+        t1 = min(self.done + size, self.ids.shape[1])
+        h, _ = forward(engine.bundle, self.ids[:, self.done:t1], self.cache, ops=engine.ops)  # [1, c, H]
+        return self.took(engine, h[0], t1)
+
+    def ride(self, engine: "Engine", size: int) -> tuple[list[KVCache], torch.Tensor]:
+        """The next `size` positions as rows of a decode step's body call (batch.step_rows):
+        one view of the prompt's cache per position (the same tensors, length = the
+        position: step_rows writes each row's key / value, then attends over the slots
+        before it, row by row in order, so position p sees p - 1 written just before it:
+        llama.forward's bytes, the body being cache-invariant). Returns (views, their
+        tokens [c] int64); the cache's own length moves in took()."""
+        self.alloc(engine.bundle.config)
+        t1 = min(self.done + size, self.ids.shape[1])
+        views = [KVCache(k=self.cache.k, v=self.cache.v, pad=self.cache.pad, length=p) for p in range(self.done, t1)]
+        return views, self.ids[0, self.done:t1]
+
+    def took(self, engine: "Engine", h: torch.Tensor, t1: int) -> bool:
+        """Positions done..t1-1 are in the cache with hidden states h [c, H]: their echo
+        logprobs; True when the prompt is done (x: its last hidden state)."""
+        t0, P = self.done, self.ids.shape[1]
+        self.done = self.cache.length = t1
         s1 = min(t1, P - 1)  # positions t0..s1-1 score the tokens after them (the last has none)
         if self.echo_n is not None and s1 > t0:
-            lps, top = score_positions(engine.bundle, h[0, :s1 - t0], self.ids[0, t0 + 1:s1 + 1],
+            lps, top = score_positions(engine.bundle, h[:s1 - t0], self.ids[0, t0 + 1:s1 + 1],
                                        n=self.echo_n, config=engine.tail_config)
             self.lps += lps
             if self.tops is not None:
                 self.tops += top
         if t1 < P:
             return False
-        self.x = h[0, -1].contiguous()
+        self.x = h[-1].contiguous()
         return True
 
     def left(self) -> int:
@@ -745,21 +826,6 @@ def _check_group(jobs: list[Job], most: int) -> None:
                 (j0.prompt_ids, j0.echo_logprobs, j0.logprobs if j0.echo_logprobs else None):
             raise ValueError("jobs of a group must share prompt_ids and echo_logprobs (with its logprobs); got jobs "
                              "that differ")
-
-
-def _grow_early(cfg, rows: list[Row]) -> None:
-    """Of the rows whose cache has fewer than GROW_AHEAD free slots and that will need
-    more (prompt + max_tokens past its capacity), the one with the fewest grows now
-    (batch.grow: a copy with GROW_SLOTS more): rows that joined together then copy their
-    caches in successive steps, not all in one (a stall for every stream)."""
-    def free(r):
-        return r.cache.capacity - r.cache.length
-
-    tight = [r for r in rows if free(r) < GROW_AHEAD
-             and r.cache.capacity < min(cfg.context_length, len(r.job.prompt_ids) + r.job.max_tokens)]
-    if tight:
-        r = min(tight, key=free)
-        r.cache = batch.grow(cfg, r.cache, r.cache.capacity + 1)
 
 
 @dataclass(frozen=True)
