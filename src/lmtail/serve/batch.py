@@ -67,6 +67,24 @@ def row_cache(cfg: LlamaConfig, capacity: int) -> KVCache:
     return KVCache(k=k, v=v, pad=torch.zeros(1, dtype=torch.int64))
 
 
+def touch(cache: KVCache, slots: int) -> KVCache:
+    """Make the pages of slots [0, slots) of a row_cache memory now (a 0.0 written at
+    every 1,024th value of each key row and value block, and at its last one: every page
+    they span): the page faults a first write there would take, taken by the caller's
+    thread instead (Engine.submit_group: off the engine thread). Only for slots not
+    written yet (0.0 stays 0.0). Returns cache."""
+    n = min(slots, cache.capacity)
+    if n < 1:
+        return cache
+    for k, v in zip(cache.k, cache.v):
+        k[..., :n:1024] = 0.0  # [1, nkv, hd, n]: one value per page of each key row
+        k[..., n - 1] = 0.0
+        flat = v[0, :, :n].reshape(v.shape[1], -1)  # [nkv, n * hd] (a view: each head's slots are contiguous)
+        flat[:, ::1024] = 0.0
+        flat[:, -1] = 0.0
+    return cache
+
+
 def grow(cfg: LlamaConfig, cache: KVCache, need: int) -> KVCache:
     """`cache` if it holds `need` slots, else a copy with capacity min(context, max(need,
     capacity + GROW_SLOTS)); the filled slots copied, length kept. ValueError past the context."""

@@ -126,6 +126,7 @@ class Job:
     grammar: object = None  # serve.grammar.GrammarState | None
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
+    cache: KVCache | None = field(default=None, repr=False)  # its group's prompt cache (submit_group makes it)
 
     def cancel(self) -> None:
         """Ask the engine to drop this job at its next step (frees its slot)."""
@@ -340,6 +341,10 @@ class Engine:
         join the batch together. ValueError for 0 or more than max_batch jobs or jobs
         whose prompt_ids / echo differ; Closed, QueueFull (counting every job) as submit."""
         _check_group(jobs, self.max_batch)
+        cfg = self.bundle.config
+        if jobs[0].cache is None and len(jobs[0].prompt_ids) < cfg.context_length:  # else the prefill fails it
+            # the group's cache, its prompt's pages made memory here (the caller's thread), not on the engine's
+            jobs[0].cache = batch.touch(batch.row_cache(cfg, _capacity(cfg, jobs)), len(jobs[0].prompt_ids))
         with self._cv:
             if self._closing:
                 raise Closed("the engine is shutting down")
@@ -768,8 +773,9 @@ class Prefill:
         jobs may decode into (batch.row_cache: memory only as slots are written), so no
         row of the group grows its cache on the step path."""
         if self.cache is None:
-            most = max(max(j.max_tokens for j in self.jobs), 1)
-            self.cache = batch.row_cache(cfg, min(cfg.context_length, self.ids.shape[1] + most))
+            made = self.jobs[0].cache
+            self.cache = made if made is not None else batch.row_cache(cfg, _capacity(cfg, self.jobs))
+            self.jobs[0].cache = None  # the Prefill (then the first row) holds it from here
 
     def step(self, engine: "Engine", size: int) -> bool:
         """llama.forward over the next `size` positions; True when the prompt is done."""
@@ -814,6 +820,12 @@ class Prefill:
     def prompt(self) -> Prompt | None:
         """The echo logprobs event (None without echo)."""
         return None if self.echo_n is None else Prompt(self.lps, self.tops)
+
+
+def _capacity(cfg, jobs: list[Job]) -> int:
+    """The slots a group's cache needs: its prompt and the most tokens a job may decode
+    (at least 1), at most the context length."""
+    return min(cfg.context_length, len(jobs[0].prompt_ids) + max(max(j.max_tokens for j in jobs), 1))
 
 
 def _check_group(jobs: list[Job], most: int) -> None:
