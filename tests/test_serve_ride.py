@@ -20,6 +20,7 @@ from test_serve import K, Collect, bits, bundle, chat_ids, solo  # noqa: F401
 
 from lmtail.model.llama import KVCache
 from lmtail.sampler import SamplingParams
+from lmtail.serve import batch as batch_mod
 from lmtail.serve.engine import Done, Engine, Job, Prompt, Prefill, Token
 
 
@@ -46,7 +47,9 @@ def alone(bundle) -> list:
     s = Collect()
     engine = Engine(bundle, max_batch=2, k=K)
     engine.admit(long_job(bundle, s))
-    while not s.events or not isinstance(s.events[-1], Done):
+    for _ in range(10):
+        if s.events and isinstance(s.events[-1], Done):
+            break
         engine.step()
     return events_bytes(s)
 
@@ -126,3 +129,78 @@ def test_fused_failure_sends_the_chunks_alone(bundle):
     assert events_bytes(s) == alone(bundle)
     assert rows[0].result() == solo(bundle, chat_ids(bundle, "Count to thirty."), SamplingParams(temperature=0.0), 40)
     assert all(isinstance(r.events[-1], Done) for r in rows)
+
+
+# ---------------------------------------------------------------------------------------
+# prefix reuse: a new prompt copies the slots it shares with a recent one
+# ---------------------------------------------------------------------------------------
+class ShiftedCopy(Engine):
+    """PLANTED: the kept prefix caches hold each slot's key / value one slot early (a copy
+    off by one position)."""
+
+    def _join(self, pre):
+        super()._join(pre)
+        key, cache = self._prefixes.pop()
+        bad = batch_mod.copy_cache(self.bundle.config, cache)
+        for k, v in zip(bad.k, bad.v):
+            k[..., :-1] = k[..., 1:].clone()
+            v[:, :, :-1] = v[:, :, 1:].clone()
+        self._prefixes.append((key, bad))
+
+
+def run_alone(engine, bundle, text: str, params, n: int, logprobs=None):
+    s = Collect()
+    engine.admit(Job(prompt_ids=chat_ids(bundle, text), params=params, max_tokens=n, sink=s, logprobs=logprobs))
+    for _ in range(n):
+        if s.events and not isinstance(s.events[-1], (Token, Prompt)):
+            break
+        engine.step()
+    assert isinstance(s.events[-1], Done), s.events[-1]
+    return events_bytes(s)
+
+
+@pytest.mark.parametrize("cls", [Engine, ShiftedCopy])
+def test_prefix_reuse_changes_no_byte(bundle, cls):
+    """Chat prompts share the template's system prefix: the second and third requests
+    copy it (and more) from the first's cache; their tokens, logprobs and top-3 equal the
+    same requests on an engine without prefixes (prefixes=0). Planted: a prefix copied
+    one slot off differs."""
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=4),
+              SamplingParams(temperature=0.7, seed=5)]
+    texts = ["Why is the sky blue?", "Why is the sea blue?", "Why is the sky blue? Explain."]
+    plain = Engine(bundle, max_batch=2, k=K, prefixes=0)
+    want = [run_alone(plain, bundle, t, p, 6, 3) for t, p in zip(texts, params)]
+    engine = cls(bundle, max_batch=2, k=K)
+    reused = []
+    got = []
+    for t, p in zip(texts, params):
+        got.append(run_alone(engine, bundle, t, p, 6, 3))
+        reused.append(len(engine._prefixes))
+    assert not plain._prefixes and reused == [1, 2, 3]
+    if cls is Engine:
+        assert got == want
+    else:
+        assert got[0] == want[0] and got[1:] != want[1:]
+
+
+def test_prefix_reuse_copies_what_is_shared(bundle):
+    """Prefill.alloc copies min(common prefix, P - 1) positions (at least REUSE_MIN), none
+    for echo jobs; the cache's slots up to there equal the source's bit for bit."""
+    engine = Engine(bundle, max_batch=2, k=K)
+    run_alone(engine, bundle, "Why is the sky blue?", SamplingParams(temperature=0.0), 2)
+    a = chat_ids(bundle, "Why is the sky blue?")
+    same = Prefill([Job(prompt_ids=a, params=SamplingParams(), max_tokens=1, sink=Collect())])
+    same.alloc(engine)
+    assert same.reused == len(a) - 1 and same.done == same.cache.length == len(a) - 1
+    src = engine._prefixes[-1][1]
+    m = same.reused
+    assert all(torch.equal(x[..., :m], y[..., :m]) for x, y in zip(same.cache.k, src.k))
+    b = chat_ids(bundle, "Name a bird.")
+    other = Prefill([Job(prompt_ids=b, params=SamplingParams(), max_tokens=1, sink=Collect())])
+    other.alloc(engine)
+    common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert other.reused == common >= 8
+    echo = Prefill([Job(prompt_ids=a, params=SamplingParams(), max_tokens=1, sink=Collect(), logprobs=1,
+                        echo_logprobs=True)])
+    echo.alloc(engine)
+    assert echo.reused == 0 and echo.done == 0

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import statistics
 import threading
 import time
@@ -88,6 +89,9 @@ PREFILL_SHARE = 0.5  # a prefill chunk beside decoding rows adds about this shar
 PERIODS = 15  # decode periods (and plain body calls) kept: their medians size the prefill chunks
 FIRST_CHUNK = 2  # a group's first chunk beside decoding rows (then Chunker adapts it)
 SCORE_ROWS = 64  # positions per teacher-forced tail call
+PREFIXES = 4  # recent prompts whose caches a new prompt may copy its common prefix from
+PREFIX_MAX = 2048  # a prompt longer than this is not kept as a prefix (it would hold its memory)
+REUSE_MIN = 8  # a common prefix shorter than this is prefilled anyway
 _log = logging.getLogger("uvicorn.error")  # the server's log (a plain logger when run without uvicorn)
 
 
@@ -276,7 +280,7 @@ class Engine:
     def __init__(self, bundle: ModelBundle, *, max_batch: int = 16, max_queue: int = 64, k: int = 256,
                  body: str = "batched", ops: Ops | None = None, exchange: str = TailConfig.exchange,
                  head_input: str | None = None, ranks: int = 1, rank_timeout_s: float = 120.0,
-                 prefill_share: float = PREFILL_SHARE):
+                 prefill_share: float = PREFILL_SHARE, prefixes: int = PREFIXES):
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0; got {max_batch}, {max_queue}")
         if body not in ("batched", "rows"):
@@ -303,6 +307,12 @@ class Engine:
         if not 0 < prefill_share <= 4:
             raise ValueError(f"prefill_share must be in (0, 4]; got {prefill_share!r}")
         self.prefill_share = prefill_share
+        if not isinstance(prefixes, int) or prefixes < 0:
+            raise ValueError(f"prefixes must be an int >= 0; got {prefixes!r}")
+        # (prompt ids, its cache) of recent prompts (engine thread only): slots [0, P) of a
+        # cache never change after its prefill (rows only append), so a new prompt may copy
+        # the slots of its longest common prefix instead of prefilling them (Prefill.alloc)
+        self._prefixes: collections.deque[tuple[tuple[int, ...], KVCache]] = collections.deque(maxlen=prefixes)
         self._pending: collections.deque[list[Job]] = collections.deque()  # groups waiting
         self._rows: list[Row] = []
         self._prefills: list[Prefill] = []  # groups being prefilled (oldest first)
@@ -540,6 +550,11 @@ class Engine:
         copy of the prompt's cache (the first job on the cache itself), or finishes
         (max_tokens 0)."""
         rows = []
+        if self._prefixes.maxlen and pre.ids.shape[1] <= PREFIX_MAX:  # its slots [0, P) are final now
+            key = tuple(pre.jobs[0].prompt_ids)
+            kept = [e for e in self._prefixes if e[0] != key]
+            self._prefixes.clear()
+            self._prefixes.extend(kept + [(key, pre.cache)])
         prompt = pre.prompt()
         for i, job in enumerate(pre.jobs):
             if prompt is not None:
@@ -767,19 +782,41 @@ class Prefill:
         self.tops: list | None = [] if self.echo_n else None
         self.chunker = Chunker()
         self.solo = False  # its chunks run alone (a decode step it rode in raised)
+        self.reused = 0  # prompt positions copied from a recent prompt's cache (alloc)
 
-    def alloc(self, cfg) -> None:
+    def alloc(self, engine: "Engine") -> None:
         """The prompt's cache, at the first chunk: room for the prompt and every slot its
         jobs may decode into (batch.row_cache: memory only as slots are written), so no
-        row of the group grows its cache on the step path."""
-        if self.cache is None:
-            made = self.jobs[0].cache
-            self.cache = made if made is not None else batch.row_cache(cfg, _capacity(cfg, self.jobs))
-            self.jobs[0].cache = None  # the Prefill (then the first row) holds it from here
+        row of the group grows its cache on the step path. Without echo, the slots of the
+        longest prefix it shares with a recent prompt (engine._prefixes; at least
+        REUSE_MIN positions, at most P - 1: the last position's hidden state is needed)
+        are copied from that prompt's cache and not prefilled: the same bits, since a
+        position's key / value bytes depend only on the tokens up to it
+        (model.body.attend's declared order; cache-invariant, as Chunker's chunks)."""
+        if self.cache is not None:
+            return
+        made = self.jobs[0].cache
+        self.cache = made if made is not None else batch.row_cache(engine.bundle.config, _capacity(engine.bundle.config,
+                                                                                                  self.jobs))
+        self.jobs[0].cache = None  # the Prefill (then the first row) holds it from here
+        if self.echo_n is not None:  # echo scores every position from its hidden state: prefill them all
+            return
+        ids, m, src = self.jobs[0].prompt_ids, 0, None
+        for key, cache in engine._prefixes:
+            n = len(os.path.commonprefix([key, tuple(ids)]))  # the longest common prefix of the two
+            if n > m:
+                m, src = n, cache
+        m = min(m, len(ids) - 1)
+        if m >= REUSE_MIN:
+            for k, v, sk, sv in zip(self.cache.k, self.cache.v, src.k, src.v):
+                k[..., :m] = sk[..., :m]  # [1, nkv, hd, m]
+                v[:, :, :m] = sv[:, :, :m]  # [1, nkv, m, hd]
+            self.cache.length = self.done = m
+            self.reused = m
 
     def step(self, engine: "Engine", size: int) -> bool:
         """llama.forward over the next `size` positions; True when the prompt is done."""
-        self.alloc(engine.bundle.config)
+        self.alloc(engine)
         t1 = min(self.done + size, self.ids.shape[1])
         h, _ = forward(engine.bundle, self.ids[:, self.done:t1], self.cache, ops=engine.ops)  # [1, c, H]
         return self.took(engine, h[0], t1)
@@ -791,7 +828,7 @@ class Prefill:
         before it, row by row in order, so position p sees p - 1 written just before it:
         llama.forward's bytes, the body being cache-invariant). Returns (views, their
         tokens [c] int64); the cache's own length moves in took()."""
-        self.alloc(engine.bundle.config)
+        self.alloc(engine)
         t1 = min(self.done + size, self.ids.shape[1])
         views = [KVCache(k=self.cache.k, v=self.cache.v, pad=self.cache.pad, length=p) for p in range(self.done, t1)]
         return views, self.ids[0, self.done:t1]
