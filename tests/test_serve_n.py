@@ -392,10 +392,9 @@ def test_long_prompt_does_not_stall_the_streams(bundle):
     """4 streams decode; a 2,048-token prompt arrives: its token equals the whole-prefill
     engine's; the streams' worst gap while it is prefilled stays within WORST_X x their
     median gap before it; the whole-prefill engine (planted) stalls them past 20x. The
-    issue's target is 2x: on the 2-core box a one-position chunk at ~2,000 positions of
-    context costs about a 4-row decode step, and a stream's cache growth (a copy of
-    ~80 MB once it holds ~1,700 positions) about three, so 2x is not met yet
-    (docs/serve.md); WORST_X pins what is. Wall clock asserted; the
+    issue's target is 2x: chunks ride in the decode steps and caches never grow on the
+    step path, but on the shared 2-core box the noise alone reaches ~2x (docs/serve.md);
+    WORST_X pins what is met. Wall clock asserted; the
     process's CPU-time clock printed beside it (the box is shared)."""
     gaps, got = gap_run(Engine(bundle, max_batch=8, k=K), bundle)
     w_gaps, want = gap_run(Whole(bundle, max_batch=8, k=K), bundle)

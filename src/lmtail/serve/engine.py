@@ -5,15 +5,18 @@ requests join the running batch after their own prefill and leave when done.
       --queue (bounded: QueueFull past max_batch + max_queue jobs)--> engine thread:
       loop (bounded by nothing but close()):
         start: the waiting groups, in order, while the batch has room for all their rows
-               (active rows + rows being prefilled <= max_batch): each gets ONE one-row
-               cache for its prompt (shared by its jobs: prefilled once)
+               (active rows + rows being prefilled <= max_batch): each has ONE one-row
+               cache for its prompt (shared by its jobs: prefilled once; made by submit
+               on the caller's thread, sized for prompt + max_tokens: it never grows;
+               a prefix shared with a recent prompt is copied, not prefilled)
         chunk: while rows decode, the prefilling group with the fewest positions left
-               runs one chunk of its prompt (llama.forward on its cache alone; echo
-               jobs also get those positions' teacher-forced logprobs), sized by its
-               Chunker to take about prefill_share x the median decode period (the
-               time a stream waits between tokens), so a long prompt does not stall
-               the streams beside it for its whole prefill; with no row decoding,
-               every prefilling group runs a PREFILL_CHUNK-position chunk.
+               has one chunk of its prompt ride in the next step's body call (its
+               positions as extra step_rows rows on views of its cache; echo jobs also
+               get those positions' teacher-forced logprobs), sized by its Chunker to
+               add about prefill_share x the median decode period (the time a stream
+               waits between tokens), so a long prompt does not stall the streams
+               beside it; with no row decoding, every prefilling group runs a
+               PREFILL_CHUNK-position llama.forward chunk.
                A group whose prompt is done joins the batch, its cache copied for each
                job after the first (the same bytes: attention reads only filled slots)
         step:  one decode_tail over the active rows' hidden states (row-invariant), each
