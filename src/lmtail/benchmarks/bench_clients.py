@@ -332,7 +332,7 @@ def run_load(url: str, *, clients: int, max_tokens: int, long_tokens: int, long_
         good, bad = good[:pick], bad[::2]
     long = long_request(long_tokens) if long_tokens else None
     solo, t0 = {}, time.perf_counter()
-    for r in good + ([long] if long else []):
+    for r in ([long] if long else []) + good:  # the long prompt first: no recent prompt shares its prefix later
         outcome, detail = send(c, r)
         if outcome != "ok":
             raise RuntimeError(f"solo run of {r.name} failed: {outcome} {detail}")
