@@ -798,9 +798,8 @@ class Prefill:
         (model.body.attend's declared order; cache-invariant, as Chunker's chunks)."""
         if self.cache is not None:
             return
-        made = self.jobs[0].cache
-        self.cache = made if made is not None else batch.row_cache(engine.bundle.config, _capacity(engine.bundle.config,
-                                                                                                  self.jobs))
+        cfg, made = engine.bundle.config, self.jobs[0].cache
+        self.cache = made if made is not None else batch.row_cache(cfg, _capacity(cfg, self.jobs))
         self.jobs[0].cache = None  # the Prefill (then the first row) holds it from here
         if self.echo_n is not None:  # echo scores every position from its hidden state: prefill them all
             return
