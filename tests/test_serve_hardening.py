@@ -318,14 +318,16 @@ def run_jobs(engine, jobs, timeout=60):
 
 def test_batch_never_exceeds_max_batch(bundle):
     """6 jobs on max_batch 2: every step has at most 2 rows (and some has 2); the planted
-    engine that admits one more shows 3."""
-    for cls, most in [(CountingEngine, 2), (OneMoreEngine, 3)]:
+    engine that admits one more (and forgets the rows being prefilled) shows 3 or more
+    (how many depends on how its prefills and steps interleave)."""
+    for cls in (CountingEngine, OneMoreEngine):
         engine = cls(bundle, max_batch=2, max_queue=8, k=K)
         jobs = [Job(prompt_ids=[1, 2, 3 + i], params=SamplingParams(temperature=0.0), max_tokens=3, sink=Collect())
                 for i in range(6)]
         sinks = run_jobs(engine, jobs)
         assert all(isinstance(s.events[-1], Done) for s in sinks)
-        assert max(engine.sizes) == most == engine.max_rows_seen, engine.sizes
+        assert max(engine.sizes) == engine.max_rows_seen, engine.sizes
+        assert (max(engine.sizes) == 2) if cls is CountingEngine else (max(engine.sizes) >= 3), engine.sizes
 
 
 def test_capacity_is_max_batch_plus_max_queue(bundle):

@@ -28,7 +28,7 @@ from lmtail.model.generate import default_head_input, default_ops, head_weight  
 from lmtail.model.llama import forward, new_cache, prefill  # noqa: E402
 from lmtail.tail.processors import LogitProcessing, Processors  # noqa: E402
 from lmtail.reference.processors import processed_logits  # noqa: E402
-from lmtail.tail.sampler import SamplingParams, greedy_rows, sampling_tensor  # noqa: E402
+from lmtail.tail.sampler import SamplingParams, sampling_tensor  # noqa: E402
 from lmtail.serve import protocol  # noqa: E402
 from lmtail.serve.app import create_app  # noqa: E402
 from lmtail.serve.cli import ThreadServer  # noqa: E402

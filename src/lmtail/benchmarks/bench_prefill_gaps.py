@@ -121,12 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args.serve, args.max_batch)
     if args.quick:
         args.streams, args.prompt_tokens, args.warm_s, args.tail_s = 2, 256, 1.5, 0.5
-    prompt_ids = [1000 + (i * 7919) % 40000 for i in range(args.prompt_tokens)]  # fixed, in the vocab
+    def prompt_ids(run: int) -> list[int]:  # fixed, in the vocab; its first token differs per run, so the
+        return [1000 + (i * 7919 + 13 * run) % 40000 for i in range(args.prompt_tokens)]  # no prefix to reuse
     servers = {arm: start(arm, args.max_batch) for arm in ("chunked", "whole")}
     try:
         order = ["chunked", "whole"] if args.quick else ["chunked", "whole", "whole", "chunked"] * args.rounds
-        for arm in order:
-            r = one_run(servers[arm][1], args.streams, prompt_ids, args.warm_s, args.tail_s)
+        for run, arm in enumerate(order):
+            r = one_run(servers[arm][1], args.streams, prompt_ids(run), args.warm_s, args.tail_s)
             print(f"{arm:8s} streams {args.streams} prompt {args.prompt_tokens}: median gap before "
                   f"{r['median_before_ms']:.1f} ms (worst {r['worst_before_ms']:.1f}), while prefilling median "
                   f"{r['median_during_ms']:.1f} worst {r['worst_during_ms']:.1f} ms: worst / median before "

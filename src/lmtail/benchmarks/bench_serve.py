@@ -98,6 +98,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--prefixes", type=int, default=None,
+                    help="the in-process engine's prefix-reuse entries (default: the engine's; 0: off)")
     ap.add_argument("--budget-s", type=float, default=600.0, help="wall-clock bound per level")
     ap.add_argument("--peer-url", help="an OpenAI server to run the same arms against (vLLM)")
     ap.add_argument("--peer-model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -115,7 +117,8 @@ def main(argv=None) -> int:
 
         if args.threads:
             torch.set_num_threads(args.threads)
-        engine = Engine(load_model(), max_batch=args.max_batch, max_queue=256)
+        kw = {} if args.prefixes is None else {"prefixes": args.prefixes}
+        engine = Engine(load_model(), max_batch=args.max_batch, max_queue=256, **kw)
         srv = ThreadServer(create_app(engine, model_name=args.model)).start()
         url = f"http://127.0.0.1:{srv.port}"
         print(f"lmtail server in-process at {url} (max_batch {args.max_batch}, torch threads "

@@ -184,11 +184,11 @@ class _State:
                     grammar=None if req.grammar is None else req.grammar.start()) for i in range(req.n)]
         if self.closing:
             raise _closing()
-        try:
+        try:  # off the loop: submitting makes the prompt's cache memory (page faults, ~ms)
             if len(jobs) == 1:
-                self.engine.submit(jobs[0])
+                await asyncio.to_thread(self.engine.submit, jobs[0])
             else:
-                self.engine.submit_group(jobs)
+                await asyncio.to_thread(self.engine.submit_group, jobs)
         except QueueFull as e:
             raise ApiError(429, f"too many requests in flight: {e}; retry later", type_="rate_limit_error",
                            code="rate_limit_exceeded") from None

@@ -19,9 +19,12 @@ the row's own s0 = cache.length). tests/test_serve.py checks it bit for bit agai
 llama.forward, rows joining and leaving. Only the declared body (ops.body == "declared")
 is supported: the fp32 body's BLAS is not row-invariant in general.
 
-Caches here are one-row KVCache values (pad [0]); `grow` reallocates one with more slots
-(the filled slots copied: attention reads position-ordered keys only, so the extra
-capacity changes no byte).
+Caches here are one-row KVCache values (pad [0]) from `row_cache`: every layer's keys and
+values in ONE anonymous memory mapping, zero-filled by the kernel and made memory page by
+page as slots are first written, so a cache sized for its row's whole life (prompt +
+max_tokens) costs what it holds and never grows on the step path. `grow` reallocates one
+with more slots (the filled slots copied: attention reads position-ordered keys only, so
+the extra capacity changes no byte); the engine sizes caches so that it is not needed.
 
 Shape legend: R rows, H hidden, nh / nkv query / KV heads, hd head dim, qd = nh*hd,
 kvd = nkv*hd, F FFN width, L layers, S cache slots.
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
+import mmap
 
 import torch
 
@@ -39,14 +43,46 @@ from ..kernels.gemm.bf16 import gemm_bf16
 from ..kernels.model.step import StepBuffers
 from ..model import body as decl
 from ..model.gguf_loader import LlamaConfig, ModelBundle
+from ..model.body import SLACK
 from ..model.llama import Q32_BODY, KVCache, Ops, embed_rows, forward, new_cache, norm_fn, q32_model
 
 GROW_SLOTS = 256  # a cache grows by at least this many slots at a time
 
 
 def row_cache(cfg: LlamaConfig, capacity: int) -> KVCache:
-    """An empty one-row cache (pad 0) with `capacity` slots (<= the context length)."""
-    return new_cache(cfg, pad=torch.zeros(1, dtype=torch.int64), capacity=capacity)
+    """An empty one-row cache (pad 0) with `capacity` slots (in [1, the context length]),
+    the layout of model.llama.new_cache (k [1, nkv, hd, capacity + SLACK], v [1, nkv,
+    capacity + SLACK, hd] fp32 per layer, every slot 0.0) in one anonymous mmap: the kernel
+    zero-fills its pages on first touch, so untouched slots cost no memory (a row may be
+    given its whole context up front) and read as 0.0, as new_cache's zeros do. Each
+    layer's tensors start at a multiple of 256 bytes. The mapping is freed with the
+    tensors (they hold it)."""
+    if not 1 <= capacity <= cfg.context_length:
+        raise ValueError(f"capacity must be in [1, {cfg.context_length}]; got {capacity}")
+    nkv, hd, s = cfg.n_kv_heads, cfg.head_dim, capacity + SLACK
+    per = nkv * hd * s  # fp32 values of one layer's k (and of its v)
+    flat = torch.frombuffer(mmap.mmap(-1, 2 * cfg.n_layers * per * 4), dtype=torch.float32)  # zero pages
+    k = [flat[2 * i * per:(2 * i + 1) * per].view(1, nkv, hd, s) for i in range(cfg.n_layers)]
+    v = [flat[(2 * i + 1) * per:(2 * i + 2) * per].view(1, nkv, s, hd) for i in range(cfg.n_layers)]
+    return KVCache(k=k, v=v, pad=torch.zeros(1, dtype=torch.int64))
+
+
+def touch(cache: KVCache, slots: int) -> KVCache:
+    """Make the pages of slots [0, slots) of a row_cache memory now (a 0.0 written at
+    every 1,024th value of each key row and value block, and at its last one: every page
+    they span): the page faults a first write there would take, taken by the caller's
+    thread instead (Engine.submit_group: off the engine thread). Only for slots not
+    written yet (0.0 stays 0.0). Returns cache."""
+    n = min(slots, cache.capacity)
+    if n < 1:
+        return cache
+    for k, v in zip(cache.k, cache.v):
+        k[..., :n:1024] = 0.0  # [1, nkv, hd, n]: one value per page of each key row
+        k[..., n - 1] = 0.0
+        flat = v[0, :, :n].reshape(v.shape[1], -1)  # [nkv, n * hd] (a view: each head's slots are contiguous)
+        flat[:, ::1024] = 0.0
+        flat[:, -1] = 0.0
+    return cache
 
 
 def grow(cfg: LlamaConfig, cache: KVCache, need: int) -> KVCache:
@@ -124,9 +160,11 @@ def _step_rows_q32(bundle: ModelBundle, tokens, caches: list[KVCache], ops: Ops,
 
 def copy_cache(cfg: LlamaConfig, cache: KVCache, capacity: int | None = None) -> KVCache:
     """A copy of one-row `cache` with `capacity` slots (None: its own; >= its length): the
-    filled slots copied, length kept. grow's new cache; a group's later jobs decode on their
-    own copies of the prompt's cache."""
-    new = new_cache(cfg, pad=cache.pad, capacity=cache.capacity if capacity is None else capacity)
+    filled slots copied, length kept (a row_cache when `cache` has pad 0). grow's new
+    cache; a group's later jobs decode on their own copies of the prompt's cache."""
+    capacity = cache.capacity if capacity is None else capacity
+    one_row = cache.pad.shape == (1,) and int(cache.pad[0]) == 0
+    new = row_cache(cfg, capacity) if one_row else new_cache(cfg, pad=cache.pad, capacity=capacity)
     s = cache.length
     for i in range(cfg.n_layers):
         new.k[i][..., :s] = cache.k[i][..., :s]

@@ -5,15 +5,18 @@ requests join the running batch after their own prefill and leave when done.
       --queue (bounded: QueueFull past max_batch + max_queue jobs)--> engine thread:
       loop (bounded by nothing but close()):
         start: the waiting groups, in order, while the batch has room for all their rows
-               (active rows + rows being prefilled <= max_batch): each gets ONE one-row
-               cache for its prompt (shared by its jobs: prefilled once)
+               (active rows + rows being prefilled <= max_batch): each has ONE one-row
+               cache for its prompt (shared by its jobs: prefilled once; made by submit
+               on the caller's thread, sized for prompt + max_tokens: it never grows;
+               a prefix shared with a recent prompt is copied, not prefilled)
         chunk: while rows decode, the prefilling group with the fewest positions left
-               runs one chunk of its prompt (llama.forward on its cache alone; echo
-               jobs also get those positions' teacher-forced logprobs), sized by its
-               Chunker to take about prefill_share x the median decode period (the
-               time a stream waits between tokens), so a long prompt does not stall
-               the streams beside it for its whole prefill; with no row decoding,
-               every prefilling group runs a PREFILL_CHUNK-position chunk.
+               has one chunk of its prompt ride in the next step's body call (its
+               positions as extra step_rows rows on views of its cache; echo jobs also
+               get those positions' teacher-forced logprobs), sized by its Chunker to
+               add about prefill_share x the median decode period (the time a stream
+               waits between tokens), so a long prompt does not stall the streams
+               beside it; with no row decoding, every prefilling group runs a
+               PREFILL_CHUNK-position llama.forward chunk.
                A group whose prompt is done joins the batch, its cache copied for each
                job after the first (the same bytes: attention reads only filled slots)
         step:  one decode_tail over the active rows' hidden states (row-invariant), each
@@ -64,6 +67,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import statistics
 import threading
 import time
@@ -84,11 +88,13 @@ from . import batch
 from .grammar import advance_row, with_masks
 
 PREFILL_CHUNK = 256  # prompt positions per forward call at most (cache-invariant: no byte depends on it)
-PREFILL_SHARE = 1.0  # a prefill chunk beside decoding rows takes about this share of a decode period
-GROW_AHEAD = 64  # a row's cache may grow early this many slots before it is full (_grow_early)
-PERIODS = 15  # decode periods kept (their median sizes the prefill chunks)
+PREFILL_SHARE = 0.5  # a prefill chunk beside decoding rows adds about this share of a decode period
+PERIODS = 15  # decode periods (and plain body calls) kept: their medians size the prefill chunks
 FIRST_CHUNK = 2  # a group's first chunk beside decoding rows (then Chunker adapts it)
 SCORE_ROWS = 64  # positions per teacher-forced tail call
+PREFIXES = 4  # recent prompts whose caches a new prompt may copy its common prefix from
+PREFIX_MAX = 2048  # a prompt longer than this is not kept as a prefix (it would hold its memory)
+REUSE_MIN = 8  # a common prefix shorter than this is prefilled anyway
 _log = logging.getLogger("uvicorn.error")  # the server's log (a plain logger when run without uvicorn)
 
 
@@ -127,6 +133,7 @@ class Job:
     grammar: object = None  # serve.grammar.GrammarState | None
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
+    cache: KVCache | None = field(default=None, repr=False)  # its group's prompt cache (submit_group makes it)
 
     def cancel(self) -> None:
         """Ask the engine to drop this job at its next step (frees its slot)."""
@@ -276,7 +283,7 @@ class Engine:
     def __init__(self, bundle: ModelBundle, *, max_batch: int = 16, max_queue: int = 64, k: int = 256,
                  body: str = "batched", ops: Ops | None = None, exchange: str = TailConfig.exchange,
                  head_input: str | None = None, ranks: int = 1, rank_timeout_s: float = 120.0,
-                 prefill_share: float = PREFILL_SHARE):
+                 prefill_share: float = PREFILL_SHARE, prefixes: int = PREFIXES):
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0; got {max_batch}, {max_queue}")
         if body not in ("batched", "rows"):
@@ -303,11 +310,21 @@ class Engine:
         if not 0 < prefill_share <= 4:
             raise ValueError(f"prefill_share must be in (0, 4]; got {prefill_share!r}")
         self.prefill_share = prefill_share
+        if not isinstance(prefixes, int) or prefixes < 0:
+            raise ValueError(f"prefixes must be an int >= 0; got {prefixes!r}")
+        # (prompt ids, its cache) of recent prompts (engine thread only): slots [0, P) of a
+        # cache never change after its prefill (rows only append), so a new prompt may copy
+        # the slots of its longest common prefix instead of prefilling them (Prefill.alloc)
+        self._prefixes: collections.deque[tuple[tuple[int, ...], KVCache]] = collections.deque(maxlen=prefixes)
         self._pending: collections.deque[list[Job]] = collections.deque()  # groups waiting
         self._rows: list[Row] = []
         self._prefills: list[Prefill] = []  # groups being prefilled (oldest first)
         self._periods: collections.deque[float] = collections.deque(maxlen=PERIODS)  # see _note_period
         self._last_step: float | None = None  # perf_counter() at the last decode step's start
+        self._bodies: collections.deque[float] = collections.deque(maxlen=PERIODS)  # plain body calls (s)
+        self._ride: tuple[Prefill, int] | None = None  # a chunk to run inside the next body call
+        self._rode: tuple | None = None  # (Prefill, h [c, H], t1, seconds over a plain body call) of the last
+        self._rode_last = False  # the last decode step carried a chunk (its period is not a plain one)
         self._cv = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -337,6 +354,10 @@ class Engine:
         join the batch together. ValueError for 0 or more than max_batch jobs or jobs
         whose prompt_ids / echo differ; Closed, QueueFull (counting every job) as submit."""
         _check_group(jobs, self.max_batch)
+        cfg = self.bundle.config
+        if jobs[0].cache is None and len(jobs[0].prompt_ids) < cfg.context_length:  # else the prefill fails it
+            # the group's cache, its prompt's pages made memory here (the caller's thread), not on the engine's
+            jobs[0].cache = batch.touch(batch.row_cache(cfg, _capacity(cfg, jobs)), len(jobs[0].prompt_ids))
         with self._cv:
             if self._closing:
                 raise Closed("the engine is shutting down")
@@ -407,15 +428,16 @@ class Engine:
                 while self._pending and len(self._pending[0]) <= self.room() - sum(len(g) for g in groups):
                     groups.append(self._pending.popleft())
                 self._prefills += [Prefill(g) for g in groups]  # caches allocated at their first chunk
-            chunked = self._prefill_some()
+            chunked = self._prefill_some() and self._ride is None  # a chunk ran alone just now
             if self._rows:
-                self._note_period(time.perf_counter(), chunked)
+                self._note_period(time.perf_counter(), chunked or self._rode_last)
                 try:
                     self.step()
                 except Exception as e:  # a bug outside the per-row guards: fail the rows, keep serving
                     rows, self._rows = self._rows, []
                     for r in rows:
                         _emit(r.job, _failure(e))
+                self._finish_ride()
             else:
                 self._last_step = None  # no stream waits: the next period starts afresh
         for job in dropped:
@@ -458,20 +480,52 @@ class Engine:
 
     def _note_period(self, now: float, chunked: bool) -> None:
         """A decode step starts at `now`: the time since the last one is a decode period
-        (what a stream sees between tokens) when no prefill chunk ran between them; the
-        last PERIODS of those are kept."""
+        (what a stream sees between tokens) when no prefill chunk ran between them or
+        inside the last step (`chunked`); the last PERIODS of those are kept."""
         if self._last_step is not None and not chunked:
             self._periods.append(now - self._last_step)
         self._last_step = now
 
     def _prefill_chunk(self, pre: "Prefill", budget: float | None) -> None:
         """One chunk of prefilling group `pre` (sized by its Chunker for `budget` seconds;
-        None: PREFILL_CHUNK); a group that finishes or fails leaves _prefills."""
+        None: PREFILL_CHUNK); a group that finishes or fails leaves _prefills. With a
+        budget (rows decoding) and the batched body, the chunk rides in the next decode
+        step's body call (_body: one weight pass for the rows and the chunk's positions;
+        no byte changes, Prefill.ride) unless the group runs alone (pre.solo) or all its
+        jobs are cancelled; the budget is then the time the chunk adds to that call."""
         size = PREFILL_CHUNK if budget is None else pre.chunker.next
+        if budget is not None and self.body == "batched" and not pre.solo \
+                and not all(j.cancelled.is_set() for j in pre.jobs):
+            self._ride = (pre, size)
+            return
         t0 = time.perf_counter()
         finished = self._advance_prefill(pre, size)
         if budget is not None:
             pre.chunker.note(size, time.perf_counter() - t0, budget)
+        if finished:
+            with self._cv:
+                self._prefills.remove(pre)
+
+    def _finish_ride(self) -> None:
+        """After a step: the chunk that rode in its body call (if any) is taken by its
+        group (echo logprobs; the group joins when its prompt is done, failing its jobs on
+        an error) and its Chunker told the time it added; a planned ride that found no
+        body call (every row left at the tail) is dropped (planned again next loop)."""
+        rode, self._rode, self._ride = self._rode, None, None
+        self._rode_last = rode is not None
+        if rode is None:
+            return
+        pre, h, t1, extra = rode
+        pre.chunker.note(h.shape[0], extra, self.prefill_share * statistics.median(self._periods))
+        finished = True
+        try:
+            if pre.took(self, h, t1):
+                self._join(pre)
+            else:
+                finished = False
+        except Exception as e:
+            for j in pre.jobs:
+                _emit(j, _failure(e))
         if finished:
             with self._cv:
                 self._prefills.remove(pre)
@@ -499,6 +553,11 @@ class Engine:
         copy of the prompt's cache (the first job on the cache itself), or finishes
         (max_tokens 0)."""
         rows = []
+        if self._prefixes.maxlen and pre.ids.shape[1] <= PREFIX_MAX:  # its slots [0, P) are final now
+            key = tuple(pre.jobs[0].prompt_ids)
+            kept = [e for e in self._prefixes if e[0] != key]
+            self._prefixes.clear()
+            self._prefixes.extend(kept + [(key, pre.cache)])
         prompt = pre.prompt()
         for i, job in enumerate(pre.jobs):
             if prompt is not None:
@@ -645,22 +704,43 @@ class Engine:
         return sampling_tensor([r.job.params for r in rows], positions=[r.position for r in rows])
 
     def _grow(self, rows: list[Row]) -> None:
-        """Each row's cache gets a free slot for this step (batch.grow when full); one row
-        near full grows early (_grow_early)."""
+        """Each row's cache has a free slot for this step: it does (Prefill.alloc sizes a
+        group's caches for prompt + max_tokens), so batch.grow copies nothing here; it is
+        kept as the rule's guard."""
         cfg = self.bundle.config
         for r in rows:
             r.cache = batch.grow(cfg, r.cache, r.cache.length + 1)
-        _grow_early(cfg, rows)
 
     def _body(self, rows: list[Row], tokens: torch.Tensor) -> None:
-        """Feed each row's new token through the body; row.x becomes its next hidden state."""
+        """Feed each row's new token through the body; row.x becomes its next hidden state.
+        A chunk planned to ride (_ride, taken by the first call of the step only) joins the
+        batched call as rows after these (Prefill.ride); its hidden states and the time it
+        added over the median plain call go to _rode for _finish_ride. When that call
+        raises, the group is marked to run alone (its cache's length never moved)."""
         self._grow(rows)
+        ride, self._ride = self._ride, None
         if self.body == "batched":
             if self._scratch is None and self.ops.body == Q32_BODY:
                 c = self.bundle.config
                 self._scratch = StepBuffers(StepShape(L=c.n_layers, H=c.hidden, nh=c.n_heads, nkv=c.n_kv_heads, F=c.ffn))
-            h = batch.step_rows(self.bundle, tokens, [r.cache for r in rows], self.ops,
-                                scratch=self._scratch)  # [R, H]
+            caches, views = [r.cache for r in rows], []
+            if ride is not None:
+                views, ptoks = ride[0].ride(self, ride[1])
+                tokens = torch.cat([tokens, ptoks])
+            t0 = time.perf_counter()
+            try:
+                h = batch.step_rows(self.bundle, tokens, caches + views, self.ops, scratch=self._scratch)  # [R + c, H]
+            except Exception:
+                if ride is not None:
+                    ride[0].solo = True
+                raise
+            took = time.perf_counter() - t0
+            if ride is None:
+                self._bodies.append(took)
+            else:
+                extra = took - (statistics.median(self._bodies) if self._bodies else 0.0)
+                self._rode = (ride[0], h[len(rows):], ride[0].done + len(views), extra)
+                h = h[:len(rows)]
         else:
             h = torch.cat([forward(self.bundle, tokens[i, None, None], r.cache, ops=self.ops)[0][0]
                            for i, r in enumerate(rows)])  # [R, H]
@@ -704,26 +784,72 @@ class Prefill:
         self.lps: list[float] = []
         self.tops: list | None = [] if self.echo_n else None
         self.chunker = Chunker()
+        self.solo = False  # its chunks run alone (a decode step it rode in raised)
+        self.reused = 0  # prompt positions copied from a recent prompt's cache (alloc)
+
+    def alloc(self, engine: "Engine") -> None:
+        """The prompt's cache, at the first chunk: room for the prompt and every slot its
+        jobs may decode into (batch.row_cache: memory only as slots are written), so no
+        row of the group grows its cache on the step path. Without echo, the slots of the
+        longest prefix it shares with a recent prompt (engine._prefixes; at least
+        REUSE_MIN positions, at most P - 1: the last position's hidden state is needed)
+        are copied from that prompt's cache and not prefilled: the same bits, since a
+        position's key / value bytes depend only on the tokens up to it
+        (model.body.attend's declared order; cache-invariant, as Chunker's chunks)."""
+        if self.cache is not None:
+            return
+        cfg, made = engine.bundle.config, self.jobs[0].cache
+        self.cache = made if made is not None else batch.row_cache(cfg, _capacity(cfg, self.jobs))
+        self.jobs[0].cache = None  # the Prefill (then the first row) holds it from here
+        if self.echo_n is not None:  # echo scores every position from its hidden state: prefill them all
+            return
+        ids, m, src = self.jobs[0].prompt_ids, 0, None
+        for key, cache in engine._prefixes:
+            n = len(os.path.commonprefix([key, tuple(ids)]))  # the longest common prefix of the two
+            if n > m:
+                m, src = n, cache
+        m = min(m, len(ids) - 1)
+        if m >= REUSE_MIN:
+            for k, v, sk, sv in zip(self.cache.k, self.cache.v, src.k, src.v):
+                k[..., :m] = sk[..., :m]  # [1, nkv, hd, m]
+                v[:, :, :m] = sv[:, :, :m]  # [1, nkv, m, hd]
+            self.cache.length = self.done = m
+            self.reused = m
 
     def step(self, engine: "Engine", size: int) -> bool:
         """llama.forward over the next `size` positions; True when the prompt is done."""
-        cfg, P = engine.bundle.config, self.ids.shape[1]
-        if self.cache is None:
-            first = min(max(self.jobs[0].max_tokens, 1), batch.GROW_SLOTS)  # slots past the prompt; grown as needed
-            self.cache = batch.row_cache(cfg, min(cfg.context_length, P + first))
-        t0, t1 = self.done, min(self.done + size, P)
-        h, _ = forward(engine.bundle, self.ids[:, t0:t1], self.cache, ops=engine.ops)  # [1, c, H]
-        self.done = t1
+        self.alloc(engine)
+        t1 = min(self.done + size, self.ids.shape[1])
+        h, _ = forward(engine.bundle, self.ids[:, self.done:t1], self.cache, ops=engine.ops)  # [1, c, H]
+        return self.took(engine, h[0], t1)
+
+    def ride(self, engine: "Engine", size: int) -> tuple[list[KVCache], torch.Tensor]:
+        """The next `size` positions as rows of a decode step's body call (batch.step_rows):
+        one view of the prompt's cache per position (the same tensors, length = the
+        position: step_rows writes each row's key / value, then attends over the slots
+        before it, row by row in order, so position p sees p - 1 written just before it:
+        llama.forward's bytes, the body being cache-invariant). Returns (views, their
+        tokens [c] int64); the cache's own length moves in took()."""
+        self.alloc(engine)
+        t1 = min(self.done + size, self.ids.shape[1])
+        views = [KVCache(k=self.cache.k, v=self.cache.v, pad=self.cache.pad, length=p) for p in range(self.done, t1)]
+        return views, self.ids[0, self.done:t1]
+
+    def took(self, engine: "Engine", h: torch.Tensor, t1: int) -> bool:
+        """Positions done..t1-1 are in the cache with hidden states h [c, H]: their echo
+        logprobs; True when the prompt is done (x: its last hidden state)."""
+        t0, P = self.done, self.ids.shape[1]
+        self.done = self.cache.length = t1
         s1 = min(t1, P - 1)  # positions t0..s1-1 score the tokens after them (the last has none)
         if self.echo_n is not None and s1 > t0:
-            lps, top = score_positions(engine.bundle, h[0, :s1 - t0], self.ids[0, t0 + 1:s1 + 1],
+            lps, top = score_positions(engine.bundle, h[:s1 - t0], self.ids[0, t0 + 1:s1 + 1],
                                        n=self.echo_n, config=engine.tail_config)
             self.lps += lps
             if self.tops is not None:
                 self.tops += top
         if t1 < P:
             return False
-        self.x = h[0, -1].contiguous()
+        self.x = h[-1].contiguous()
         return True
 
     def left(self) -> int:
@@ -733,6 +859,12 @@ class Prefill:
     def prompt(self) -> Prompt | None:
         """The echo logprobs event (None without echo)."""
         return None if self.echo_n is None else Prompt(self.lps, self.tops)
+
+
+def _capacity(cfg, jobs: list[Job]) -> int:
+    """The slots a group's cache needs: its prompt and the most tokens a job may decode
+    (at least 1), at most the context length."""
+    return min(cfg.context_length, len(jobs[0].prompt_ids) + max(max(j.max_tokens for j in jobs), 1))
 
 
 def _check_group(jobs: list[Job], most: int) -> None:
@@ -745,21 +877,6 @@ def _check_group(jobs: list[Job], most: int) -> None:
                 (j0.prompt_ids, j0.echo_logprobs, j0.logprobs if j0.echo_logprobs else None):
             raise ValueError("jobs of a group must share prompt_ids and echo_logprobs (with its logprobs); got jobs "
                              "that differ")
-
-
-def _grow_early(cfg, rows: list[Row]) -> None:
-    """Of the rows whose cache has fewer than GROW_AHEAD free slots and that will need
-    more (prompt + max_tokens past its capacity), the one with the fewest grows now
-    (batch.grow: a copy with GROW_SLOTS more): rows that joined together then copy their
-    caches in successive steps, not all in one (a stall for every stream)."""
-    def free(r):
-        return r.cache.capacity - r.cache.length
-
-    tight = [r for r in rows if free(r) < GROW_AHEAD
-             and r.cache.capacity < min(cfg.context_length, len(r.job.prompt_ids) + r.job.max_tokens)]
-    if tight:
-        r = min(tight, key=free)
-        r.cache = batch.grow(cfg, r.cache, r.cache.capacity + 1)
 
 
 @dataclass(frozen=True)
