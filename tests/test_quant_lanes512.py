@@ -4,9 +4,10 @@ Shape legend: a [M, K] fp32, w QuantWeight (N, K) (K a multiple of 32), out [M, 
 
 The path's own edges: quads of rows (M not a multiple of 4: zero rows never stored), tiles of
 48 columns in groups of 16 (N not a multiple of 16 or 48: zero columns past the unit, masked
-stores), units of 48..96 columns over 1..3 threads, the panel dequantized across 16 columns
-(fp16 d and m subnormal, Q4_1 values that round), the boundary M = 15 (rows passes) / 16
-(this path), and lmtail_gemm_q_cat's columns from several weights inside one group of 16.
+stores), units of 1..4 tiles over 1..3 threads (each tile prefetching the next 48 columns'
+rows, past the unit's end too), the panel dequantized across 16 columns (fp16 d and m
+subnormal, Q4_1 values that round), the boundary M = 15 (rows passes) / 16 (this path), and
+lmtail_gemm_q_cat's columns from several weights inside one group of 16.
 Byte equality on int32 views. Planted: the blocks summed in reverse, 16 lanes, a panel whose
 columns are swapped inside a group of 16: each must differ.
 """

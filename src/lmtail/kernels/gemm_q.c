@@ -543,8 +543,8 @@ static const pass512_fn PASS512[9] = {0, pass512_1_2, pass512_2_4, pass512_3_2, 
  * dequantization per unit, so the path pays from M = 16 on (Zen 4, alternated, thread CPU
  * time: M = 16 Q4_1 linears 0.70-0.96x the rows passes' time, the Q8_0 head 0.89-1.0x; M = 8
  * and 12 1.07-1.3x, so they stay on the rows passes; M >= 17 0.81-0.95x the AVX2 lanes path
- * it replaces there). The panel, one per unit, columns past the unit zero:
- *   pt [T, 32, NB, 48]:      pt[((t*32 + l)*NB + b)*48 + 16g + i] = w[c0 + 48t + 16g + i, 32b + l]
+ * it replaces there). The panel, one tile's, columns past the unit zero:
+ *   pt [32, NB, 48]:         pt[(l*NB + b)*48 + 16g + i] = w[n0 + 16g + i, 32b + l]   (n0 the tile's)
  * built 16 columns at a time, one block of them at a time, dequantized across the columns
  * (lanes_group_512). Each lane's chain over b runs whole, the lanes in bit-reversed order, the tree
  * summed as the leaves come (lanes_tile's parking): each element's steps are the declared ones. */
@@ -574,10 +574,14 @@ static AI AVX512 void lanes_store_512(const job_t *j, const float *res, int64_t 
  * rate's fmas (the chains of 18 blocks at K = 576, the tree, the panel read from L2).
  * (Tiles of 8 rows, 24 accumulators, ran 1.13-1.28x slower on Zen 4.) */
 static AI AVX512 void lanes_tile_512(const job_t *j, const float *pt, int64_t q, int64_t t, int64_t c0,
-                                     int64_t c1, float *park) {
-    const int64_t nb = j->nb;
+                                     int64_t c1, float *park, int64_t f0, int64_t f1) {
+    const int64_t nb = j->nb, row_bytes = nb * j->bs;
     for (int i = 0; i < QK; ++i) {
         const int l = bitrev5(i);
+        for (int64_t c = f0 + i; c < f1; c += QK) { /* the next tile's weight rows, into L2 */
+            const char *w = (const char *)col_w(j, c);
+            for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(w + o, _MM_HINT_T1);
+        }
         const float *pa = j->at + (q * QK + l) * nb * 4, *pw = pt + (t * QK + l) * nb * LANES512_W;
         __m512 acc[12]; /* [4 rows, 3 groups of 16 columns] */
         for (int x = 0; x < 12; ++x) acc[x] = _mm512_setzero_ps();
@@ -632,7 +636,7 @@ static AI AVX512 void seg16_512(const uint8_t *const *blk, int off, __m512i *g) 
 static AI AVX512 void lanes_group_512(const job_t *j, int64_t c0, int64_t c1, int64_t g, float *pt, int fmt) {
     static const uint8_t zero_block[64 + PREFETCH] __attribute__((aligned(64))); /* its prefetch too */
     const int64_t nb = j->nb, cols = c1 - c0 - 16 * g;
-    float *dst = pt + (g / 3 * QK * nb) * LANES512_W + 16 * (g % 3);
+    float *dst = pt + 16 * g; /* g = 0, 1, 2: the tile's 16-column groups */
     const uint8_t *row[16];
     int64_t step[16]; /* a column past c1: the zero block at every b */
     for (int64_t c = 0; c < 16; ++c) {
@@ -674,17 +678,26 @@ static AI AVX512 void lanes_group_512(const job_t *j, int64_t c0, int64_t c1, in
     }
 }
 
-/* The unit's panel (T = chunk/48 tiles), then (all of at copied) each quad of rows over the tiles. */
+/* The unit's tiles (columns c0 + 48t .., t < T = chunk/48) one after the other: the tile's
+ * panel (pt holds one tile: [1, 32, NB, 48]), then (all of at copied) each quad of rows over
+ * it, the first quad's lanes prefetching the next 48 columns' weight rows into L2 (the next
+ * tile's, or past c1 the next unit's). Why: with the weights in DRAM, a panel built from them
+ * alone waits on memory while the tiles leave it idle: the whole unit's panel first, at M =
+ * 16 on a 70 MB Q4_1 weight, took 1.12x the rows passes' time on Zen 4. */
 static AVX512 void lanes_unit_512(const job_t *j, int64_t c0, int64_t c1, float *pt) {
     const int64_t T = (c1 - c0 + LANES512_W - 1) / LANES512_W, Q = (j->M + 3) / 4;
-    float *park = pt + j->chunk * j->K; /* [6, 12, 16] */
-    for (int64_t g = 0; g < 3 * T; ++g) {
-        if (j->fmt == FMT_Q8_0) lanes_group_512(j, c0, c1, g, pt, FMT_Q8_0);
-        else lanes_group_512(j, c0, c1, g, pt, FMT_Q4_1);
+    float *park = pt + LANES512_W * j->K; /* [6, 12, 16] */
+    for (int64_t t = 0; t < T; ++t) {
+        const int64_t n0 = c0 + LANES512_W * t; /* the tile's first column */
+        for (int64_t g = 0; g < 3; ++g) {
+            if (j->fmt == FMT_Q8_0) lanes_group_512(j, n0, c1, g, pt, FMT_Q8_0);
+            else lanes_group_512(j, n0, c1, g, pt, FMT_Q4_1);
+        }
+        if (t == 0) lanes_at_wait(j); /* the copy of a overlaps the other workers' first panels */
+        const int64_t f0 = n0 + LANES512_W, f1 = f0 + LANES512_W < j->N ? f0 + LANES512_W : j->N;
+        for (int64_t q = 0; q < Q; ++q) /* the quad's rows of at stay in L1 over the tile */
+            lanes_tile_512(j, pt, q, 0, n0, c1, park, q == 0 ? f0 : 0, q == 0 ? f1 : 0);
     }
-    lanes_at_wait(j); /* the copy of a overlaps the other workers' first panels */
-    for (int64_t q = 0; q < Q; ++q) /* the quad's rows of at stay in L1 over the panel */
-        for (int64_t t = 0; t < T; ++t) lanes_tile_512(j, pt, q, t, c0, c1, park);
 }
 
 /* Rows 0 .. M-1 of columns c0 .. c1-1 (M < LANES512_MIN_M; else the lanes path): the columns in groups
@@ -715,9 +728,10 @@ static AVX512 void unit_512(const job_t *j, int64_t c0, int64_t c1, float *panel
 static void *worker(void *arg) {
     job_t *j = (job_t *)arg;
     const unsigned csr = lmtail_mxcsr_pin(LMTAIL_MXCSR_IEEE);
-    /* the panel: plain C one row [K]; the lanes path [chunk, K] and its parked lanes */
+    /* the panel: plain C one row [K]; the AVX2 lanes path [chunk, K], the AVX-512 one [48, K];
+     * and their parked lanes */
     float *panel = NULL;
-    const int64_t rows = j->isa == ISA_C ? 1 : j->lanes ? j->chunk : 0;
+    const int64_t rows = j->isa == ISA_C ? 1 : !j->lanes ? 0 : j->isa == ISA_AVX512 ? LANES512_W : j->chunk;
     const int64_t extra = j->lanes ? 6 * 12 * 16 : 0; /* the lanes paths' parked nodes (AVX2 uses half) */
     const int ok = rows == 0 || !posix_memalign((void **)&panel, 64, sizeof(float) * (rows * j->K + extra));
 #if defined(__x86_64__)
@@ -784,12 +798,17 @@ int lmtail_gemm_q_cat(const float *a, int64_t lda, const uint8_t *const *ws, con
               : isa == ISA_AVX2 && (M >= LANES_MIN_M || (M >= 8 && K > QUARTER_MAX_K));
     float *at = NULL;
     if (j.lanes) {
-        const int64_t tw = isa == ISA_AVX512 ? LANES512_W : 24; /* a tile's columns */
-        const int64_t most = LANES_PANEL / K / tw * tw;
-        const int64_t even = (N + LANES_UNITS * nthreads - 1) / (LANES_UNITS * nthreads);
-        j.chunk = (even + tw - 1) / tw * tw;
-        if (j.chunk > most) j.chunk = most;
-        if (j.chunk < tw) j.chunk = tw;
+        if (isa == ISA_AVX512) { /* whole tiles, about LANES_UNITS units per thread, rounded down
+                                  * (q|k|v's 20 tiles on 2 threads: 10 units of 2, not 7 of 3) */
+            const int64_t tiles = (N + LANES512_W - 1) / LANES512_W, per = tiles / (LANES_UNITS * nthreads);
+            j.chunk = (per < 1 ? 1 : per) * LANES512_W;
+        } else {
+            const int64_t most = LANES_PANEL / K / 24 * 24;
+            const int64_t even = (N + LANES_UNITS * nthreads - 1) / (LANES_UNITS * nthreads);
+            j.chunk = (even + 23) / 24 * 24;
+            if (j.chunk > most) j.chunk = most;
+            if (j.chunk < 24) j.chunk = 24;
+        }
         if (posix_memalign((void **)&at, 64, sizeof(float) * ((M + 3) / 4 * 4) * K)) return -2;
         j.at = at; /* filled by a worker (lanes_at_take) */
     }
