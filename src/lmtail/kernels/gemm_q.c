@@ -387,7 +387,7 @@ static AVX2 void lanes_at_wait(const job_t *j) {
 
 /* The unit's panel (T = chunk/24 tiles, every 8 columns' blocks transposed 8 x 8 in registers),
  * then (all of at copied) each quad of rows over the tiles. */
-static AVX2 void lanes_unit(const job_t *j, int64_t c0, int64_t c1, float *pt, int fmt) {
+static AVX2 __attribute__((noinline)) void lanes_unit(const job_t *j, int64_t c0, int64_t c1, float *pt, int fmt) {
     const int64_t nb = j->nb, T = (c1 - c0 + 23) / 24, Q = (j->M + 3) / 4;
     float *park = pt + j->chunk * j->K; /* [6, 12, 8] */
     float tmp[8 * QK] __attribute__((aligned(32))); /* [8 columns, 32 lanes] of one block */
