@@ -529,7 +529,8 @@ def _body_q32(bundle: ModelBundle, ids, cache: KVCache, ops: Ops, qpos, s0):
     B, T = ids.shape
     x = embed_rows(bundle, ids.reshape(-1))  # [N, H] fp32, a fresh tensor (the native step writes h into it)
     threads = torch.get_num_threads()
-    gemm_row, attend_row = quant_mod.GEMM_Q.pick(None), decl.ATTEND.pick(None)
+    # the rows' shape class picks each kernel's row (a batch of 16 decode rows: the "16" class)
+    gemm_row, attend_row = quant_mod.GEMM_Q.pick(None, rows=B * T), decl.ATTEND.pick(None, rows=B * T)
     attend_threads = decl.attend_threads(None, B, T, cfg.n_heads, s0)
     if ops.native_step and kstep.available(gemm_row.name, attend_row.name):
         model = q32_model(bundle, ops.fused_norm_lanes, gemm_row.name, attend_row.name)

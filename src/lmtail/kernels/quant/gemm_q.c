@@ -37,8 +37,10 @@ enum { ISA_C = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
  * of a block (rows_cols_avx2): QUARTER_MIN_R..8 rows a quarter block at a time when K <=
  * QUARTER_MAX_K (8 rows of a stay in L1), 3-4 rows half a block at a time, 1-2 rows a whole
  * block; M >= LANES_MIN_M, or M >= 8 with K > QUARTER_MAX_K, takes the lanes path
- * (lanes_unit). AVX-512: M < LANES_MIN_M in passes of R rows x C columns over whole blocks
- * (2 zmm; unit_512, rows_512), M >= LANES_MIN_M the AVX2 lanes path. Threads: each gets at least MIN_WEIGHT weights (or MIN_WORK multiply-adds).
+ * (lanes_unit). AVX-512: M < LANES512_MIN_M = 16 in passes of R rows x C columns over whole
+ * blocks (2 zmm; unit_512, rows_512), M >= 16 the AVX-512 lanes path (lanes_unit_512: 16
+ * columns to a zmm, tiles of 4 rows x 48 columns). Threads: each gets at least MIN_WEIGHT
+ * weights (or MIN_WORK multiply-adds).
  * PREFETCH: the direct paths and the lanes path's panels prefetch each weight row this many
  * bytes ahead (the head at M = 1, read from DRAM, ran about 2x faster with it on Zen 3; cached
  * sizes: no change). M == 1 (direct_avx2, rows_512) prefetches PREFETCH_M1 ahead: on Zen 3,
@@ -385,7 +387,7 @@ static AVX2 void lanes_at_wait(const job_t *j) {
 
 /* The unit's panel (T = chunk/24 tiles, every 8 columns' blocks transposed 8 x 8 in registers),
  * then (all of at copied) each quad of rows over the tiles. */
-static AVX2 void lanes_unit(const job_t *j, int64_t c0, int64_t c1, float *pt, int fmt) {
+static AVX2 __attribute__((noinline)) void lanes_unit(const job_t *j, int64_t c0, int64_t c1, float *pt, int fmt) {
     const int64_t nb = j->nb, T = (c1 - c0 + 23) / 24, Q = (j->M + 3) / 4;
     float *park = pt + j->chunk * j->K; /* [6, 12, 8] */
     float tmp[8 * QK] __attribute__((aligned(32))); /* [8 columns, 32 lanes] of one block */
@@ -533,14 +535,179 @@ typedef void (*pass512_fn)(const job_t *, int64_t, int64_t, int64_t, int);
 static const pass512_fn PASS512[9] = {0, pass512_1_2, pass512_2_4, pass512_3_2, pass512_4_2,
                                       pass512_5_2, pass512_6_2, pass512_7_1, pass512_8_1};
 
-/* Rows 0 .. M-1 of columns c0 .. c1-1 (M < LANES_MIN_M; else the lanes path): the columns in groups
+/* The AVX-512 lanes path (M >= LANES512_MIN_M): the AVX2 lanes path's order and copy of a (at,
+ * quads of rows), 16 columns to a zmm: a tile is 4 rows x 48 columns (3 zmm), 12 accumulators,
+ * per (lane, block) 3 loads of the panel and 4 broadcasts of a for 12 fmas. Why: the rows
+ * passes load a zmm of a for every 1-2 fmas; in a harness on Zen 4 (hot L1, no tree) their
+ * loops ran at 65-75% of the zmm FMA rate, this tile's at 99%. The panel costs a fixed
+ * dequantization per unit, so the path pays from M = 16 on (Zen 4, alternated, thread CPU
+ * time: M = 16 Q4_1 linears 0.70-0.96x the rows passes' time, the Q8_0 head 0.89-1.0x; M = 8
+ * and 12 1.07-1.3x, so they stay on the rows passes; M >= 17 0.81-0.95x the AVX2 lanes path
+ * it replaces there). The panel, one tile's, columns past the unit zero:
+ *   pt [32, NB, 48]:         pt[(l*NB + b)*48 + 16g + i] = w[n0 + 16g + i, 32b + l]   (n0 the tile's)
+ * built 16 columns at a time, one block of them at a time, dequantized across the columns
+ * (lanes_group_512). Each lane's chain over b runs whole, the lanes in bit-reversed order, the tree
+ * summed as the leaves come (lanes_tile's parking): each element's steps are the declared ones. */
+enum { LANES512_MIN_M = 16, LANES512_W = 48 };
+
+/* The tile's results res [4, 48] into out rows m .. m+3 (those below M), columns n .. n+47
+ * (those below c1), a NaN as 0x7FC00000. */
+static AI AVX512 void lanes_store_512(const job_t *j, const float *res, int64_t m, int64_t n, int64_t c1) {
+    const __m512 qnan = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000));
+    for (int r = 0; r < 4 && m + r < j->M; ++r)
+        for (int c = 0; c < 3 && n + 16 * c < c1; ++c) {
+            const __m512 v = _mm512_load_ps(res + 16 * (3 * r + c));
+            const int64_t left = c1 - n - 16 * c;
+            const __mmask16 keep = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+            _mm512_mask_storeu_ps(j->out + (m + r) * j->ldc + n + 16 * c, keep,
+                                  _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), qnan));
+        }
+}
+
+/* Rows 4q .. 4q+3 of at x columns c0 + 48t .. c0 + 48t + 47 of the panel; park [6 heights, 12,
+ * 16] holds the left nodes, then the root (lanes_tile's order).
+ * ESTIMATE (llvm-mca, not a measurement) of the block loop `for b` as gcc 12 -O3 compiles it
+ * (12 fmas, 3 loads, 4 broadcasts), cycles per iteration: mca-19 znver4 15.7, mca-14
+ * sapphirerapids 6.5, mca-14 icelake-server 6.5, mca-19 sapphirerapids 12.1 (llvm-mca-14 has
+ * no znver4 model). Measured on Zen 4, the same loop alone in a harness: 3.6 zmm fmas per ns,
+ * the machine's zmm FMA rate (1 a cycle); in the kernel the tile took ~1.25x the time of that
+ * rate's fmas (the chains of 18 blocks at K = 576, the tree, the panel read from L2).
+ * (Tiles of 8 rows, 24 accumulators, ran 1.13-1.28x slower on Zen 4.) */
+static AI AVX512 void lanes_tile_512(const job_t *j, const float *pt, int64_t q, int64_t t, int64_t c0,
+                                     int64_t c1, float *park, int64_t f0, int64_t f1) {
+    const int64_t nb = j->nb, row_bytes = nb * j->bs;
+    for (int i = 0; i < QK; ++i) {
+        const int l = bitrev5(i);
+        for (int64_t c = f0 + i; c < f1; c += QK) { /* the next tile's weight rows, into L2 */
+            const char *w = (const char *)col_w(j, c);
+            for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(w + o, _MM_HINT_T1);
+        }
+        const float *pa = j->at + (q * QK + l) * nb * 4, *pw = pt + (t * QK + l) * nb * LANES512_W;
+        __m512 acc[12]; /* [4 rows, 3 groups of 16 columns] */
+        for (int x = 0; x < 12; ++x) acc[x] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b, pa += 4, pw += LANES512_W) {
+            const __m512 w0 = _mm512_load_ps(pw), w1 = _mm512_load_ps(pw + 16), w2 = _mm512_load_ps(pw + 32);
+            for (int r = 0; r < 4; ++r) {
+                const __m512 av = _mm512_set1_ps(pa[r]);
+                acc[3 * r] = _mm512_fmadd_ps(av, w0, acc[3 * r]);
+                acc[3 * r + 1] = _mm512_fmadd_ps(av, w1, acc[3 * r + 1]);
+                acc[3 * r + 2] = _mm512_fmadd_ps(av, w2, acc[3 * r + 2]);
+            }
+        }
+        int h = 0;
+        for (int k = i; k & 1; k >>= 1, ++h) /* a right node: its parked left sibling + it */
+            for (int x = 0; x < 12; ++x)
+                acc[x] = _mm512_add_ps(_mm512_load_ps(park + (h * 12 + x) * 16), acc[x]);
+        for (int x = 0; x < 12; ++x) _mm512_store_ps(park + (h * 12 + x) * 16, acc[x]); /* h = 5: the root */
+    }
+    lanes_store_512(j, park + 5 * 12 * 16, 4 * q, c0 + LANES512_W * t, c1);
+}
+
+/* The 16 bytes at offset off of each of 16 blocks blk[0..15] as 4 dword vectors: g[s] lane c
+ * = bytes off+4s .. off+4s+3 of blk[c] (little endian). The loads put column 4k + i in
+ * 128-bit lane k of w[i]; then a 4 x 4 dword transpose in each 128-bit lane. */
+static AI AVX512 void seg16_512(const uint8_t *const *blk, int off, __m512i *g) {
+    __m512i w[4];
+    for (int i = 0; i < 4; ++i) {
+        __m512i x = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(blk[i] + off)));
+        x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(blk[4 + i] + off)), 1);
+        x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(blk[8 + i] + off)), 2);
+        w[i] = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(blk[12 + i] + off)), 3);
+    }
+    const __m512i t0 = _mm512_unpacklo_epi32(w[0], w[1]), t1 = _mm512_unpackhi_epi32(w[0], w[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(w[2], w[3]), t3 = _mm512_unpackhi_epi32(w[2], w[3]);
+    g[0] = _mm512_unpacklo_epi64(t0, t2);
+    g[1] = _mm512_unpackhi_epi64(t0, t2);
+    g[2] = _mm512_unpacklo_epi64(t1, t3);
+    g[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+/* Panel group g (16 columns c0 + 16g ..; those past c1 read a zero block: +0) into pt, one
+ * block of the 16 columns at a time, dequantized lane by lane across the columns (the
+ * format's values, deq_512's ops per value): d, m and the quants of the 16 blocks as dword
+ * vectors over the columns (seg16_512), then per lane j one vector of the 16 columns' values:
+ *   Q8_0: fp32(d) * q[j]                  (q[j] the sign-extended byte: exact)
+ *   Q4_1: fma(fp32(d), q[j], fp32(m))     (= fl32(d*q + m): d*q exact, one rounding)
+ * (The first version, deq_512 per column then two 16 x 16 fp32 transposes, took ~1.2x this
+ * one's panel time.) ESTIMATE (llvm-mca, not a measurement) of the block loop `for b` as gcc
+ * 12 -O3 compiles it, cycles per iteration (16 columns, 512 values), Q4_1 / Q8_0: mca-19
+ * znver4 106 / 114, mca-14 sapphirerapids 108 / 117, mca-14 icelake-server 108 / 117, mca-19
+ * sapphirerapids 140 / 163; against 4 x 32 x 15.7 / 3 = 670 cycles of tiles for 16 rows. */
+static AI AVX512 void lanes_group_512(const job_t *j, int64_t c0, int64_t c1, int64_t g, float *pt, int fmt) {
+    static const uint8_t zero_block[64 + PREFETCH] __attribute__((aligned(64))); /* its prefetch too */
+    const int64_t nb = j->nb, cols = c1 - c0 - 16 * g;
+    float *dst = pt + 16 * g; /* g = 0, 1, 2: the tile's 16-column groups */
+    const uint8_t *row[16];
+    int64_t step[16]; /* a column past c1: the zero block at every b */
+    for (int64_t c = 0; c < 16; ++c) {
+        row[c] = c < cols ? col_w(j, c0 + 16 * g + c) : zero_block;
+        step[c] = c < cols ? j->bs : 0;
+    }
+    for (int64_t b = 0; b < nb; ++b, dst += LANES512_W) {
+        const uint8_t *blk[16];
+        for (int c = 0; c < 16; ++c) {
+            blk[c] = row[c] + b * step[c];
+            _mm_prefetch((const char *)blk[c] + PREFETCH, _MM_HINT_T0);
+        }
+        __m512i h[4], q[8];
+        seg16_512(blk, 0, h); /* h[0]: d | m << 16 (Q4_1), d | q[0..1] << 16 (Q8_0) */
+        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h[0]));
+        if (fmt == FMT_Q8_0) {
+            seg16_512(blk, 2, q);
+            seg16_512(blk, 18, q + 4);
+#pragma GCC unroll 32 /* constant shifts, the quants in registers */
+            for (int l = 0; l < QK; ++l) {
+                const int t = l & 3;
+                const __m512i x = _mm512_srai_epi32(t == 3 ? q[l >> 2] : _mm512_slli_epi32(q[l >> 2], 24 - 8 * t), 24);
+                _mm512_store_ps(dst + l * nb * LANES512_W, _mm512_mul_ps(d, _mm512_cvtepi32_ps(x)));
+            }
+        } else {
+            const __m512 m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h[0], 16)));
+            const __m512i f = _mm512_set1_epi32(15);
+            seg16_512(blk, 4, q);
+#pragma GCC unroll 16 /* constant shifts, the quants in registers */
+            for (int l = 0; l < QK / 2; ++l) { /* byte l: low nibble lane l, high nibble lane l + 16 */
+                const int t = l & 3;
+                const __m512i x = t ? _mm512_srli_epi32(q[l >> 2], 8 * t) : q[l >> 2];
+                const __m512i lo = _mm512_and_si512(x, f);
+                const __m512i hi = t == 3 ? _mm512_srli_epi32(x, 4) : _mm512_and_si512(_mm512_srli_epi32(x, 4), f);
+                _mm512_store_ps(dst + l * nb * LANES512_W, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(lo), m));
+                _mm512_store_ps(dst + (l + 16) * nb * LANES512_W, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(hi), m));
+            }
+        }
+    }
+}
+
+/* The unit's tiles (columns c0 + 48t .., t < T = chunk/48) one after the other: the tile's
+ * panel (pt holds one tile: [1, 32, NB, 48]), then (all of at copied) each quad of rows over
+ * it, the first quad's lanes prefetching the next 48 columns' weight rows into L2 (the next
+ * tile's, or past c1 the next unit's). Why: with the weights in DRAM, a panel built from them
+ * alone waits on memory while the tiles leave it idle: the whole unit's panel first, at M =
+ * 16 on a 70 MB Q4_1 weight, took 1.12x the rows passes' time on Zen 4. */
+static AVX512 void lanes_unit_512(const job_t *j, int64_t c0, int64_t c1, float *pt) {
+    const int64_t T = (c1 - c0 + LANES512_W - 1) / LANES512_W, Q = (j->M + 3) / 4;
+    float *park = pt + LANES512_W * j->K; /* [6, 12, 16] */
+    for (int64_t t = 0; t < T; ++t) {
+        const int64_t n0 = c0 + LANES512_W * t; /* the tile's first column */
+        for (int64_t g = 0; g < 3; ++g) {
+            if (j->fmt == FMT_Q8_0) lanes_group_512(j, n0, c1, g, pt, FMT_Q8_0);
+            else lanes_group_512(j, n0, c1, g, pt, FMT_Q4_1);
+        }
+        if (t == 0) lanes_at_wait(j); /* the copy of a overlaps the other workers' first panels */
+        const int64_t f0 = n0 + LANES512_W, f1 = f0 + LANES512_W < j->N ? f0 + LANES512_W : j->N;
+        for (int64_t q = 0; q < Q; ++q) /* the quad's rows of at stay in L1 over the tile */
+            lanes_tile_512(j, pt, q, 0, n0, c1, park, q == 0 ? f0 : 0, q == 0 ? f1 : 0);
+    }
+}
+
+/* Rows 0 .. M-1 of columns c0 .. c1-1 (M < LANES512_MIN_M; else the lanes path): the columns in groups
  * of ROWS_COLS (M == 1: the whole unit), each group's rows in passes of up to ROWS512 rows
  * (the pass's rows of a stay in L1: ROWS512 rows when K <= QUARTER_MAX_K, else 4). Only which
  * rows and columns share a dequantized block changes with M: each element's chains and tree
  * are the declared ones. */
 static AVX512 void unit_512(const job_t *j, int64_t c0, int64_t c1, float *panel) {
-    if (j->lanes) { /* M >= LANES_MIN_M: the AVX2 lanes path (lmtail_gemm_q picks) */
-        unit_avx2(j, c0, c1, panel);
+    if (j->lanes) { /* M >= LANES512_MIN_M: the AVX-512 lanes path (lmtail_gemm_q_cat picks) */
+        lanes_unit_512(j, c0, c1, panel);
         return;
     }
     const int most = j->K <= QUARTER_MAX_K ? ROWS512 : 4;
@@ -561,10 +728,11 @@ static AVX512 void unit_512(const job_t *j, int64_t c0, int64_t c1, float *panel
 static void *worker(void *arg) {
     job_t *j = (job_t *)arg;
     const unsigned csr = lmtail_mxcsr_pin(LMTAIL_MXCSR_IEEE);
-    /* the panel: plain C one row [K]; the lanes path [chunk, K] and its parked lanes */
+    /* the panel: plain C one row [K]; the AVX2 lanes path [chunk, K], the AVX-512 one [48, K];
+     * and their parked lanes */
     float *panel = NULL;
-    const int64_t rows = j->isa == ISA_C ? 1 : j->lanes ? j->chunk : 0;
-    const int64_t extra = j->lanes ? 6 * 12 * 8 : 0; /* the lanes path's parked nodes */
+    const int64_t rows = j->isa == ISA_C ? 1 : !j->lanes ? 0 : j->isa == ISA_AVX512 ? LANES512_W : j->chunk;
+    const int64_t extra = j->lanes ? 6 * 12 * 16 : 0; /* the lanes paths' parked nodes (AVX2 uses half) */
     const int ok = rows == 0 || !posix_memalign((void **)&panel, 64, sizeof(float) * (rows * j->K + extra));
 #if defined(__x86_64__)
     if (j->lanes) lanes_at_take(j); /* also without a panel: lanes_unit waits for at */
@@ -622,18 +790,25 @@ int lmtail_gemm_q_cat(const float *a, int64_t lda, const uint8_t *const *ws, con
     const int64_t by_weight = N * K / MIN_WEIGHT, by_work = M * N * K / MIN_WORK;
     const int64_t work = by_weight > by_work ? by_weight : by_work;
     if (nthreads > work) nthreads = work < 1 ? 1 : (int)work;
-    /* about 4 units per thread (even widths); the lanes path: multiples of 24 columns, a
+    /* about 4 units per thread (even widths); the lanes paths: multiples of 24 (AVX2) or 48 columns, a
      * panel of at most LANES_PANEL floats, about LANES_UNITS units per thread or more */
     j.chunk = ((N + 4 * nthreads - 1) / (4 * nthreads) + 1) / 2 * 2;
     /* the lanes path, or below it rows_cols_avx2 / unit_512's passes */
-    j.lanes = isa != ISA_C && (M >= LANES_MIN_M || (isa == ISA_AVX2 && M >= 8 && K > QUARTER_MAX_K));
+    j.lanes = isa == ISA_AVX512 ? M >= LANES512_MIN_M
+              : isa == ISA_AVX2 && (M >= LANES_MIN_M || (M >= 8 && K > QUARTER_MAX_K));
     float *at = NULL;
     if (j.lanes) {
-        const int64_t most = LANES_PANEL / K / 24 * 24;
-        const int64_t even = (N + LANES_UNITS * nthreads - 1) / (LANES_UNITS * nthreads);
-        j.chunk = (even + 23) / 24 * 24;
-        if (j.chunk > most) j.chunk = most;
-        if (j.chunk < 24) j.chunk = 24;
+        if (isa == ISA_AVX512) { /* whole tiles, about LANES_UNITS units per thread, rounded down
+                                  * (q|k|v's 20 tiles on 2 threads: 10 units of 2, not 7 of 3) */
+            const int64_t tiles = (N + LANES512_W - 1) / LANES512_W, per = tiles / (LANES_UNITS * nthreads);
+            j.chunk = (per < 1 ? 1 : per) * LANES512_W;
+        } else {
+            const int64_t most = LANES_PANEL / K / 24 * 24;
+            const int64_t even = (N + LANES_UNITS * nthreads - 1) / (LANES_UNITS * nthreads);
+            j.chunk = (even + 23) / 24 * 24;
+            if (j.chunk > most) j.chunk = most;
+            if (j.chunk < 24) j.chunk = 24;
+        }
         if (posix_memalign((void **)&at, 64, sizeof(float) * ((M + 3) / 4 * 4) * K)) return -2;
         j.at = at; /* filled by a worker (lanes_at_take) */
     }
