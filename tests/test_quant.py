@@ -249,8 +249,8 @@ def _gemm_q_cat(a, ws, backend, threads):
     out = torch.full((M, sum(w.shape[0] for w in ws)), 7.0)
     ptrs = (ctypes.c_void_p * len(ws))(*(w.data.data_ptr() for w in ws))
     ns = (ctypes.c_int64 * len(ws))(*(w.shape[0] for w in ws))
-    rc = Q._library().lmtail_gemm_q_cat(a.data_ptr(), K, ptrs, ns, len(ws), Q._FMT_CODE[ws[0].fmt], K,
-                                        out.data_ptr(), out.shape[1], M, threads, Q._ISA[backend])
+    rc = Q.native_library().lmtail_gemm_q_cat(a.data_ptr(), K, ptrs, ns, len(ws), Q.FMT_CODE[ws[0].fmt], K,
+                                        out.data_ptr(), out.shape[1], M, threads, Q.ISA[backend])
     assert rc == 0, rc
     return out
 
@@ -445,7 +445,7 @@ def test_quant_weight_errors():
 
 
 def test_torch_fallback_without_c_kernel(monkeypatch):
-    monkeypatch.setattr(Q, "_library", lambda: None)
+    monkeypatch.setattr(Q, "native_library", lambda: None)
     assert Q.available_backends() == ("torch",)
     w, a = rand_weight(9, 64, "Q4_1", 14), rand_a(2, 64, 14)
     assert same_bits(gemm_q(a, w), lanes_emulation(a, dequantize(w)))

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from conftest import same_bits
-from lmtail.kernels import quant as Q
-from lmtail.kernels.quant import QuantWeight, dequantize, gemm_q, lanes_emulation
+from lmtail.kernels.quant import gemm_q as Q
+from lmtail.kernels.quant.gemm_q import dequantize, gemm_q, lanes_emulation
 from test_quant import (_gemm_q_cat, rand_a, rand_weight, rounding_q4_1_weight, special_a,
                         subnormal_weight)
 

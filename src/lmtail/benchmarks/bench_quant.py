@@ -107,13 +107,13 @@ def against_entry(source: str):
 def against_arm(f, a: torch.Tensor, w: QuantWeight, out: torch.Tensor, threads: int):
     """An --against arm: f (an lmtail_gemm_q) on gemm_q's default backend (a C one), into out."""
     backend = available_backends()[0]
-    if backend not in Q._ISA:
+    if backend not in Q.ISA:
         raise ValueError(f"--against needs a C backend of gemm_q; the default here is {backend!r}")
     M, K = a.shape
 
     def run():
-        rc = f(a.data_ptr(), K, w.data.data_ptr(), Q._FMT_CODE[w.fmt], w.shape[0], K, out.data_ptr(),
-               w.shape[0], M, threads, Q._ISA[backend])
+        rc = f(a.data_ptr(), K, w.data.data_ptr(), Q.FMT_CODE[w.fmt], w.shape[0], K, out.data_ptr(),
+               w.shape[0], M, threads, Q.ISA[backend])
         if rc != 0:
             raise RuntimeError(f"the --against build of lmtail_gemm_q failed: {rc}")
         return out
@@ -131,7 +131,7 @@ def case(w: QuantWeight, M: int, threads: int, rounds: int, copies, timer=wall_t
     arms = {}
     if against is not None:  # first: in A-B-B-A order neither follows torch's arm (its OpenMP
         # threads spin on after a call and take the cores from the arm that comes next)
-        arms["entry"] = against_arm(Q._library().lmtail_gemm_q, a, w, torch.empty(M, w.shape[0]), threads)
+        arms["entry"] = against_arm(Q.native_library().lmtail_gemm_q, a, w, torch.empty(M, w.shape[0]), threads)
         arms["against"] = against_arm(against, a, w, torch.empty(M, w.shape[0]), threads)
     arms.update({"gemm_q": lambda: gemm_q(a, w, out=out_q, threads=threads),
                  "gemm_bf16": lambda: gemm_bf16(a16, w16t, order="amx32", out=out_16, threads=threads),

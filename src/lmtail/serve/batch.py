@@ -147,7 +147,8 @@ def step_rows(bundle: ModelBundle, tokens: torch.Tensor, caches: list[KVCache], 
 
 def _step_rows_q32(bundle: ModelBundle, tokens, caches: list[KVCache], ops: Ops, scratch) -> torch.Tensor:
     """step_rows for the q32 body (inputs checked): kernels.model.step.run_q32_rows, or per row."""
-    gemm_row, attend_row = quant_mod.GEMM_Q.pick(None), decl.ATTEND.pick(None)
+    rows = len(caches)  # the rows' shape class picks each kernel's row (the same bytes on every row)
+    gemm_row, attend_row = quant_mod.GEMM_Q.pick(None, rows=rows), decl.ATTEND.pick(None, rows=rows)
     if not (ops.native_step and kstep.available(gemm_row.name, attend_row.name)):
         return torch.cat([forward(bundle, tokens[r, None, None], c, ops=ops)[0][0] for r, c in enumerate(caches)])
     model = q32_model(bundle, ops.fused_norm_lanes, gemm_row.name, attend_row.name)

@@ -39,7 +39,7 @@ _SIGNATURES = {
     "lmtail_body_constants": ([_P], _INT),
 }
 _ATTEND_SIGNATURES = {"lmtail_attend": ([_P] * 5 + [_I64] * 6 + [_F32, _INT, _INT], _INT)}
-_library = kernel_library("model/body.c", _SIGNATURES, what="model body", fallback="the torch emulation (same bytes, slow)")
+native_library = kernel_library("model/body.c", _SIGNATURES, what="model body", fallback="the torch emulation (same bytes, slow)")
 _emulated = kernel_library("model/body.c", _SIGNATURES, what="model body", emulated=True)
 _attend_library = kernel_library("model/attend.c", _ATTEND_SIGNATURES, what="attention",
                                  fallback="the torch emulation (same bytes, slow)")
@@ -48,7 +48,7 @@ _attend_emulated = kernel_library("model/attend.c", _ATTEND_SIGNATURES, what="at
 
 def _lib(emulated: bool):
     """body.c's native library, or its emulated build."""
-    return _emulated() if emulated else _library()
+    return _emulated() if emulated else native_library()
 
 
 def attend_library(emulated: bool = False):
@@ -58,13 +58,13 @@ def attend_library(emulated: bool = False):
 
 def available() -> bool:
     """True when body.c and attend.c were built (else the ops run their torch spellings)."""
-    return _library() is not None and _attend_library() is not None
+    return native_library() is not None and _attend_library() is not None
 
 
 def constants() -> torch.Tensor:
     """[14] fp32: LOG2E, RND, LN2_HI, LN2_LO, X_HI, X_LO, C[0..7], as body.c holds them."""
     out = torch.empty(14, dtype=torch.float32)
-    assert _library().lmtail_body_constants(out.data_ptr()) == 14
+    assert native_library().lmtail_body_constants(out.data_ptr()) == 14
     return out
 
 
@@ -110,7 +110,7 @@ def add_rms_rows(x: torch.Tensor, residual: torch.Tensor, gamma32: torch.Tensor,
     h = torch.empty(N, H, dtype=torch.bfloat16)  # [N, H]
     y = torch.empty(N, H, dtype=torch.bfloat16)  # [N, H]
     ldx = x.stride(0) if N > 1 else H
-    rc = _library().lmtail_add_rms_rows(x.data_ptr(), ldx, int(x.dtype == torch.bfloat16), residual.data_ptr(),
+    rc = native_library().lmtail_add_rms_rows(x.data_ptr(), ldx, int(x.dtype == torch.bfloat16), residual.data_ptr(),
                                         gamma32.data_ptr(), N, H, float(eps), lanes, h.data_ptr(), y.data_ptr())
     if rc != 0:
         raise MemoryError("add_rms_rows: scratch allocation failed")
@@ -127,7 +127,7 @@ def add_rms_rows32(x: torch.Tensor, residual: torch.Tensor | None, gamma32: torc
     y = torch.empty(N, H, dtype=torch.float32)  # [N, H]
     ldx = x.stride(0) if N > 1 else H
     rp = None if residual is None else residual.data_ptr()
-    rc = _library().lmtail_add_rms_rows32(x.data_ptr(), ldx, rp, gamma32.data_ptr(), N, H, float(eps), lanes,
+    rc = native_library().lmtail_add_rms_rows32(x.data_ptr(), ldx, rp, gamma32.data_ptr(), N, H, float(eps), lanes,
                                           h.data_ptr(), y.data_ptr())
     assert rc == 0, f"add_rms_rows32: lanes {lanes} rejected"
     return h, y
@@ -141,7 +141,7 @@ def rope_qkv(qkv, cos_t, sin_t, pos, kc, vc, s0: int, nh: int) -> torch.Tensor:
     pos_c = pos.contiguous()
     q = torch.empty(B, T, nh, HD, dtype=torch.float32)  # [B, T, nh, hd]
     ld = qkv.stride(0) if B * T > 1 else qkv.shape[1]
-    _library().lmtail_rope_qkv(qkv.data_ptr(), ld, cos_t.data_ptr(), sin_t.data_ptr(), pos_c.data_ptr(),
+    native_library().lmtail_rope_qkv(qkv.data_ptr(), ld, cos_t.data_ptr(), sin_t.data_ptr(), pos_c.data_ptr(),
                                q.data_ptr(), kc.data_ptr(), vc.data_ptr(), B, T, nh, nkv, kc.shape[3], s0)
     return q
 

@@ -55,8 +55,8 @@ class _Buffers(ctypes.Structure):
 
 def available(gemm_backend: str, attend_backend: str) -> bool:
     """True when step.c, gemm_q.c and body.c are built and the chosen backends are C ones."""
-    return (_library() is not None and kbody.available() and kquant._library() is not None
-            and gemm_backend in kquant._ISA and attend_backend in kbody.ISA_CAP)
+    return (_library() is not None and kbody.available() and kquant.native_library() is not None
+            and gemm_backend in kquant.ISA and attend_backend in kbody.ISA_CAP)
 
 
 def _fn(lib, name: str) -> int:
@@ -93,16 +93,16 @@ class Q32Model:
         for i, ws in enumerate(linears):
             assert len(ws) == 7
             for j, w in enumerate(ws):
-                layers[i].lin[j] = _QLinear(w.data.data_ptr(), kquant._FMT_CODE[w.fmt], w.shape[0], w.shape[1])
+                layers[i].lin[j] = _QLinear(w.data.data_ptr(), kquant.FMT_CODE[w.fmt], w.shape[0], w.shape[1])
             layers[i].attn_norm, layers[i].ffn_norm = an[i].data_ptr(), fn_[i].data_ptr()
         self._layers = layers
-        blib, qlib = kbody._library(), kquant._library()
+        blib, qlib = kbody.native_library(), kquant.native_library()
         self.struct = _Model(
             gemm_q=_fn(qlib, "lmtail_gemm_q_cat"), norm=_fn(blib, "lmtail_add_rms_rows32"),
             rope=_fn(blib, "lmtail_rope_qkv"), attend=_fn(kbody.attend_library(), "lmtail_attend"), silu=_fn(blib, "lmtail_silu_mul_isa"),
             layers=ctypes.cast(layers, ctypes.POINTER(_Layer)), final_norm=fin.data_ptr(), cos_t=cs.data_ptr(),
             sin_t=sn.data_ptr(), L=shape.L, H=shape.H, nh=shape.nh, nkv=shape.nkv, F=shape.F, lanes=lanes,
-            eps=eps, scale=scale, gemm_isa=kquant._ISA[gemm_backend], attend_isa=kbody.ISA_CAP[attend_backend],
+            eps=eps, scale=scale, gemm_isa=kquant.ISA[gemm_backend], attend_isa=kbody.ISA_CAP[attend_backend],
             silu_isa=kbody.ISA_CAP.get(silu_backend, kbody.ISA_CAP["c"]))
         self.shape = shape
 

@@ -40,8 +40,8 @@ from lmtail.numerics import Decl, SumDecl, fma32
 QK = 32  # weights per block
 BLOCK_BYTES = {"Q8_0": 34, "Q4_1": 20}
 FORMATS = tuple(BLOCK_BYTES)
-_FMT_CODE = {"Q8_0": 0, "Q4_1": 1}
-_ISA = {"avx512": 2, "avx2": 1, "c": 0}
+FMT_CODE = {"Q8_0": 0, "Q4_1": 1}
+ISA = {"avx512": 2, "avx2": 1, "c": 0}
 _ERRORS = {-1: "backend unavailable on this CPU", -2: "a buffer could not be allocated",
            -3: "bad shape or format"}
 
@@ -53,7 +53,7 @@ _SIGNATURES = {
     "lmtail_gemm_q_cat": ((ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                            ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                            ctypes.c_int, ctypes.c_int), ctypes.c_int)}
-_library = kernel_library("quant/gemm_q.c", _SIGNATURES, what="gemm_q", fallback="the torch emulation")
+native_library = kernel_library("quant/gemm_q.c", _SIGNATURES, what="gemm_q", fallback="the torch emulation")
 # the emulated build (SIMDe, lmtail_emulate.h): the "emu-avx512" row, on any AVX2 + FMA + F16C CPU
 _emulated = kernel_library("quant/gemm_q.c", _SIGNATURES, what="gemm_q", emulated=True)
 
@@ -178,11 +178,11 @@ def dequantize(w: QuantWeight) -> torch.Tensor:
 @functools.lru_cache(maxsize=None)
 def _c_backends(lib) -> tuple[str, ...]:
     """The C backends `lib` runs on this CPU (its own probe: AVX-512/AVX2, FMA, F16C)."""
-    return () if lib is None else tuple(b for b in _ISA if lib.lmtail_gemm_q_has(_ISA[b]))
+    return () if lib is None else tuple(b for b in ISA if lib.lmtail_gemm_q_has(ISA[b]))
 
 
 def _c_available(backend: str):
-    return lambda: backend in _c_backends(_library())
+    return lambda: backend in _c_backends(native_library())
 
 
 def lanes_emulation(a: torch.Tensor, wv: torch.Tensor, lanes: int = QK) -> torch.Tensor:
@@ -205,14 +205,14 @@ def lanes_emulation(a: torch.Tensor, wv: torch.Tensor, lanes: int = QK) -> torch
     return torch.where(torch.isnan(out), torch.tensor(float("nan")), out)
 
 
-def _run_c(backend: str, library=lambda: _library()):
+def _run_c(backend: str, library=lambda: native_library()):
     def run(a: torch.Tensor, w: QuantWeight, out: torch.Tensor, threads: int) -> None:
         if a.stride(1) != 1 or (a.shape[0] > 1 and a.stride(0) < a.shape[1]):
             a = a.contiguous()
         M, K = a.shape
-        rc = library().lmtail_gemm_q(a.data_ptr(), a.stride(0), w.data.data_ptr(), _FMT_CODE[w.fmt],
+        rc = library().lmtail_gemm_q(a.data_ptr(), a.stride(0), w.data.data_ptr(), FMT_CODE[w.fmt],
                                       w.shape[0], K, out.data_ptr(), out.stride(0), M, threads,
-                                      _ISA[backend])
+                                      ISA[backend])
         if rc != 0:
             raise RuntimeError(f"gemm_q backend {backend!r} failed: {_ERRORS.get(rc, rc)}")
     return run
@@ -228,7 +228,7 @@ GEMM_Q = _backend.Dispatch("gemm_q", (
     _backend.Backend("c", _run_c("c"), _c_available("c")),
     _backend.Backend("torch", _run_torch),
     _backend.Backend("emu-avx512", _run_c("avx512", _emulated),
-                     lambda: _library() is not None and cpu.emulation_runs(), emulated=True),
+                     lambda: native_library() is not None and cpu.emulation_runs(), emulated=True),
 ))
 
 
