@@ -361,3 +361,51 @@ def test_tail_stages_are_decode_tail_call_for_call(exchange):
     _, other = bt.tail_stages(x, gamma, w, sp, TailConfig(k=8, exchange=exchange, gemm_order="chain"))
     with pytest.raises(AssertionError):
         assert_bitwise(other.logits, want.logits)
+
+
+PEER_ONLY = {"vllm", "llama_cpp", "transformers", "accelerate"}  # installed only in the peers' venvs
+
+
+def peer_import_problems(root: Path) -> list[str]:
+    """Imports in the peer scripts under `root` that name nothing: an lmtail module (or one of
+    its attributes) that does not exist, or a top-level module that is neither the stdlib, this
+    venv's, a peer-only package nor a script beside them (benchmarks/peers/*.py)."""
+    import ast
+    import importlib.util
+    local = {p.stem for p in root.rglob("*.py")}
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [(a.name, None) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [(node.module, a.name) for a in node.names]
+            else:
+                continue
+            for mod, attr in names:
+                top = mod.split(".")[0]
+                if top in PEER_ONLY or top in local or top == "__future__":
+                    continue
+                try:
+                    found = importlib.util.find_spec(mod) is not None
+                    if found and attr and top == "lmtail":
+                        m = importlib.import_module(mod)
+                        found = hasattr(m, attr) or importlib.util.find_spec(f"{mod}.{attr}") is not None
+                except ImportError:
+                    found = False
+                if not found:
+                    bad.append(f"{path.relative_to(root)}:{node.lineno}: {mod}" + (f".{attr}" if attr else ""))
+    return bad
+
+
+def test_peer_scripts_import_what_exists(tmp_path):
+    """`make bench-peers` runs scripts no default test imports (they need the peers' venvs): every
+    import they make names an existing module; planted: the pre-relayout import of the root
+    benchmarks/ row maker goes red."""
+    assert peer_import_problems(REPO / "benchmarks" / "peers") == []
+    planted = tmp_path / "peers"
+    shutil.copytree(REPO / "benchmarks" / "peers", planted, ignore=shutil.ignore_patterns(".venv*", "__pycache__"))
+    f = planted / "vllm" / "bench.py"
+    f.write_text(f.read_text().replace("from lmtail.benchmarks import bench_rows_tail as brt",
+                                       "import bench_rows_tail as brt"))
+    assert any("bench_rows_tail" in p for p in peer_import_problems(planted))

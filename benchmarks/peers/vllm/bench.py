@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/: the shared row maker
-import bench_rows_tail as brt  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "src"))  # this checkout's lmtail
+from lmtail.benchmarks import bench_rows_tail as brt  # noqa: E402  (the shared row maker)
 from lmtail.bench import abba, format_table  # noqa: E402
 
 K = brt.K
