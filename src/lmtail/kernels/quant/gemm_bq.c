@@ -186,9 +186,13 @@ static AVX512 void split_512(const float *a, int64_t K, float *pf, uint16_t *pb,
 /* Rows m0 .. m0+R-1 x the 16 columns of group g (mk: those < N), all blocks: step 3 as vector
  * fmas (lane c = column 16g + c; 6 chains e, o per row: part t, even / odd lanes), step 4's
  * y in registers. MXCSR 0x9FC0, so each fma / add is the declared FTZ one.
- * ESTIMATE (llvm-mca, not a measurement) of the pair loop `for i` (one 64-byte q load, 2
- * integer ops, 6R fmas with broadcast activations) as gcc 12 -O3 compiles it, R = 4: see
- * docs/quant.md "gemm_bq" (mca-14 sapphirerapids / znver3: filled in below). */
+ * ESTIMATE (llvm-mca, not a measurement) of the pair loop `for i` as gcc 12 -O3 compiles it at
+ * R = 4 (one 64-byte q load, 2 integer ops, 24 fmas with {1to16} broadcast activations, and
+ * one zmm spilled and reloaded: 31 live zmm), cycles per iteration (200 iterations):
+ * mca-14 sapphirerapids 14.1 (block RThroughput 13.5), mca-14 icelake-server 14.1, mca-19
+ * sapphirerapids 25.1, mca-19 znver4 24.1 (mca-14 has no znver4 model and its znver3 no
+ * AVX-512). 24 fmas at 2 zmm FMAs a cycle are 12 cycles: the loop is FMA-bound (SPR mca-14),
+ * 0.5 cycle per fma on Zen 4 / mca-19 (1 zmm fma a cycle). */
 static AI AVX512 void rows_512(const int R, const job_t *j, int64_t m0, int64_t g, __mmask16 mk) {
     const int64_t nb = j->nb, K = j->K;
     const uint16_t *qg = j->q + g * nb * TILE_Q;
@@ -311,9 +315,10 @@ typedef struct {
  * A static const object in .rodata, never a local: GCC's _tile_loadconfig names only an
  * 8-byte memory operand, so the stores filling a local config are dead to the compiler and
  * get dropped, and LDTILECFG faults (#GP) on the half-written bytes (gemm_amx32.c's lesson).
- * Checked in the generated code: `objdump -d` of the built library shows `ldtilecfg
- * 0x...(%rip)` reading this 64-byte object from .rodata, and no stores building a config
- * (tests/test_gemm_bq.py runs the same assembly check as tests/test_amx_config.py). */
+ * Checked in the generated code (gcc 12 -O3, the kernels' flags): `objdump -d` of the built
+ * library shows amx_config as `ldtilecfg 0x44d7(%rip)  # 7000 <AMX_CFG>` then `ret`, and
+ * `objdump -t` AMX_CFG as a 0x40-byte object in .rodata: no stores build a config
+ * (tests/test_gemm_bq.py runs tests/test_amx_config.py's assembly check on this file). */
 static const tilecfg_t AMX_CFG = {
     .palette_id = 1,
     .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
@@ -328,8 +333,12 @@ static AMX void amx_release(void) { _tile_release(); }
  * 16 pairs x 16 columns). Per block: C = 0, then one TDPBF16PS per part (step 3, exactly:
  * each instruction is c = c + (e + o) over the part's 16 pairs), the C tiles stored to cbuf,
  * and y = fma(d, c, y) (+ fma(m, s, y)) in AVX-512 on ybuf, the rows below M only.
- * ESTIMATE (llvm-mca, not a measurement: no AMX CPU here) of the block loop `for b`: see the
- * comment above unit_amx. */
+ * ESTIMATE (llvm-mca, not a measurement: no AMX CPU here) of the block loop `for b` at G = 2,
+ * Q8_0, 16 rows (5 tile loads, 2 tilezero, 6 TDPBF16PS, 2 tile stores, then 32 x (load c, fma
+ * into y, store y)): neither mca-14 nor mca-19 models the tile instructions (each is
+ * "unsupported", a 100-cycle placeholder latency), so only the AVX-512 epilogue is estimated:
+ * 33.2 cycles per block (mca-14 sapphirerapids; mca-19 32.2; Block RThroughput 33 / 32: the
+ * 32 stores and 64 loads), against the 6 TDPBF16PS of 16 x 16 x 32 pair products each. */
 static AMX void tile_amx(const job_t *j, int64_t m0, int64_t g, int G, float *cbuf, float *ybuf) {
     const int64_t nb = j->nb, K = j->K, rows = j->M - m0 < 16 ? j->M - m0 : 16;
     const uint16_t *A = j->pb + m0 * K;
