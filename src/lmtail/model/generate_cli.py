@@ -24,7 +24,7 @@ from ..tail.config import EXCHANGES, TAIL_HEAD_INPUTS, TailConfig
 from ..flags import (GREEDY_TEMPERATURE, MASS_CHUNKS, SEED_LIMIT, SMOLLM2_CONTEXT, SMOLLM2_VOCAB, fp32_sampled,
                      ranks_words, refuse, shared_rules)
 
-BODY_CHOICES = ("q32", "declared", "quant")  # model.llama.BODIES less the fp32 reference
+BODY_CHOICES = ("q32", "declared", "quant", "bq32")  # model.llama.BODIES less the fp32 reference
 RANDOM_SEEDS = 1 << 31  # a sampled run without --seed draws its seed from [0, 2**31): short to retype
 
 def configure(ap: argparse.ArgumentParser) -> None:
