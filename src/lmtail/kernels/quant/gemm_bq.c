@@ -185,7 +185,8 @@ static AVX512 void split_512(const float *a, int64_t K, float *pf, uint16_t *pb,
 
 /* Rows m0 .. m0+R-1 x the 16 columns of group g (mk: those < N), all blocks: step 3 as vector
  * fmas (lane c = column 16g + c; 6 chains e, o per row: part t, even / odd lanes), step 4's
- * y in registers. MXCSR 0x9FC0, so each fma / add is the declared FTZ one.
+ * y in registers. MXCSR 0x9FC0, so each fma / add is the declared FTZ one. q, d, m are read
+ * unaligned (a BqPacked's tensors need not start on 64 bytes).
  * ESTIMATE (llvm-mca, not a measurement) of the pair loop `for i` as gcc 12 -O3 compiles it at
  * R = 4 (one 64-byte q load, 2 integer ops, 24 fmas with {1to16} broadcast activations, and
  * one zmm spilled and reloaded: 31 live zmm), cycles per iteration (200 iterations):
@@ -210,7 +211,7 @@ static AI AVX512 void rows_512(const int R, const job_t *j, int64_t m0, int64_t 
         const uint16_t *qb = qg + b * TILE_Q;
         const float *pb = P + QK * b;
         for (int i = 0; i < 16; ++i) {
-            const __m512i x = _mm512_load_si512(qb + 32 * i);
+            const __m512i x = _mm512_loadu_si512(qb + 32 * i);
             const __m512 qe = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
             const __m512 qo = _mm512_castsi512_ps(_mm512_and_si512(x, hi));
 #pragma GCC unroll 4
@@ -222,14 +223,14 @@ static AI AVX512 void rows_512(const int R, const job_t *j, int64_t m0, int64_t 
                     o[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(pp[1]), qo, o[r][t]);
                 }
         }
-        const __m512 dv = _mm512_load_ps(dg + GW * b);
+        const __m512 dv = _mm512_loadu_ps(dg + GW * b);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
             __m512 c = _mm512_add_ps(_mm512_setzero_ps(), _mm512_add_ps(e[r][0], o[r][0]));
             c = _mm512_add_ps(c, _mm512_add_ps(e[r][1], o[r][1]));
             c = _mm512_add_ps(c, _mm512_add_ps(e[r][2], o[r][2]));
             y[r] = _mm512_fmadd_ps(dv, c, y[r]);
-            if (mg) y[r] = _mm512_fmadd_ps(_mm512_load_ps(mg + GW * b), _mm512_set1_ps(j->s[(m0 + r) * nb + b]), y[r]);
+            if (mg) y[r] = _mm512_fmadd_ps(_mm512_loadu_ps(mg + GW * b), _mm512_set1_ps(j->s[(m0 + r) * nb + b]), y[r]);
         }
     }
     const __m512 qnan = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000));
@@ -363,9 +364,9 @@ static AMX void tile_amx(const job_t *j, int64_t m0, int64_t g, int G, float *cb
         if (G > 1) _tile_stored(1, cbuf + 16, 128);
         for (int h = 0; h < G; ++h) {
             const int64_t x = ((g + h) * nb + b) * GW;
-            const __m512 dv = _mm512_load_ps(j->d + x);
+            const __m512 dv = _mm512_loadu_ps(j->d + x);
             if (j->fmt == FMT_Q4_1) {
-                const __m512 mv = _mm512_load_ps(j->mn + x);
+                const __m512 mv = _mm512_loadu_ps(j->mn + x);
                 for (int64_t r = 0; r < rows; ++r) {
                     float *yr = ybuf + 32 * r + 16 * h;
                     __m512 y = _mm512_fmadd_ps(dv, _mm512_load_ps(cbuf + 32 * r + 16 * h), _mm512_load_ps(yr));
