@@ -246,3 +246,22 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"K mismatch"):
         bq.gemm_bq(torch.zeros(2, 32), wp, out=out)
     assert (out == 3).all()  # bad input writes nothing
+
+
+def test_contract_variants_without_defect_are_the_real_op():
+    """gemm_bq's contract kind: the emulation and its control body with no switch planted give
+    the op's bytes in both formats, the bound data's weights are the values it states, and the
+    range comes from gemm_bq_decl (a half-depth declaration is narrower)."""
+    from lmtail.contract import harness
+    from lmtail.contract import quant_kinds as qk
+
+    for fmt in FORMATS:
+        d = qk.quant_data(5, 96, 9, 3, fmt=fmt)
+        real = qk.run_gemm_bq(d)
+        assert not harness.diff_outputs(qk.emulate_gemm_bq(d), real)
+        assert not harness.diff_outputs(qk.bq_variant(d), real)
+        assert harness.diff_outputs(qk.bq_variant(d, parts=2), real)
+        assert qk.bq_decl_of(d) == bq.gemm_bq_decl(96, fmt)
+        assert qk.bq_shallow_decl(d).sum("gemm").depth == bq.gemm_bq_decl(96, fmt).sum("gemm").depth // 2
+        w = qk.bq_at_bound(fmt, nb=2)["w"]
+        assert np.array_equal(rq.bq_values_f64(w), np.full((3, 64), 1.0 if fmt == "Q8_0" else 2.0))

@@ -246,7 +246,7 @@ def bq_special(fast):
     return cases
 
 
-def _bq_at_bound(fmt, nb=64, n=3):
+def bq_at_bound(fmt, nb=64, n=3):
     """Lane 0 of every block: a = 1 (Q4_1: 1/2) in block 0, then 5*2^-26, weights d = 1, q = 1
     (Q4_1: m = 1 too, so s = c): each y step after block 0 adds 0.625 ulp of 1 and rounds up
     by 3/8 ulp (0.75 u): (NB - 1) steps (Q4_1: 2 (NB - 1)) against the declared depth 20 + NB
@@ -264,7 +264,7 @@ def _bq_at_bound(fmt, nb=64, n=3):
 
 
 def bq_adversarial(fast):
-    return [Case(f"{f}: y at its declared bound (every scale step rounds up)", _bq_at_bound(f)) for f in FORMATS]
+    return [Case(f"{f}: y at its declared bound (every scale step rounds up)", bq_at_bound(f)) for f in FORMATS]
 
 
 # ---------------------------------------------------------------------------------------
