@@ -117,6 +117,23 @@ static void s_row(const float *pf, int64_t K, float *s) {
     }
 }
 
+/* s_row with the hardware's fp32 adds: the same bytes when MXCSR has FTZ|DAZ (0x9FC0: an add
+ * of two non-subnormal floats rounded, then flushed when tiny, is add_ftz). The vector and AMX
+ * paths' prologue runs it; its six chains per block are independent (no branch per add). */
+static void s_row_ftz(const float *pf, int64_t K, float *s) {
+    for (int64_t b = 0; b < K / QK; ++b) {
+        float e[3] = {0.0f, 0.0f, 0.0f}, o[3] = {0.0f, 0.0f, 0.0f};
+        for (int i = 0; i < QK; i += 2)
+            for (int t = 0; t < 3; ++t) {
+                e[t] = e[t] + pf[t * K + QK * b + i];
+                o[t] = o[t] + pf[t * K + QK * b + i + 1];
+            }
+        float c = 0.0f;
+        for (int t = 0; t < 3; ++t) c = c + (e[t] + o[t]);
+        s[b] = c;
+    }
+}
+
 /* ---------------------------------------------------------------- plain C */
 /* Step 3 for column n (group g, column c of it), row m, block b. */
 static float block_c(const job_t *j, const float *pr, int64_t g, int c, int64_t b) {
@@ -458,7 +475,8 @@ static void prologue(const float *a, int64_t lda, int64_t M, int64_t Mp, int64_t
         else
 #endif
             split_c(a + m * lda, K, pr, br, Mp * K);
-        if (s) s_row(pr, K, s + m * (K / QK));
+        if (s && isa == ISA_C) s_row(pr, K, s + m * (K / QK));
+        else if (s) s_row_ftz(pr, K, s + m * (K / QK)); /* MXCSR 0x9FC0 pinned above */
     }
     lmtail_mxcsr_restore(csr);
 }
