@@ -448,6 +448,43 @@ static void *worker(void *arg) {
     return NULL;
 }
 
+/* ---------------------------------------------------------------- the packed weight */
+static inline uint16_t ld16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+/* fp16 bits -> fp32, exact (subnormal halves become normal floats; inf/NaN kept). */
+static inline float half_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
+    if (e == 0x1F) return u2f(sign | 0x7F800000u | (mant << 13));
+    if (e == 0) return u2f(f2u((float)mant * 0x1p-24f) | sign); /* mant * 2^-24: exact */
+    return u2f(sign | ((e + 112) << 23) | (mant << 13));
+}
+
+/* pack_bq's layout (kernels/quant/gemm_bq.py's BqPacked) from the file's blocks w [N, NB, BS]:
+ * q [Ng, NB, 16, 32] bf16 (VNNI pairs of the block's integers, exact), d, m [Ng, NB, 16] fp32
+ * (m only for Q4_1), columns past N zero. Returns 0, or -3 on a bad format or shape. */
+int lmtail_bq_pack(const uint8_t *w, int fmt, int64_t N, int64_t K, uint16_t *q, float *d, float *mn) {
+    if ((fmt != FMT_Q8_0 && fmt != FMT_Q4_1) || K <= 0 || K % QK || N < 0) return -3;
+    const int64_t nb = K / QK, ng = (N + GW - 1) / GW, bs = fmt == FMT_Q8_0 ? 34 : 20;
+    memset(q, 0, sizeof(uint16_t) * ng * nb * TILE_Q);
+    memset(d, 0, sizeof(float) * ng * nb * GW);
+    if (fmt == FMT_Q4_1) memset(mn, 0, sizeof(float) * ng * nb * GW);
+    for (int64_t n = 0; n < N; ++n) {
+        const int64_t g = n / GW, c = n % GW;
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *blk = w + (n * nb + b) * bs;
+            const int64_t x = (g * nb + b) * GW + c;
+            uint16_t *qt = q + (g * nb + b) * TILE_Q + 2 * c;
+            d[x] = half_to_f32(ld16(blk));
+            if (fmt == FMT_Q4_1) mn[x] = half_to_f32(ld16(blk + 2));
+            for (int k = 0; k < QK; ++k) {
+                const int v = fmt == FMT_Q8_0 ? (int8_t)blk[2 + k] : k < 16 ? blk[4 + k] & 15 : blk[4 + k - 16] >> 4;
+                qt[(k / 2) * 2 * GW + (k & 1)] = (uint16_t)(f2u((float)v) >> 16); /* <= 8 bits: exact */
+            }
+        }
+    }
+    return 0;
+}
+
 /* ---------------------------------------------------------------- exported */
 /* 1 if this CPU (and OS, for AMX) runs `isa` (0 c, 1 avx2: AVX2+FMA, 2 avx512: F/BW/VL/DQ,
  * 3 amx: AMX-TILE + AMX-BF16 with the OS's tile permission, and AVX-512). */

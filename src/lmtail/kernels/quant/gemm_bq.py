@@ -57,6 +57,7 @@ _SIGNATURES = {
     "lmtail_bq_has": ((_INT,), _INT),
     "lmtail_bq_split": ((_P, _I64, _I64, _I64, _INT, _P, _P), _INT),
     "lmtail_bq_gemm": ((_P, _I64, _P, _P, _P, _INT, _I64, _I64, _P, _I64, _I64, _INT, _INT), _INT),
+    "lmtail_bq_pack": ((_P, _INT, _I64, _I64, _P, _P, _P), _INT),
 }
 native_library = kernel_library("quant/gemm_bq.c", _SIGNATURES, what="gemm_bq", fallback="no gemm_bq backend")
 # the emulated build (SIMDe, lmtail_emulate.h's AMX model): the "emu-amx" / "emu-avx512" rows
@@ -145,35 +146,25 @@ class BqPacked:
         return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m) if t is not None)
 
 
-def _block_fields(w: QuantWeight):
-    """(d [N, NB] fp32, m [N, NB] fp32 or None, q [N, NB, 32] fp32 integers) from the bytes."""
-    N, K = w.shape
-    blk = w.data.view(N, K // QK, BLOCK_BYTES[w.fmt])  # [N, NB, BS]
-    d = blk[..., 0:2].contiguous().view(torch.float16).float()[..., 0]  # exact widening
-    if w.fmt == "Q8_0":
-        return d, None, blk[..., 2:].contiguous().view(torch.int8).float()
-    m = blk[..., 2:4].contiguous().view(torch.float16).float()[..., 0]
-    qs = blk[..., 4:]  # [N, NB, 16]: low nibbles lanes 0..15, high nibbles 16..31
-    return d, m, torch.cat((qs & 15, qs >> 4), dim=-1).float()
-
-
 def pack_bq(w: QuantWeight) -> BqPacked:
     """The one-time load layout of a QuantWeight for gemm_bq (BqPacked: its docstring states
-    the layout and the memory). Raises ValueError for a w that is not a QuantWeight."""
+    the layout and the memory), made by the C kernel's lmtail_bq_pack from the file's bytes
+    (SmolLM2's 30 blocks: well under a second). Raises ValueError for a w that is not a
+    QuantWeight, RuntimeError without the C kernel."""
     need(isinstance(w, QuantWeight), f"w must be a QuantWeight; got {type(w).__name__}")
+    lib = native_library()
+    if lib is None:
+        raise RuntimeError("pack_bq needs gemm_bq's C kernel, which could not be built on this machine")
     N, K = w.shape
     nb, ng = K // QK, -(-N // GW)
-    d, m, q = _block_fields(w)
-    qp = torch.zeros(ng * GW, nb, QK, dtype=torch.bfloat16)  # [Np, NB, 32]: integers, exact
-    qp[:N] = q.to(torch.bfloat16)
-    qt = qp.view(ng, GW, nb, GW, 2).permute(0, 2, 3, 1, 4).reshape(ng, nb, GW, 2 * GW).contiguous()
-
-    def per_group(x):  # [N, NB] -> [Ng, NB, 16]
-        xp = torch.zeros(ng * GW, nb, dtype=torch.float32)
-        xp[:N] = x
-        return xp.view(ng, GW, nb).permute(0, 2, 1).contiguous()
-
-    return BqPacked(w.fmt, (N, K), qt, per_group(d), None if m is None else per_group(m))
+    q = torch.empty(ng, nb, GW, 2 * GW, dtype=torch.bfloat16)
+    d = torch.empty(ng, nb, GW, dtype=torch.float32)
+    m = torch.empty(ng, nb, GW, dtype=torch.float32) if w.fmt == "Q4_1" else None
+    rc = lib.lmtail_bq_pack(w.data.data_ptr(), FMT_CODE[w.fmt], N, K, q.data_ptr(), d.data_ptr(),
+                            None if m is None else m.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"gemm_bq pack failed: {_ERRORS.get(rc, rc)}")
+    return BqPacked(w.fmt, (N, K), q, d, m)
 
 
 # ---------------------------------------------------------------------------------------
