@@ -25,11 +25,11 @@ def tables() -> list:
     """Every op's backend table (importing the modules that define them)."""
     from lmtail.kernels.glue import fmachain
     from lmtail.kernels.gemm import bf16 as gemm
-    from lmtail.kernels.quant import gemm_q as quant
+    from lmtail.kernels.quant import gemm_bq, gemm_q as quant
     from lmtail.kernels.tail import rowmass, rows_tail, shard_partials
     from lmtail.model import body
 
-    return [*gemm.GEMM.values(), quant.GEMM_Q, rows_tail.ROWS_TAIL, rowmass.ROW_MASS,
+    return [*gemm.GEMM.values(), quant.GEMM_Q, gemm_bq.GEMM_BQ, rows_tail.ROWS_TAIL, rowmass.ROW_MASS,
             rowmass.TERMS, shard_partials.SHARD_PARTIALS, fmachain.FMA_SUM, fmachain.MOE_ROUTED,
             body.EXP32, body.SILU_MUL, body.SILU_MUL_BF16, body.ATTEND]
 

@@ -131,6 +131,9 @@ OPS: tuple[OpSpec, ...] = (
     OpSpec("gemm_q", "lmtail.kernels.quant.gemm_q:gemm_q", "lmtail.kernels.quant.gemm_q:gemm_q_decl",
            Backends("lmtail.kernels.quant.gemm_q:available_backends"), "lmtail.reference.quant:gemm_q_range",
            ("gemm_q.lanes32",), "tests/test_quant.py", "src/lmtail/benchmarks/bench_quant.py"),
+    OpSpec("gemm_bq", "lmtail.kernels.quant.gemm_bq:gemm_bq", "lmtail.kernels.quant.gemm_bq:gemm_bq_decl",
+           Backends("lmtail.kernels.quant.gemm_bq:available_backends"), "lmtail.reference.quant:gemm_bq_range",
+           ("gemm_bq.bq32",), "tests/test_gemm_bq.py", "src/lmtail/benchmarks/bench_bq.py"),
     # ------------------------------------------------------------------ the glue ops
     OpSpec("add_rms", "lmtail.glue.norms:add_rms", "lmtail.glue.norms:add_rms_decl",
            Backends("lmtail.kernels.glue.fmachain:available_backends"), "lmtail.reference.glue:norm_range",

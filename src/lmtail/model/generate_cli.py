@@ -24,7 +24,7 @@ from ..tail.config import EXCHANGES, TAIL_HEAD_INPUTS, TailConfig
 from ..flags import (GREEDY_TEMPERATURE, MASS_CHUNKS, SEED_LIMIT, SMOLLM2_CONTEXT, SMOLLM2_VOCAB, fp32_sampled,
                      ranks_words, refuse, shared_rules)
 
-BODY_CHOICES = ("q32", "declared", "quant")  # model.llama.BODIES less the fp32 reference
+BODY_CHOICES = ("q32", "declared", "quant", "bq32")  # model.llama.BODIES less the fp32 reference
 RANDOM_SEEDS = 1 << 31  # a sampled run without --seed draws its seed from [0, 2**31): short to retype
 
 def configure(ap: argparse.ArgumentParser) -> None:
@@ -50,7 +50,8 @@ def configure(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--body", choices=BODY_CHOICES, default="q32",
                     help="the model body: 'q32' (the GGUF's own blocks on an fp32 stream, "
                          "the Q8_0 head; loads only the file's bytes), 'declared' (bf16 weights and "
-                         "stream) or 'quant' (the declared body's linears on the Q4_1 blocks)")
+                         "stream), 'quant' (the declared body's linears on the Q4_1 blocks) or 'bq32' (q32's "
+                         "loop with gemm_bq's linears: AMX's tile order)")
     ap.add_argument("--exchange", choices=EXCHANGES, default=TailConfig.exchange,
                     help="the tail's exchange: 'candidates' (fp32 decisions, each shard's top-k + mass "
                          "partials cross the all-to-all) or 'mirror' (the bf16 mirror); default: %(default)s")

@@ -1,4 +1,4 @@
-"""SmolLM2 (llama) forward with a KV cache: prefill, then decode; three bodies, one seam.
+"""SmolLM2 (llama) forward with a KV cache: prefill, then decode; five bodies, one seam.
 
 Block structure, written so that every "residual add + RMSNorm" is ONE call of the seam
 `add_rms(x, residual, gamma, eps=eps) -> (h, y)`, h = x + residual, y = rmsnorm(h) * gamma:
@@ -9,7 +9,7 @@ Block structure, written so that every "residual add + RMSNorm" is ONE call of t
         h, y = add_rms(mlp_l(y), h, attn_norm[l+1] | final_norm)
     return h, y          # h: pre-final-norm hidden (decode_tail's input); y: final-normed
 
-Three bodies (Ops.body); "quant" is the declared body with every linear on kernels.quant.gemm_q.gemm_q
+Bodies (Ops.body); "quant" is the declared body with every linear on kernels.quant.gemm_q.gemm_q
 over the GGUF's own Q4_1 blocks (gguf_loader.quant_linears; its bf16 input widened exactly to
 fp32, see linear_q), every other rounding point the declared body's:
   "declared" (lmtail_ops(), the default of generation): every step has a declared order,
@@ -25,6 +25,9 @@ fp32, see linear_q), every other rounding point the declared body's:
       (the linears in the amx32 load layout). Arguments are validated once per forward;
       the per-layer calls go to the kernels' unchecked entries (backend rows and thread
       counts resolved once per forward, `DeclaredKernels`).
+  "q32" / "bq32": the file's own blocks on an fp32 stream (no activation rounded below fp32),
+      linears by gemm_q (lanes32) or gemm_bq (bq32, AMX's tile order, weights packed at load);
+      Ops' docstring.
   "fp32" (FP32_OPS, the receipts' reference): fp32 weights; linear_rows runs every GEMM in
       blocks of exactly 16 rows so MKL always sees one shape (a tested property of the BLAS,
       not a declared order); attend below with tree_sum; rope by libm per position; silu by
@@ -58,6 +61,7 @@ import torch.nn.functional as Fn
 
 from ..kernels.model import body as kbody
 from ..kernels.gemm import bf16 as gemm_mod
+from ..kernels.quant import gemm_bq as bq_mod
 from ..kernels.quant import gemm_q as quant_mod
 from ..kernels.model import step as kstep
 from ..glue.norms import DEFAULT_ORDER, add_rms
@@ -81,9 +85,10 @@ def add_rms_fp32(x, residual, gamma, *, eps):
     return h, h * inv * gamma
 
 
-BODIES = ("fp32", "declared", "quant", "q32")
+BODIES = ("fp32", "declared", "quant", "q32", "bq32")
 QUANT_BODY = "quant"  # the declared body with gemm_q linears on the GGUF's own Q4_1 / Q8_0 blocks
 Q32_BODY = "q32"  # the file's own blocks (gemm_q) on an fp32 stream: no activation rounding
+BQ32_BODY = "bq32"  # the q32 body with every linear on gemm_bq (order bq32: AMX's tile order), weights packed at load
 
 
 @dataclass(frozen=True)
@@ -107,7 +112,10 @@ class Ops:
     model.body.add_rms_rows32 in the order strided(fused_norm_lanes), fp32 attention and silu
     outputs straight into the next linear: no activation is rounded below fp32);
     native_step (q32 only): run the layer loop as ONE kernels.model.step call when its C libraries
-    are built (the same bytes as the python loop, tested), else the python loop."""
+    are built (the same bytes as the python loop, tested), else the python loop;
+    "bq32": the q32 body's python layer loop with every linear on kernels.quant.gemm_bq.gemm_bq
+    (the order bq32, which AMX's TDPBF16PS computes; weights packed once by bq_linears), the
+    same norms, rope, attention and silu; its bytes are the same on every gemm_bq path."""
 
     add_rms: Callable
     body: str = "fp32"
@@ -127,8 +135,8 @@ class Ops:
         lanes = self.fused_norm_lanes
         if lanes is not None and not (isinstance(lanes, int) and lanes >= 32 and lanes % 32 == 0):
             raise ValueError(f"fused_norm_lanes must be None or a positive multiple of 32; got {lanes!r}")
-        if self.body == Q32_BODY and (lanes is None or lanes > decl.NORM32_MAX_LANES):
-            raise ValueError(f"the q32 body needs fused_norm_lanes (its norm's strided order) in "
+        if self.body in (Q32_BODY, BQ32_BODY) and (lanes is None or lanes > decl.NORM32_MAX_LANES):
+            raise ValueError(f"the {self.body} body needs fused_norm_lanes (its norm's strided order) in "
                              f"[32, {decl.NORM32_MAX_LANES}]; got {lanes!r}")
 
 
@@ -350,11 +358,12 @@ def linear_q(y: torch.Tensor, ws: tuple, *, row, threads: int) -> torch.Tensor:
 
 
 def linear_q32(a: torch.Tensor, ws: tuple, *, row, threads: int) -> torch.Tensor:
-    """a [N, in] fp32 (as it is: no rounding) times each QuantWeight of `ws` ([out_i, in]) by
-    gemm_q's declared lanes32 order, outputs side by side by columns -> [N, sum out_i] fp32.
-    row, threads: quant.GEMM_Q's backend row and worker count the forward resolved once (its
-    unchecked entry; the weights were checked at load, a's shape per forward).
-    Row-invariant by gemm_q's declaration."""
+    """a [N, in] fp32 (as it is: no rounding) times each weight of `ws` ([out_i, in]) by
+    gemm_q's declared lanes32 order (QuantWeights, a quant.GEMM_Q row) or gemm_bq's bq32
+    (BqPackeds, a gemm_bq.GEMM_BQ row: the bq32 body), outputs side by side by columns ->
+    [N, sum out_i] fp32. row, threads: the backend row and worker count the forward resolved
+    once (its unchecked entry; the weights were checked at load, a's shape per forward).
+    Row-invariant by either declaration."""
     out = torch.empty(a.shape[0], sum(w.shape[0] for w in ws), dtype=torch.float32)  # [N, sum out_i]
     c0 = 0
     for w in ws:
@@ -496,9 +505,10 @@ def embed_rows(bundle: ModelBundle, ids: torch.Tensor) -> torch.Tensor:
         ids.shape[0], w.shape[1])
 
 
-def _q32_layers(bundle: ModelBundle, x, cache: KVCache, ops: Ops, pos, s0, kern: DeclaredKernels):
+def _q32_layers(bundle: ModelBundle, x, cache: KVCache, ops: Ops, pos, s0, kern: DeclaredKernels, lins=None):
     """The q32 body's layer loop in python (kernels.model.step.run_q32 is the same calls in C):
-    x [N, H] fp32 embedding rows -> (h, y) [N, H] fp32."""
+    x [N, H] fp32 embedding rows -> (h, y) [N, H] fp32. lins: the layers' weights for
+    kern.linear (None: quant_linears(bundle); the bq32 body passes bq_linears(bundle))."""
     cfg, lanes = bundle.config, ops.fused_norm_lanes
     B, T = pos.shape
     nh, hd = cfg.n_heads, cfg.head_dim
@@ -510,7 +520,7 @@ def _q32_layers(bundle: ModelBundle, x, cache: KVCache, ops: Ops, pos, s0, kern:
     silu = kbody.silu_mul if kbody.available() else decl.silu_mul
     layers = bundle.layers
     h, y = norm(x, None, layers[0].attn_norm)
-    for i, q in enumerate(quant_linears(bundle)):
+    for i, q in enumerate(quant_linears(bundle) if lins is None else lins):
         qkv = kern.linear(y, q.w_qkv)  # [N, qd + 2 kvd]
         qr = kern.rope_qkv(qkv, cos_t, sin_t, pos, cache.k[i], cache.v[i], s0, nh)  # [B, T, nh, hd]
         att = attend_unchecked(qr, cache.k[i], cache.v[i], cache.pad, s0=s0, scale=1.0 / math.sqrt(hd),
@@ -542,6 +552,46 @@ def _body_q32(bundle: ModelBundle, ids, cache: KVCache, ops: Ops, qpos, s0):
         kern = dataclasses.replace(declared_kernels(ops, cfg.eps, B, T, cfg.n_heads, s0),
                                    linear=functools.partial(linear_q32, row=gemm_row, threads=threads))
         h, y = _q32_layers(bundle, x, cache, ops, pos, s0, kern)
+    return h.view(B, T, -1), y.view(B, T, -1)
+
+
+# ---------------------------------------------------------------------------------------
+# the bq32 body: the q32 body's loop, every linear on gemm_bq over the file's blocks packed at load
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BqLinears:
+    """One block's linears for the bq32 body: quant_linears' QuantWeights packed by
+    kernels.quant.gemm_bq.pack_bq (the same fields and column order)."""
+
+    w_qkv: tuple[bq_mod.BqPacked, ...]
+    w_o: tuple[bq_mod.BqPacked, ...]
+    w_gu: tuple[bq_mod.BqPacked, ...]
+    w_down: tuple[bq_mod.BqPacked, ...]
+
+
+@functools.lru_cache(maxsize=2)
+def bq_linears(bundle: ModelBundle) -> tuple[BqLinears, ...]:
+    """quant_linears(bundle) packed once per bundle for gemm_bq (SmolLM2: 2.25 B per Q4_1
+    weight, 228 MiB for the 30 blocks; lmtail_bq_pack, ~0.3 s)."""
+    return tuple(BqLinears(*(tuple(bq_mod.pack_bq(w) for w in getattr(q, f.name)) for f in dataclasses.fields(q)))
+                 for q in quant_linears(bundle))
+
+
+def bq_gemm_row(rows: int):
+    """gemm_bq's backend row for a forward of `rows` rows (the fastest verified one; tests
+    replace this function to run the body on another path: the bytes are the same)."""
+    return bq_mod.GEMM_BQ.pick(None, rows=rows)
+
+
+def _body_bq32(bundle: ModelBundle, ids, cache: KVCache, ops: Ops, qpos, s0):
+    cfg = bundle.config
+    pos = qpos.clamp(min=0).contiguous()  # [B, T]
+    assert pos.numel() == 0 or int(pos.max()) < cfg.context_length  # rope_qkv indexes the tables by it
+    B, T = ids.shape
+    x = embed_rows(bundle, ids.reshape(-1))  # [N, H] fp32
+    lin = functools.partial(linear_q32, row=bq_gemm_row(B * T), threads=torch.get_num_threads())
+    kern = dataclasses.replace(declared_kernels(ops, cfg.eps, B, T, cfg.n_heads, s0), linear=lin)
+    h, y = _q32_layers(bundle, x, cache, ops, pos, s0, kern, lins=bq_linears(bundle))
     return h.view(B, T, -1), y.view(B, T, -1)
 
 
@@ -579,11 +629,11 @@ def forward(bundle: ModelBundle, ids: torch.Tensor, cache: KVCache, *, ops: Ops 
         raise ValueError(f"cache holds {cache.capacity} slots; {s0} used + {T} new overflow it")
     if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab:
         raise ValueError(f"ids must be in [0, {cfg.vocab}); got [{int(ids.min())}, {int(ids.max())}]")
-    if ops.body != Q32_BODY and bundle.weights != "all":
+    if ops.body not in (Q32_BODY, BQ32_BODY) and bundle.weights != "all":
         raise ValueError(f"the {ops.body} body needs load_model(weights='all'); this bundle was loaded "
                          f"with weights={bundle.weights!r} (only the q32 body runs on it)")
     qpos = torch.arange(s0, s0 + T)[None, :] - cache.pad[:, None]  # [B, T] (< 0: pad queries)
-    run = {"fp32": _body_fp32, Q32_BODY: _body_q32}.get(ops.body, _body_declared)  # "quant": declared on gemm_q
+    run = {"fp32": _body_fp32, Q32_BODY: _body_q32, BQ32_BODY: _body_bq32}.get(ops.body, _body_declared)  # "quant": declared on gemm_q
     h, y = run(bundle, ids, cache, ops, qpos, s0)
     cache.length = s0 + T
     return h, y
