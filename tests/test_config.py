@@ -306,3 +306,21 @@ def test_rows_tail_carries_lse():
         rows = rows_tail(mirror, k=8, sampling_params=sp, path=path)
         assert same_bits(rows.lse, full.lse) and same_bits(rows.logprobs, full.logprobs), path
         assert torch.equal(bits(rows.tokens), bits(full.tokens)), path
+
+
+def test_serve_body_choices_are_the_rows_bodies():
+    """`lmtail serve --body` offers exactly the bodies serve.batch.step_rows runs (spelled in the
+    CLI so --help imports no torch); a body outside them is refused by the engine by name."""
+    from lmtail.serve import batch
+    from lmtail.serve.cli import SERVE_BODIES
+
+    acts = {a.dest: a for a in _parser("lmtail.serve.cli")._actions}
+    assert acts["body"].choices == SERVE_BODIES and set(SERVE_BODIES) == set(batch.ROWS_BODIES)
+    assert "fp32" not in SERVE_BODIES and "quant" not in SERVE_BODIES
+    import types
+
+    import torch
+
+    from lmtail.model import llama
+    with pytest.raises(ValueError, match=r"ops.body must be one of \('declared', 'q32', 'bq32'\).*got 'fp32'"):
+        batch.step_rows(types.SimpleNamespace(config=None), torch.zeros(1, dtype=torch.int64), [], llama.FP32_OPS)

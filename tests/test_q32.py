@@ -20,6 +20,7 @@ from lmtail.orders import strided
 
 Q32 = llama.lmtail_ops(body="q32")
 Q32_PY = dataclasses.replace(Q32, native_step=False)
+BQ32 = llama.lmtail_ops(body="bq32")  # the same rows step, every linear on gemm_bq for all rows at once
 needs_step = pytest.mark.skipif(not kstep.available("avx2" if "avx2" in llama.quant_mod.available_backends()
                                                     else "c", "c"), reason="the native step's C libraries are not built")
 
@@ -145,9 +146,9 @@ def test_file_weights_bundle(bundle, ids):
         load_model(weights="bf16")
 
 
-@pytest.mark.parametrize("ops", [Q32, Q32_PY], ids=["native", "python"])
+@pytest.mark.parametrize("ops", [Q32, Q32_PY, BQ32], ids=["native", "python", "bq32"])
 def test_rows_step_joins_and_leaves(bundle, ids, ops):
-    """serve.batch.step_rows on the q32 body: rows in their own one-row caches at different
+    """serve.batch.step_rows on the q32 (and bq32) body: rows in their own one-row caches at different
     positions, joining and leaving between steps; each row's h == llama.forward on that row
     alone, bitwise (the continuous batch's gate). Planted: a shared slot (every row at the
     first row's position) is told apart."""

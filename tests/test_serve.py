@@ -48,10 +48,11 @@ def bundle():
         pytest.skip(str(e))
 
 
-def solo(bundle, ids, params: SamplingParams, max_tokens: int):
+def solo(bundle, ids, params: SamplingParams, max_tokens: int, ops=None):
     """The request served alone, from the library only (generate's default body and head:
-    the q32 body, the Q8_0 head with head_input "fp32"): (token ids, logprob bits)."""
-    ops, cfg = default_ops(), bundle.config
+    the q32 body, the Q8_0 head with head_input "fp32"; or `ops`' body with its head):
+    (token ids, logprob bits)."""
+    ops, cfg = default_ops() if ops is None else ops, bundle.config
     hi = default_head_input(ops)
     cache = new_cache(cfg, pad=torch.zeros(1, dtype=torch.int64), capacity=len(ids) + max_tokens)
     h = prefill(bundle, torch.tensor([ids]), cache, ops=ops)  # [1, H]
@@ -149,6 +150,19 @@ def test_engine_join_leave_bytes_equal_solo(bundle):
     for (p, sp, n, _), s in zip(REQUESTS, sinks):
         assert s.result() == solo(bundle, chat_ids(bundle, p), sp, n), p
         assert isinstance(s.events[-1], Done)
+
+
+def test_engine_bq32_body_bytes_equal_solo(bundle):
+    """The server's bq32 body (`lmtail serve --body bq32`: each linear once for all rows on
+    gemm_bq): rows joining and leaving == each alone on the bq32 body; planted: the q32 body's
+    solo runs (another declared order) differ somewhere."""
+    ops = lmtail_ops(body="bq32")
+    engine = Engine(bundle, max_batch=8, k=K, ops=ops)
+    _, sinks = drive(engine, bundle, REQUESTS)
+    assert engine.max_rows_seen >= 4
+    got = [s.result() for s in sinks]
+    assert got == [solo(bundle, chat_ids(bundle, p), sp, n, ops=ops) for p, sp, n, _ in REQUESTS]
+    assert got != [solo(bundle, chat_ids(bundle, p), sp, n) for p, sp, n, _ in REQUESTS]
 
 
 class GlobalStepEngine(Engine):

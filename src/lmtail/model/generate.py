@@ -72,7 +72,7 @@ from ..tail.exchange import DEFAULT_TIMEOUT_S
 from ..kernels.gemm.bf16 import weight_for
 from ..tail.compose import decode_tail, head_shard
 from .gguf_loader import ModelBundle
-from .llama import Q32_BODY, Ops, forward, lmtail_ops, new_cache, prefill
+from .llama import FP32_STREAM_BODIES, Q32_BODY, Ops, forward, lmtail_ops, new_cache, prefill
 from .ranks import gathered_rows, pack_bundle, pad_step, rank_step, run_ranks, unpack_bundle
 
 __all__ = ["Generation", "TailTrace", "StepOut", "DEFAULT_TAIL", "generate", "check_request", "request_params",
@@ -92,9 +92,9 @@ def default_ops() -> Ops:
 
 
 def default_head_input(ops: Ops) -> str:
-    """The tail's head input that goes with a body: "fp32" (the file's Q8_0 head) for the q32
-    body, TailConfig's "bf16" (the bf16 head) for the others."""
-    return "fp32" if ops.body == Q32_BODY else TailConfig.head_input
+    """The tail's head input that goes with a body: "fp32" (the file's Q8_0 head) for the bodies
+    on an fp32 stream (q32, bq32), TailConfig's "bf16" (the bf16 head) for the others."""
+    return "fp32" if ops.body in FP32_STREAM_BODIES else TailConfig.head_input
 
 
 def step_config(bundle: ModelBundle, *, k: int, head_input: str,
@@ -107,9 +107,9 @@ def step_config(bundle: ModelBundle, *, k: int, head_input: str,
 
 def weights_needed(body: str, head_input: str | None) -> str:
     """What load_model(weights=...) must build for this body and head input: "file" (the
-    file's own blocks only) when the q32 body runs with the Q8_0 head (head_input None or
-    "fp32"), else "all"."""
-    return "file" if body == Q32_BODY and head_input in (None, "fp32") else "all"
+    file's own blocks only) when a body on an fp32 stream (q32, bq32) runs with the Q8_0 head
+    (head_input None or "fp32"), else "all"."""
+    return "file" if body in FP32_STREAM_BODIES and head_input in (None, "fp32") else "all"
 
 
 def head_weight(bundle: ModelBundle, head_input: str):

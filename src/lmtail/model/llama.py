@@ -89,6 +89,7 @@ BODIES = ("fp32", "declared", "quant", "q32", "bq32")
 QUANT_BODY = "quant"  # the declared body with gemm_q linears on the GGUF's own Q4_1 / Q8_0 blocks
 Q32_BODY = "q32"  # the file's own blocks (gemm_q) on an fp32 stream: no activation rounding
 BQ32_BODY = "bq32"  # the q32 body with every linear on gemm_bq (order bq32: AMX's tile order), weights packed at load
+FP32_STREAM_BODIES = (Q32_BODY, BQ32_BODY)  # the file's own blocks on an fp32 stream: the Q8_0 head goes with them
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,7 @@ class Ops:
         lanes = self.fused_norm_lanes
         if lanes is not None and not (isinstance(lanes, int) and lanes >= 32 and lanes % 32 == 0):
             raise ValueError(f"fused_norm_lanes must be None or a positive multiple of 32; got {lanes!r}")
-        if self.body in (Q32_BODY, BQ32_BODY) and (lanes is None or lanes > decl.NORM32_MAX_LANES):
+        if self.body in FP32_STREAM_BODIES and (lanes is None or lanes > decl.NORM32_MAX_LANES):
             raise ValueError(f"the {self.body} body needs fused_norm_lanes (its norm's strided order) in "
                              f"[32, {decl.NORM32_MAX_LANES}]; got {lanes!r}")
 
@@ -629,7 +630,7 @@ def forward(bundle: ModelBundle, ids: torch.Tensor, cache: KVCache, *, ops: Ops 
         raise ValueError(f"cache holds {cache.capacity} slots; {s0} used + {T} new overflow it")
     if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab:
         raise ValueError(f"ids must be in [0, {cfg.vocab}); got [{int(ids.min())}, {int(ids.max())}]")
-    if ops.body not in (Q32_BODY, BQ32_BODY) and bundle.weights != "all":
+    if ops.body not in FP32_STREAM_BODIES and bundle.weights != "all":
         raise ValueError(f"the {ops.body} body needs load_model(weights='all'); this bundle was loaded "
                          f"with weights={bundle.weights!r} (only the q32 body runs on it)")
     qpos = torch.arange(s0, s0 + T)[None, :] - cache.pad[:, None]  # [B, T] (< 0: pad queries)

@@ -44,7 +44,9 @@ from ..kernels.model.step import StepBuffers
 from ..model import body as decl
 from ..model.gguf_loader import LlamaConfig, ModelBundle
 from ..model.body import SLACK
-from ..model.llama import Q32_BODY, KVCache, Ops, embed_rows, forward, new_cache, norm_fn, q32_model
+from ..kernels.model import body as kbody
+from ..model.llama import (BQ32_BODY, Q32_BODY, KVCache, Ops, attend_unchecked, bq_gemm_row, bq_linears,
+                           declared_kernels, embed_rows, forward, linear_q32, new_cache, norm_fn, q32_model)
 
 GROW_SLOTS = 256  # a cache grows by at least this many slots at a time
 
@@ -102,18 +104,23 @@ def _gammas(bundle: ModelBundle):
     return attn, [lw.ffn_norm.float().contiguous() for lw in bundle.layers]
 
 
+ROWS_BODIES = ("declared", Q32_BODY, BQ32_BODY)  # the bodies step_rows (and the server) run
+
+
 def step_rows(bundle: ModelBundle, tokens: torch.Tensor, caches: list[KVCache], ops: Ops, *,
               scratch: StepBuffers | None = None) -> torch.Tensor:
-    """Feed tokens [R] int64 (row r's next token) through the declared or the q32 body, row
+    """Feed tokens [R] int64 (row r's next token) through the declared, q32 or bq32 body, row
     r at position caches[r].length of its own one-row cache (which must hold one more slot:
     see grow); appends each row's key/value. Returns h [R, H] fp32, row r bytes-equal to
     llama.forward(bundle, tokens[r, None, None], caches[r], ops=ops)[0][0, 0].
     The q32 body runs kernels.model.step's rows entry (one C call for the R rows; `scratch` its
     buffers, kept by the caller across steps; None: fresh ones) when its libraries are
-    built, else llama.forward row by row (the same bytes)."""
+    built, else llama.forward row by row (the same bytes). The bq32 body runs each linear once
+    for the R rows (gemm_bq on [R, in]: where AMX is, the tile rate) and each row's rope and
+    attention on its own cache."""
     cfg = bundle.config
-    if ops.body not in ("declared", Q32_BODY):
-        raise ValueError(f"ops.body must be 'declared' or 'q32' (row-invariant linears); got {ops.body!r}")
+    if ops.body not in ROWS_BODIES:
+        raise ValueError(f"ops.body must be one of {ROWS_BODIES} (row-invariant linears); got {ops.body!r}")
     if tokens.dim() != 1 or tokens.dtype != torch.int64 or tokens.shape[0] != len(caches):
         raise ValueError(f"tokens must be [R={len(caches)}] int64; got {tuple(tokens.shape)} {tokens.dtype}")
     for c in caches:
@@ -122,6 +129,8 @@ def step_rows(bundle: ModelBundle, tokens: torch.Tensor, caches: list[KVCache], 
                              f"length {c.length}, capacity {c.capacity}")
     if ops.body == Q32_BODY:
         return _step_rows_q32(bundle, tokens, caches, ops, scratch)
+    if ops.body == BQ32_BODY:
+        return _step_rows_bq32(bundle, tokens, caches, ops)
     R, nh, hd = len(caches), cfg.n_heads, cfg.head_dim
     cos_t, sin_t = decl.rope_table(cfg.context_length, cfg.head_dim, cfg.rope_base)  # [ctx, hd/2]
     norm = norm_fn(ops, cfg.eps)
@@ -154,6 +163,37 @@ def _step_rows_q32(bundle: ModelBundle, tokens, caches: list[KVCache], ops: Ops,
     model = q32_model(bundle, ops.fused_norm_lanes, gemm_row.name, attend_row.name)
     scratch = kstep.StepBuffers(model.shape) if scratch is None else scratch
     h, _ = kstep.run_q32_rows(model, scratch, embed_rows(bundle, tokens), caches)  # [R, H]
+    for c in caches:
+        c.length += 1
+    return h
+
+
+def _step_rows_bq32(bundle: ModelBundle, tokens, caches: list[KVCache], ops: Ops) -> torch.Tensor:
+    """step_rows for the bq32 body (inputs checked): llama._q32_layers' calls with the R rows'
+    linears in one gemm_bq call each (row-invariant by the bq32 declaration) and each row's
+    rope_qkv and attention on its own cache at its own position (the solo forward's calls)."""
+    cfg = bundle.config
+    R, nh, hd = len(caches), cfg.n_heads, cfg.head_dim
+    cos_t, sin_t = decl.rope_table(cfg.context_length, cfg.head_dim, cfg.rope_base)  # [ctx, hd/2]
+    attn_g, ffn_g = _gammas(bundle)
+    lin = functools.partial(linear_q32, row=bq_gemm_row(R), threads=torch.get_num_threads())
+    kerns = [declared_kernels(ops, cfg.eps, 1, 1, nh, c.length) for c in caches]  # each row's own s0
+    pos = [torch.tensor([[c.length]], dtype=torch.int64) for c in caches]  # R x [1, 1]
+    silu = kbody.silu_mul if kbody.available() else decl.silu_mul
+
+    def norm(a, r, gamma):
+        return decl.add_rms_rows32(a, r, gamma, eps=cfg.eps, lanes=ops.fused_norm_lanes)
+
+    h, y = norm(embed_rows(bundle, tokens), None, attn_g[0])  # [R, H] fp32
+    for i, q in enumerate(bq_linears(bundle)):
+        qkv = lin(y, q.w_qkv)  # [R, qd + 2 kvd]
+        a = torch.empty(R, nh * hd, dtype=torch.float32)  # [R, qd]
+        for r, (c, kern) in enumerate(zip(caches, kerns)):
+            qr = kern.rope_qkv(qkv[r:r + 1], cos_t, sin_t, pos[r], c.k[i], c.v[i], c.length, nh)  # [1, 1, nh, hd]
+            a[r] = attend_unchecked(qr, c.k[i], c.v[i], c.pad, s0=c.length, scale=1.0 / math.sqrt(hd),
+                                    row=kern.attend_row, threads=kern.attend_threads).reshape(-1)
+        h, y = norm(lin(a, q.w_o), h, ffn_g[i])
+        h, y = norm(lin(silu(lin(y, q.w_gu)), q.w_down), h, attn_g[i + 1])
     for c in caches:
         c.length += 1
     return h

@@ -26,6 +26,8 @@ import time
 
 from ..tail.config import EXCHANGES, TAIL_HEAD_INPUTS, TailConfig
 
+SERVE_BODIES = ("q32", "declared", "bq32")  # serve.batch.ROWS_BODIES, spelled here so --help imports no torch
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_BODY = 1 << 20  # app.DEFAULT_MAX_BODY (not imported: the app pulls in starlette)
 SHUTDOWN_MARGIN_S = 5.0  # uvicorn's cut comes this long after the app's grace period
@@ -49,9 +51,11 @@ def configure(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--exchange", choices=EXCHANGES, default=TailConfig.exchange,
                     help="the tail's exchange: 'candidates' (decisions on the fp32 logits) or 'mirror' (on their "
                          "bf16 mirror); default: %(default)s")
-    ap.add_argument("--body", choices=("q32", "declared"), default="q32",
+    ap.add_argument("--body", choices=SERVE_BODIES, default="q32",
                     help="the model body: 'q32' (the default: the GGUF's own blocks on an fp32 stream, the "
-                         "Q8_0 head; loads only the file's bytes) or 'declared' (bf16 weights and stream)")
+                         "Q8_0 head; loads only the file's bytes), 'declared' (bf16 weights and stream) or "
+                         "'bq32' (q32's stream with every linear in the bq32 order, which AMX computes at its "
+                         "tile rate: the fastest at batch where the CPU has AMX, other bytes than q32's)")
     ap.add_argument("--head-input", choices=TAIL_HEAD_INPUTS, default=None,
                     help="the head GEMM's activation: 'fp32' (the file's Q8_0 head; the default with --body "
                          "q32), 'bf16' (the bf16 head; the default with --body declared) or 'bf16x2' (hi + lo "

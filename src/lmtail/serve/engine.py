@@ -291,8 +291,8 @@ class Engine:
         if not 1 <= k <= bundle.config.vocab:
             raise ValueError(f"k must be in [1, {bundle.config.vocab}]; got {k}")
         self.ops = default_ops() if ops is None else ops
-        if self.ops.body not in ("declared", Q32_BODY):
-            raise ValueError(f"ops.body must be 'declared' or 'q32'; got {self.ops.body!r}")
+        if self.ops.body not in batch.ROWS_BODIES:
+            raise ValueError(f"ops.body must be one of {batch.ROWS_BODIES}; got {self.ops.body!r}")
         head_input = default_head_input(self.ops) if head_input is None else head_input
         # the tail's options, built (and checked) once: every step, rank and score call passes it
         self.tail_config = step_config(bundle, k=k, exchange=exchange, head_input=head_input)
