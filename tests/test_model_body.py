@@ -227,7 +227,7 @@ def test_declared_body_nll_and_orders(bundle, gpl_ids):
 
 
 def test_ops_errors():
-    with pytest.raises(ValueError, match=r"body must be one of \('fp32', 'declared', 'quant', 'q32'\); got 'bf16'"):
+    with pytest.raises(ValueError, match=r"body must be one of \('fp32', 'declared', 'quant', 'q32', 'bq32'\); got 'bf16'"):
         llama.Ops(add_rms=llama.add_rms_fp32, body="bf16")
     with pytest.raises(ValueError, match=r"gemm_order must be 'amx32' or 'chain'; got 'tree'"):
         llama.lmtail_ops(gemm_order="tree")

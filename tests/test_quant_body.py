@@ -49,7 +49,7 @@ def test_quant_linears_are_the_files_blocks(bundle):
     assert quant_linears(bundle) is ql  # cached: built once
     assert {w.fmt for q in ql for ws in (q.w_qkv, q.w_o, q.w_gu, q.w_down) for w in ws} == {"Q4_1"}
     assert sum(q.nbytes for q in ql) == 30 * 20 * (576 * 576 * 2 + 192 * 576 * 2 + 1536 * 576 * 3) // 32
-    with pytest.raises(ValueError, match=r"body must be one of \('fp32', 'declared', 'quant', 'q32'\); got 'q4'"):
+    with pytest.raises(ValueError, match=r"body must be one of \('fp32', 'declared', 'quant', 'q32', 'bq32'\); got 'q4'"):
         llama.Ops(add_rms=llama.add_rms_fp32, body="q4")
     with pytest.raises(ValueError, match="the quant body needs add_rms_bf16"):
         llama.Ops(add_rms=llama.add_rms_fp32, body="quant")

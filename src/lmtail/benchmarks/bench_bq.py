@@ -61,7 +61,10 @@ def main(argv=None) -> int:
     ap.add_argument("--m", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--threads", type=int, nargs="+", default=[1])
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--quick", action="store_true", help="M = 1 and 16, 3 rounds")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.m, args.rounds = [1, 16], 3
     tensors = {t.name: t for t in gguf.GGUFReader(locate_gguf()).tensors}
     bq_row = GEMM_BQ.pick(None, rows=16).name
     print(f"CPU {platform.processor() or platform.machine()}; features {sorted(cpu.features())}")
