@@ -376,6 +376,8 @@ void lmtail_rope_qkv(const float *qkv, int64_t ld, const float *cs, const float 
 #else
     (void)cap;
 #endif
+    /* the keys' transposed writes (one cache line per element) bound their rope: the portable
+     * rope_head stores from registers there (measured faster than rope_head512's stride path). */
     for (int64_t b = 0; b < B; ++b)
         for (int64_t t = 0; t < T; ++t) {
             const float *row = qkv + (b * T + t) * ld;
@@ -383,7 +385,7 @@ void lmtail_rope_qkv(const float *qkv, int64_t ld, const float *cs, const float 
             for (int64_t h = 0; h < nh; ++h)
                 rope(row + h * HD, c, s, q_out + ((b * T + t) * nh + h) * HD, 1);
             for (int64_t h = 0; h < nkv; ++h) {
-                rope(row + (nh + h) * HD, c, s, kt + ((b * nkv + h) * HD) * S_cap + s0 + t, S_cap);
+                rope_head(row + (nh + h) * HD, c, s, kt + ((b * nkv + h) * HD) * S_cap + s0 + t, S_cap);
                 memcpy(v + ((b * nkv + h) * S_cap + s0 + t) * HD, row + (nh + nkv + h) * HD,
                        HD * sizeof(float));
             }
