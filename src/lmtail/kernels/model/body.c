@@ -69,9 +69,11 @@ static AVX2 void silu_rows256(const float *gu, float *out, int64_t M, int64_t F,
 
 /* exp_rows on 16 lanes (exp32_512), the last n % 16 as masked lanes (lanes past n read +0.0
  * and are not stored): every lane runs exp32's operations, so the same bits.
- * llvm-mca-14 estimate (an estimate, not a measurement; the in-range loop body, 16 floats):
- * sapphirerapids ~7.0 cycles, icelake-server ~7.0 (port 0/5 FMA/mul bound: 13 vector fp ops);
- * the AVX2 row does 8 floats in ~5.5 (skylake). */
+ * Estimate (llvm-mca-14, not a measurement: gcc 12 -O3 loop body, in-range lanes, 200
+ * iterations): -mcpu=sapphirerapids and icelake-server alike, 25 instructions, 10.3 cycles per
+ * 16 floats (block reciprocal throughput 7.5) against exp_rows256's 10.2 per 8: ~2.0x per
+ * float. Measured on Zen 4 (256-bit FP datapaths, zmm split in two): 0.87-0.89x the AVX2
+ * row's time at [16, 1024] (bench_body_ops). */
 static AVX512 void exp_rows512(const float *x, float *y, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 k = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
@@ -82,9 +84,10 @@ static AVX512 void exp_rows512(const float *x, float *y, int64_t n) {
 /* silu_rows on 16 lanes: silu_mul1's operations one for one (-g by flipping the sign bit,
  * exp32_512, IEEE division, the -inf select), the last F % 16 of a row as masked lanes (read
  * as +0.0, not stored): the same bits.
- * llvm-mca-14 estimate (an estimate; loop body, 16 outputs, in-range gates): sapphirerapids
- * ~10 cycles, icelake-server ~10 (the 16-lane vdivps, ~10 cycles reciprocal throughput,
- * bounds it; the AVX2 row: 8 outputs per ~5). */
+ * Estimate (llvm-mca-14, as exp_rows512's): sapphirerapids and icelake-server alike, 32
+ * instructions, 16.5 cycles per 16 outputs (block reciprocal throughput 10.0: the divider)
+ * against silu_rows256's 14.8 per 8: ~1.8x per output. Measured on Zen 4: 0.78-0.91x the
+ * AVX2 row's time at F = 1536 (bench_body_ops). */
 static AVX512 void silu_rows512(const float *gu, float *out, int64_t M, int64_t F, int64_t ld) {
     const __m512 one = _mm512_set1_ps(1.0f), ninf = _mm512_set1_ps(-INFINITY);
     const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
@@ -264,8 +267,10 @@ static inline __attribute__((always_inline)) AVX512 float lane_totals512(const f
  * chains acc_t = fma(h_i, h_i, acc_t) as 16-lane fmas over acc[t..t+15] (a chunk's last
  * lanes masked: the lanes past H are not updated); lane_totals512; inv by the scalar IEEE
  * sqrt and division; y = (h * inv) * gamma. The tail of H as masked lanes (not stored).
- * llvm-mca-14 estimate (an estimate; the ssq loop body, 16 lanes: load h, load acc, fma,
- * store acc): sapphirerapids ~1.0 cycle, icelake-server ~1.0 (load/store ports bound). */
+ * Estimate (llvm-mca-14; the ssq loop body: masked load of h, fma with acc from memory,
+ * masked store): sapphirerapids and icelake-server alike, 4 instructions, 1.4 cycles per 16
+ * lanes (block reciprocal throughput 1.2). Measured on Zen 4: 0.86-0.98x the compiler's
+ * x86-64-v4 clone of add_rms_row32 (scalar butterfly) at H = 576 (bench_body_ops). */
 static AVX512 void add_rms_row32_512(const float *x, const float *r, const float *gamma, int64_t H,
                                      float eps, int64_t lanes, float *h, float *y) {
     float acc[NORM32_MAX_LANES];
@@ -337,9 +342,12 @@ CLONES static void rope_head(const float *x, const float *c, const float *s, flo
 #if defined(__x86_64__)
 /* rope_head on 16 lanes: 32 floats of x split into e = x[2i], o = x[2i+1] (vpermt2ps), the
  * same four products, one subtraction and one addition per pair, re-interleaved; stride 1
- * stores the 32 outputs, another stride writes them one by one (the transposed key cache).
- * llvm-mca-14 estimate (an estimate; one 16-pair step, stride 1): sapphirerapids ~4 cycles,
- * icelake-server ~4 (port 5 permutes: 4 vpermt2ps). */
+ * stores the 32 outputs, another stride writes them one by one (lmtail_rope_qkv uses it for
+ * the queries only).
+ * Estimate (llvm-mca-14; one 16-pair step, stride 1): sapphirerapids and icelake-server
+ * alike, 19 instructions, 6.7 cycles (block reciprocal throughput 6.0: port 5's four
+ * vpermt2ps). Measured on Zen 4: 0.92-1.06x the compiler's x86-64-v4 clone (which
+ * vectorizes rope_head itself) for a whole rope_qkv call: the cache writes bound it. */
 static AVX512 void rope_head512(const float *x, const float *c, const float *s, float *out, int64_t stride) {
     const __m512i ie = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
     const __m512i io = _mm512_add_epi32(ie, _mm512_set1_epi32(1));
