@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import time
 
 import torch
 
 from lmtail.bench import abba, check_bitwise, format_table
 from lmtail.kernels.model import body as kbody
+from lmtail.kernels.quant import gemm_q as kquant
 from lmtail.model import body as decl
+from lmtail.model import llama
+from lmtail.model.gguf_loader import load_model
 
 H, F, NH, NKV, S = 576, 1536, 9, 3, 1200
 
@@ -74,10 +78,6 @@ def step_arm(bundle, body_isa: int, rows: int, steps: int, prompt: int):
     """A zero-argument call: `steps` decode steps of `rows` rows after a `prompt`-token
     prefill (done once here; each call rewinds the cache to it and rewrites the same slots),
     with the native step's body.c cap set to body_isa. Returns (seconds per step, last y)."""
-    import time
-
-    from lmtail.kernels.quant import gemm_q as kquant
-    from lmtail.model import llama
     ops = llama.lmtail_ops(body="q32")
     model = llama.q32_model(bundle, ops.fused_norm_lanes, kquant.GEMM_Q.pick(None, rows=rows).name,
                             decl.ATTEND.pick(None, rows=rows).name)
@@ -97,7 +97,6 @@ def step_arm(bundle, body_isa: int, rows: int, steps: int, prompt: int):
 
 
 def main_step(args) -> None:
-    from lmtail.model.gguf_loader import load_model
     bundle = load_model()
     res = {}
     for n in args.rows:
