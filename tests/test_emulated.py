@@ -310,7 +310,8 @@ def test_body_emulated_equals_c():
 # the build itself: native 256-bit fmas, no libm, no AVX-512 instruction outside the clones
 # ---------------------------------------------------------------------------------------
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump to read the code with")
-@pytest.mark.parametrize("source", ["gemm/gemm_amx32.c", "gemm/gemm_dp32.c", "gemm/gemm_chain.c", "quant/gemm_q.c", "glue/fmachain.c"])
+@pytest.mark.parametrize("source", ["gemm/gemm_amx32.c", "gemm/gemm_dp32.c", "gemm/gemm_chain.c", "quant/gemm_q.c",
+                                    "glue/fmachain.c", "model/body.c"])
 def test_emulated_code_uses_native_avx2_fmas_and_no_libm(source):
     """SIMDe's portable fallbacks (an fma spelled a*b + c, libm's fmaf) never reach the
     emulated build: its fmas are vfmadd instructions; no call to fma / fmaf / any libm

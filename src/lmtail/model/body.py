@@ -6,10 +6,10 @@ Every function here computes from IEEE basic operations (+, -, *, /, fma, casts)
 stated order, so its bytes are the same on every CPU and for every backend (one
 kernels._backend.Dispatch table per op; backend=None takes the fastest verified row, measured
 once per machine: docs/backends.md):
-  "avx512" the C kernels with attention's AVX-512 register-tile micro-kernels (AVX-512F;
-           exp32 and silu_mul run their AVX2 rows there);
+  "avx512" the C kernels with the AVX-512F micro-kernels (attention's register tiles;
+           16 lanes: exp32, silu_mul, silu_mul_bf16, add_rms_rows32, rope_qkv);
   "avx2"   the C kernels with the AVX2 + FMA micro-kernels (8 lanes: attention, exp32,
-           silu_mul);
+           silu_mul; add_rms_rows32 and rope_qkv run their portable C there);
   "c"      the portable C kernels (kernels/model/body.c through kernels.model.body; compiled as
            AVX-512 / AVX2 / default clones picked at load: the same bits, only explicit
            fmaf fuses);

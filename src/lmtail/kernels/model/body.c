@@ -66,15 +66,61 @@ static AVX2 void silu_rows256(const float *gu, float *out, int64_t M, int64_t F,
         for (; c < F; ++c) o[c] = silu_mul1(g[c], u[c]);
     }
 }
+
+/* exp_rows on 16 lanes (exp32_512), the last n % 16 as masked lanes (lanes past n read +0.0
+ * and are not stored): every lane runs exp32's operations, so the same bits.
+ * Estimate (llvm-mca-14, not a measurement: gcc 12 -O3 loop body, in-range lanes, 200
+ * iterations): -mcpu=sapphirerapids and icelake-server alike, 25 instructions, 10.3 cycles per
+ * 16 floats (block reciprocal throughput 7.5) against exp_rows256's 10.2 per 8: ~2.0x per
+ * float. Measured on Zen 4 (256-bit FP datapaths, zmm split in two): 0.87-0.89x the AVX2
+ * row's time at [16, 1024] (bench_body_ops). */
+static AVX512 void exp_rows512(const float *x, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+        _mm512_mask_storeu_ps(y + i, k, exp32_512(_mm512_maskz_loadu_ps(k, x + i)));
+    }
+}
+
+/* silu_rows on 16 lanes: silu_mul1's operations one for one (-g by flipping the sign bit,
+ * exp32_512, IEEE division, the -inf select), the last F % 16 of a row as masked lanes (read
+ * as +0.0, not stored): the same bits.
+ * Estimate (llvm-mca-14, as exp_rows512's): sapphirerapids and icelake-server alike, 32
+ * instructions, 16.5 cycles per 16 outputs (block reciprocal throughput 10.0: the divider)
+ * against silu_rows256's 14.8 per 8: ~1.8x per output. Measured on Zen 4: 0.78-0.91x the
+ * AVX2 row's time at F = 1536 (bench_body_ops). */
+static AVX512 void silu_rows512(const float *gu, float *out, int64_t M, int64_t F, int64_t ld) {
+    const __m512 one = _mm512_set1_ps(1.0f), ninf = _mm512_set1_ps(-INFINITY);
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    for (int64_t m = 0; m < M; ++m) {
+        const float *g = gu + m * ld, *u = g + F;
+        float *o = out + m * F;
+        for (int64_t c = 0; c < F; c += 16) {
+            const __mmask16 k = F - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (F - c)) - 1u);
+            const __m512 gv = _mm512_maskz_loadu_ps(k, g + c);
+            const __m512 e = exp32_512(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gv), sign)));
+            __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(one, e));
+            sv = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(gv, ninf, _CMP_EQ_OQ), sv, _mm512_set1_ps(-0.0f));
+            _mm512_mask_storeu_ps(o + c, k, _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(k, u + c)));
+        }
+    }
+}
 #endif
 
-/* exp32 and silu_mul have AVX2 rows only: cap <= 1 takes them where the CPU has AVX2 + FMA. */
+/* The rows body.c's capped entries pick (every one gives the same bytes): cap 0 takes the
+ * 16-lane rows where the CPU has AVX-512F, cap <= 1 the 8-lane rows where it has AVX2 + FMA,
+ * else (cap 2) the portable C. */
+static LMTAIL_UNUSED int avx512_rows(int cap) { return cap <= 0 && lmtail_cpu_has(LMTAIL_CPU_AVX512F); }
 static LMTAIL_UNUSED int avx2_rows(int cap) { return cap <= 1 && lmtail_cpu_has(LMTAIL_ISA_AVX2); }
 
-/* exp32 elementwise, x, y [n]; cap 0 or 1: the AVX2 rows where the CPU has them, 2: portable. */
+/* exp32 elementwise, x, y [n]; cap as avx512_rows / avx2_rows. */
 void lmtail_exp32_isa(const float *x, float *y, int64_t n, int cap) {
     unsigned old = pin_mxcsr();
 #if defined(__x86_64__)
+    if (avx512_rows(cap)) {
+        exp_rows512(x, y, n);
+        restore_mxcsr(old);
+        return;
+    }
     if (avx2_rows(cap)) {
         exp_rows256(x, y, n);
         restore_mxcsr(old);
@@ -91,6 +137,11 @@ void lmtail_exp32(const float *x, float *y, int64_t n) { lmtail_exp32_isa(x, y, 
 void lmtail_silu_mul_isa(const float *gu, float *out, int64_t M, int64_t F, int64_t ld, int cap) {
     unsigned old = pin_mxcsr();
 #if defined(__x86_64__)
+    if (avx512_rows(cap)) {
+        silu_rows512(gu, out, M, F, ld);
+        restore_mxcsr(old);
+        return;
+    }
     if (avx2_rows(cap)) {
         silu_rows256(gu, out, M, F, ld);
         restore_mxcsr(old);
@@ -190,13 +241,83 @@ CLONES static void add_rms_row32(const float *x, const float *r, const float *ga
     for (int64_t i = 0; i < H; ++i) y[i] = (h[i] * inv) * gamma[i];
 }
 
-/* x [N, ldx] fp32, r [N, H] fp32 or NULL, gamma [H] fp32 -> h, y [N, H] fp32 (h may alias r:
- * each h_i is written after r_i is read). Returns 0, or -3 for lanes outside
- * (0, NORM32_MAX_LANES] or not a multiple of 32 (nothing written then). */
+#if defined(__x86_64__)
+/* lmtail_lane_totals on acc[T] (T a multiple of 32) in zmm registers: per group of 32 lanes
+ * lo = x[0..15] + x[16..31] (h = 16), then lane i adds lane i + h for h = 8, 4, 2, 1 (the
+ * lanes past h carry values no result reads), the groups' lane-0 results added in order:
+ * the same additions of the same values, so the same bits. */
+static inline __attribute__((always_inline)) AVX512 float lane_totals512(const float *acc, int64_t T) {
+    const __m512i i2 = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 3, 2);
+    const __m512i i1 = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 1);
+    float total = 0.0f;
+    for (int64_t g = 0; g < T / 32; ++g) {
+        __m512 v = _mm512_add_ps(_mm512_loadu_ps(acc + 32 * g), _mm512_loadu_ps(acc + 32 * g + 16));
+        v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(3, 2, 3, 2))); /* lanes 0..7 += 8..15 */
+        v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 1, 1, 1))); /* lanes 0..3 += 4..7 */
+        v = _mm512_add_ps(v, _mm512_permutexvar_ps(i2, v));                          /* lanes 0, 1 += 2, 3 */
+        v = _mm512_add_ps(v, _mm512_permutexvar_ps(i1, v));                          /* lane 0 += 1 */
+        const float x0 = _mm_cvtss_f32(_mm512_castps512_ps128(v));
+        total = g == 0 ? x0 : total + x0;
+    }
+    return total;
+}
+
+/* add_rms_row32 on 16 lanes (its order exactly): h = x + r (r NULL: + 0.0) per 16-lane block
+ * (each block's r read before its h is written: h may alias r or x); the strided(lanes) lane
+ * chains acc_t = fma(h_i, h_i, acc_t) as 16-lane fmas over acc[t..t+15] (a chunk's last
+ * lanes masked: the lanes past H are not updated); lane_totals512; inv by the scalar IEEE
+ * sqrt and division; y = (h * inv) * gamma. The tail of H as masked lanes (not stored).
+ * Estimate (llvm-mca-14; the ssq loop body: masked load of h, fma with acc from memory,
+ * masked store): sapphirerapids and icelake-server alike, 4 instructions, 1.4 cycles per 16
+ * lanes (block reciprocal throughput 1.2). Measured on Zen 4: 0.86-0.98x the compiler's
+ * x86-64-v4 clone of add_rms_row32 (scalar butterfly) at H = 576 (bench_body_ops). */
+static AVX512 void add_rms_row32_512(const float *x, const float *r, const float *gamma, int64_t H,
+                                     float eps, int64_t lanes, float *h, float *y) {
+    float acc[NORM32_MAX_LANES];
+    const __m512 zero = _mm512_setzero_ps();
+    for (int64_t i = 0; i < H; i += 16) {
+        const __mmask16 k = H - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (H - i)) - 1u);
+        const __m512 rv = r ? _mm512_maskz_loadu_ps(k, r + i) : zero;
+        _mm512_mask_storeu_ps(h + i, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, x + i), rv));
+    }
+    for (int64_t t = 0; t < lanes; t += 16) _mm512_storeu_ps(acc + t, zero);
+    for (int64_t i0 = 0; i0 < H; i0 += lanes) {
+        const int64_t n = H - i0 < lanes ? H - i0 : lanes;
+        for (int64_t t = 0; t < n; t += 16) {
+            const __mmask16 k = n - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t)) - 1u);
+            const __m512 hv = _mm512_maskz_loadu_ps(k, h + i0 + t);
+            _mm512_mask_storeu_ps(acc + t, k, _mm512_fmadd_ps(hv, hv, _mm512_loadu_ps(acc + t)));
+        }
+    }
+    const float ssq = lane_totals512(acc, lanes);
+    const float m = ssq / (float)H;
+    const float d = m + eps;
+    const __m512 inv = _mm512_set1_ps(1.0f / __builtin_sqrtf(d));
+    for (int64_t i = 0; i < H; i += 16) {
+        const __mmask16 k = H - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (H - i)) - 1u);
+        const __m512 t = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, h + i), inv);
+        _mm512_mask_storeu_ps(y + i, k, _mm512_mul_ps(t, _mm512_maskz_loadu_ps(k, gamma + i)));
+    }
+}
+#endif
+
+/* x [N, ldx] fp32, r [N, H] fp32 or NULL, gamma [H] fp32 -> h, y [N, H] fp32 (h may alias r
+ * or x: each h_i is written after x_i and r_i are read); cap: 0 the 16-lane rows where the CPU
+ * has AVX-512F, else the portable C (its AVX-512 / AVX2 / default clones): the same bytes.
+ * Returns 0, or -3 for lanes outside (0, NORM32_MAX_LANES] or not a multiple of 32 (nothing
+ * written then). */
 int lmtail_add_rms_rows32(const float *x, int64_t ldx, const float *r, const float *gamma,
-                          int64_t N, int64_t H, float eps, int64_t lanes, float *h, float *y) {
+                          int64_t N, int64_t H, float eps, int64_t lanes, float *h, float *y, int cap) {
     if (lanes <= 0 || lanes > NORM32_MAX_LANES || lanes % 32) return -3;
     unsigned old = pin_mxcsr();
+#if defined(__x86_64__)
+    if (avx512_rows(cap)) {
+        for (int64_t m = 0; m < N; ++m)
+            add_rms_row32_512(x + m * ldx, r ? r + m * H : NULL, gamma, H, eps, lanes, h + m * H, y + m * H);
+        restore_mxcsr(old);
+        return 0;
+    }
+#endif
     for (int64_t m = 0; m < N; ++m)
         add_rms_row32(x + m * ldx, r ? r + m * H : NULL, gamma, H, eps, lanes, h + m * H, y + m * H);
     restore_mxcsr(old);
@@ -218,16 +339,59 @@ CLONES static void rope_head(const float *x, const float *c, const float *s, flo
     }
 }
 
+#if defined(__x86_64__)
+/* rope_head on 16 lanes: 32 floats of x split into e = x[2i], o = x[2i+1] (vpermt2ps), the
+ * same four products, one subtraction and one addition per pair, re-interleaved; stride 1
+ * stores the 32 outputs, another stride writes them one by one (lmtail_rope_qkv uses it for
+ * the queries only).
+ * Estimate (llvm-mca-14; one 16-pair step, stride 1): sapphirerapids and icelake-server
+ * alike, 19 instructions, 6.7 cycles (block reciprocal throughput 6.0: port 5's four
+ * vpermt2ps). Measured on Zen 4: 0.92-1.06x the compiler's x86-64-v4 clone (which
+ * vectorizes rope_head itself) for a whole rope_qkv call: the cache writes bound it. */
+static AVX512 void rope_head512(const float *x, const float *c, const float *s, float *out, int64_t stride) {
+    const __m512i ie = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i io = _mm512_add_epi32(ie, _mm512_set1_epi32(1));
+    const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+    for (int64_t i = 0; i < HD / 2; i += 16) {
+        const __m512 a = _mm512_loadu_ps(x + 2 * i), b = _mm512_loadu_ps(x + 2 * i + 16);
+        const __m512 e = _mm512_permutex2var_ps(a, ie, b), o = _mm512_permutex2var_ps(a, io, b);
+        const __m512 cv = _mm512_loadu_ps(c + i), sv = _mm512_loadu_ps(s + i);
+        const __m512 ne = _mm512_sub_ps(_mm512_mul_ps(e, cv), _mm512_mul_ps(o, sv));
+        const __m512 no = _mm512_add_ps(_mm512_mul_ps(e, sv), _mm512_mul_ps(o, cv));
+        const __m512 r0 = _mm512_permutex2var_ps(ne, lo, no), r1 = _mm512_permutex2var_ps(ne, hi, no);
+        if (stride == 1) {
+            _mm512_storeu_ps(out + 2 * i, r0);
+            _mm512_storeu_ps(out + 2 * i + 16, r1);
+        } else {
+            float tmp[32];
+            _mm512_storeu_ps(tmp, r0);
+            _mm512_storeu_ps(tmp + 16, r1);
+            for (int j = 0; j < 32; ++j) out[(2 * i + j) * stride] = tmp[j];
+        }
+    }
+}
+#endif
+
+/* cap: 0 the 16-lane rope where the CPU has AVX-512F, else the portable C: the same bytes. */
 void lmtail_rope_qkv(const float *qkv, int64_t ld, const float *cs, const float *sn,
                      const int64_t *pos, float *q_out, float *kt, float *v, int64_t B, int64_t T,
-                     int64_t nh, int64_t nkv, int64_t S_cap, int64_t s0) {
+                     int64_t nh, int64_t nkv, int64_t S_cap, int64_t s0, int cap) {
     unsigned old = pin_mxcsr();
+    void (*rope)(const float *, const float *, const float *, float *, int64_t) = rope_head;
+#if defined(__x86_64__)
+    if (avx512_rows(cap)) rope = rope_head512;
+#else
+    (void)cap;
+#endif
+    /* the keys' transposed writes (one cache line per element) bound their rope: the portable
+     * rope_head stores from registers there (measured faster than rope_head512's stride path). */
     for (int64_t b = 0; b < B; ++b)
         for (int64_t t = 0; t < T; ++t) {
             const float *row = qkv + (b * T + t) * ld;
             const float *c = cs + pos[b * T + t] * (HD / 2), *s = sn + pos[b * T + t] * (HD / 2);
             for (int64_t h = 0; h < nh; ++h)
-                rope_head(row + h * HD, c, s, q_out + ((b * T + t) * nh + h) * HD, 1);
+                rope(row + h * HD, c, s, q_out + ((b * T + t) * nh + h) * HD, 1);
             for (int64_t h = 0; h < nkv; ++h) {
                 rope_head(row + (nh + h) * HD, c, s, kt + ((b * nkv + h) * HD) * S_cap + s0 + t, S_cap);
                 memcpy(v + ((b * nkv + h) * S_cap + s0 + t) * HD, row + (nh + nkv + h) * HD,

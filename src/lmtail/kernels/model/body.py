@@ -12,10 +12,10 @@ declarations (exp32, silu_mul, attend, add_rms_rows, rope_qkv, silu_mul_bf16); `
 returns exp32's constants as the C code holds them, for the test that compares them with
 model/body.py's.
 
-`isa` (exp32, silu_mul, attend) caps the micro-kernels body.c / attend.c may pick (every one
-gives the same bytes): "avx512" the widest this CPU has (AVX-512, else AVX2 + FMA, else
-portable; exp32 and silu_mul have no AVX-512 rows and run AVX2 there), "avx2" at most AVX2 +
-FMA, "c" the portable C only. emulated=True runs them on the emulated builds (SIMDe and
+`isa` (exp32, silu_mul, attend, add_rms_rows32, rope_qkv) caps the micro-kernels body.c /
+attend.c may pick (every one gives the same bytes): "avx512" the widest this CPU has (AVX-512,
+else AVX2 + FMA, else portable), "avx2" at most AVX2 + FMA, "c" the portable C only
+(add_rms_rows32 and rope_qkv have 16-lane and portable rows: "avx2" runs the portable C). emulated=True runs them on the emulated builds (SIMDe and
 lmtail_emulate.h: every path, on any CPU with AVX2 + FMA + F16C; the "emu-avx512" rows).
 """
 from __future__ import annotations
@@ -33,8 +33,8 @@ _SIGNATURES = {
     "lmtail_exp32_isa": ([_P, _P, _I64, _INT], None),
     "lmtail_silu_mul_isa": ([_P, _P, _I64, _I64, _I64, _INT], None),
     "lmtail_add_rms_rows": ([_P, _I64, _INT, _P, _P, _I64, _I64, _F32, _I64, _P, _P], _INT),
-    "lmtail_add_rms_rows32": ([_P, _I64, _P, _P, _I64, _I64, _F32, _I64, _P, _P], _INT),
-    "lmtail_rope_qkv": ([_P, _I64, _P, _P, _P, _P, _P, _P] + [_I64] * 6, None),
+    "lmtail_add_rms_rows32": ([_P, _I64, _P, _P, _I64, _I64, _F32, _I64, _P, _P, _INT], _INT),
+    "lmtail_rope_qkv": ([_P, _I64, _P, _P, _P, _P, _P, _P] + [_I64] * 6 + [_INT], None),
     "lmtail_silu_mul_bf16": ([_P, _P, _I64, _I64, _I64, _INT], None),
     "lmtail_body_constants": ([_P], _INT),
 }
@@ -118,7 +118,7 @@ def add_rms_rows(x: torch.Tensor, residual: torch.Tensor, gamma32: torch.Tensor,
 
 
 def add_rms_rows32(x: torch.Tensor, residual: torch.Tensor | None, gamma32: torch.Tensor, eps: float,
-                   lanes: int):
+                   lanes: int, isa: str = "avx512", *, emulated: bool = False):
     """x [N, H] fp32 (unit column stride), residual [N, H] fp32 C-contiguous or None (+0),
     gamma32 [H] fp32 C-contiguous, lanes % 32 == 0, lanes <= 1024 -> (h, y) [N, H] fp32
     (model.body.add_rms_rows32)."""
@@ -127,13 +127,14 @@ def add_rms_rows32(x: torch.Tensor, residual: torch.Tensor | None, gamma32: torc
     y = torch.empty(N, H, dtype=torch.float32)  # [N, H]
     ldx = x.stride(0) if N > 1 else H
     rp = None if residual is None else residual.data_ptr()
-    rc = native_library().lmtail_add_rms_rows32(x.data_ptr(), ldx, rp, gamma32.data_ptr(), N, H, float(eps), lanes,
-                                          h.data_ptr(), y.data_ptr())
+    rc = _lib(emulated).lmtail_add_rms_rows32(x.data_ptr(), ldx, rp, gamma32.data_ptr(), N, H, float(eps), lanes,
+                                              h.data_ptr(), y.data_ptr(), ISA_CAP[isa])
     assert rc == 0, f"add_rms_rows32: lanes {lanes} rejected"
     return h, y
 
 
-def rope_qkv(qkv, cos_t, sin_t, pos, kc, vc, s0: int, nh: int) -> torch.Tensor:
+def rope_qkv(qkv, cos_t, sin_t, pos, kc, vc, s0: int, nh: int, isa: str = "avx512", *,
+             emulated: bool = False) -> torch.Tensor:
     """qkv [B*T, (nh + 2 nkv) 64] fp32 (unit column stride), cos_t, sin_t [P, 32] fp32 and kc, vc
     C-contiguous, pos [B, T] int64 in [0, P) -> q [B, T, nh, 64] (model.body.rope_qkv)."""
     B, T = pos.shape
@@ -141,8 +142,9 @@ def rope_qkv(qkv, cos_t, sin_t, pos, kc, vc, s0: int, nh: int) -> torch.Tensor:
     pos_c = pos.contiguous()
     q = torch.empty(B, T, nh, HD, dtype=torch.float32)  # [B, T, nh, hd]
     ld = qkv.stride(0) if B * T > 1 else qkv.shape[1]
-    native_library().lmtail_rope_qkv(qkv.data_ptr(), ld, cos_t.data_ptr(), sin_t.data_ptr(), pos_c.data_ptr(),
-                               q.data_ptr(), kc.data_ptr(), vc.data_ptr(), B, T, nh, nkv, kc.shape[3], s0)
+    _lib(emulated).lmtail_rope_qkv(qkv.data_ptr(), ld, cos_t.data_ptr(), sin_t.data_ptr(), pos_c.data_ptr(),
+                                   q.data_ptr(), kc.data_ptr(), vc.data_ptr(), B, T, nh, nkv, kc.shape[3], s0,
+                                   ISA_CAP[isa])
     return q
 
 

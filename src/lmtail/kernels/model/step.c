@@ -35,10 +35,10 @@
 typedef int (*gemm_q_fn)(const float *a, int64_t lda, const uint8_t *const *ws, const int64_t *ns, int nw, int fmt,
                          int64_t K, float *out, int64_t ldc, int64_t M, int nthreads, int isa);
 typedef int (*norm32_fn)(const float *x, int64_t ldx, const float *r, const float *gamma, int64_t N,
-                         int64_t H, float eps, int64_t lanes, float *h, float *y);
+                         int64_t H, float eps, int64_t lanes, float *h, float *y, int cap);
 typedef void (*rope_fn)(const float *qkv, int64_t ld, const float *cs, const float *sn, const int64_t *pos,
                         float *q_out, float *kt, float *v, int64_t B, int64_t T, int64_t nh, int64_t nkv,
-                        int64_t S_cap, int64_t s0);
+                        int64_t S_cap, int64_t s0, int cap);
 typedef int (*attend_fn)(const float *q, const float *kt, const float *v, float *out, const int64_t *pad,
                          int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t S_cap, int64_t s0, float scale,
                          int threads, int isa_cap);
@@ -69,7 +69,7 @@ typedef struct {
     int64_t L, H, nh, nkv, F, lanes;
     float eps, scale;
     int64_t gemm_isa, attend_isa; /* gemm_q's isa code; attend.c's cap */
-    int64_t silu_isa;             /* body.c's silu_mul cap */
+    int64_t body_isa;             /* body.c's cap: silu_mul, add_rms_rows32, rope_qkv */
 } model_t;
 
 /* The caller's buffers for up to n_max rows (kernels/model/step.py StepBuffers). */
@@ -111,14 +111,14 @@ static int attention(const model_t *m, const buffers_t *bf, const attn_t *at, in
     const int64_t qd = m->nh * 64;
     if (!at->rows) {
         m->rope(bf->qkv, ldqkv, m->cos_t, m->sin_t, at->pos, bf->q, at->kc[l], at->vc[l], at->B, at->T, m->nh,
-                m->nkv, at->S_cap, at->s0);
+                m->nkv, at->S_cap, at->s0, (int)m->body_isa);
         return m->attend(bf->q, at->kc[l], at->vc[l], bf->att, at->pad, at->B, at->T, m->nh, m->nkv, at->S_cap,
                          at->s0, m->scale, (int)at->attend_threads, (int)m->attend_isa);
     }
     for (int64_t r = 0; r < at->B; ++r) {
         float *kc = at->kc[l * at->B + r], *vc = at->vc[l * at->B + r];
         m->rope(bf->qkv + r * ldqkv, ldqkv, m->cos_t, m->sin_t, at->pos + r, bf->q + r * qd, kc, vc, 1, 1, m->nh,
-                m->nkv, at->S_caps[r], at->s0s[r]);
+                m->nkv, at->S_caps[r], at->s0s[r], (int)m->body_isa);
         if (m->attend(bf->q + r * qd, kc, vc, bf->att + r * qd, at->pad, 1, 1, m->nh, m->nkv, at->S_caps[r],
                       at->s0s[r], m->scale, (int)at->attend_threads, (int)m->attend_isa))
             return -1;
@@ -134,19 +134,19 @@ static int layers(const model_t *m, const buffers_t *bf, const attn_t *at, float
     const int64_t H = m->H, qd = m->nh * 64, kvd = m->nkv * 64, F = m->F;
     const int64_t ldqkv = qd + 2 * kvd;
     if (N > bf->n_max) return -1;
-    if (m->norm(h, H, NULL, m->layers[0].attn_norm, N, H, m->eps, m->lanes, h, y)) return -1007;
+    if (m->norm(h, H, NULL, m->layers[0].attn_norm, N, H, m->eps, m->lanes, h, y, (int)m->body_isa)) return -1007;
     for (int64_t l = 0; l < m->L; ++l) {
         const layer_t *ly = &m->layers[l];
         const int64_t code = -1000 - l * 10;
         if (linear(m, &ly->lin[LIN_Q], 3, y, H, bf->qkv, ldqkv, N, gemm_threads)) return (int)(code - 1);
         if (attention(m, bf, at, l, ldqkv)) return (int)(code - 2);
         if (linear(m, &ly->lin[LIN_O], 1, bf->att, qd, bf->a, H, N, gemm_threads)) return (int)(code - 3);
-        if (m->norm(bf->a, H, h, ly->ffn_norm, N, H, m->eps, m->lanes, h, y)) return (int)(code - 4);
+        if (m->norm(bf->a, H, h, ly->ffn_norm, N, H, m->eps, m->lanes, h, y, (int)m->body_isa)) return (int)(code - 4);
         if (linear(m, &ly->lin[LIN_GATE], 2, y, H, bf->gu, 2 * F, N, gemm_threads)) return (int)(code - 5);
-        m->silu(bf->gu, bf->s, N, F, 2 * F, (int)m->silu_isa);
+        m->silu(bf->gu, bf->s, N, F, 2 * F, (int)m->body_isa);
         if (linear(m, &ly->lin[LIN_DOWN], 1, bf->s, F, bf->a, H, N, gemm_threads)) return (int)(code - 6);
         const float *next = l + 1 < m->L ? m->layers[l + 1].attn_norm : m->final_norm;
-        if (m->norm(bf->a, H, h, next, N, H, m->eps, m->lanes, h, y)) return (int)(code - 7);
+        if (m->norm(bf->a, H, h, next, N, H, m->eps, m->lanes, h, y, (int)m->body_isa)) return (int)(code - 7);
     }
     return 0;
 }
