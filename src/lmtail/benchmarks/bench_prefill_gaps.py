@@ -2,7 +2,7 @@
 and while a 2,048-token prompt is prefilled, chunked (the engine's schedule) vs whole.
 
     .venv/bin/python -m lmtail.benchmarks.bench_prefill_gaps [--streams 4] [--prompt-tokens 2048]
-        [--rounds 1] [--arms chunked,whole | chunked,control] [--quick]
+        [--rounds 1] [--arms chunked,whole | chunked,control] [--prefill-share S] [--quick]
 
 Two servers run as child processes on 127.0.0.1 (ephemeral ports, --max-batch 8, the
 default body): arm "chunked" is the engine as shipped (chunked prefill interleaved with
@@ -35,7 +35,7 @@ import time
 STREAM_PROMPT = "Count from 1 to 1000, separated by commas: 1, 2, 3,"
 
 
-def serve(arm: str, max_batch: int) -> int:
+def serve(arm: str, max_batch: int, share: float | None) -> int:
     """Child mode: serve the arm's engine on 127.0.0.1 (ephemeral port, printed as `PORT n`)
     until stdin closes."""
     from lmtail.model.gguf_loader import load_model
@@ -52,7 +52,8 @@ def serve(arm: str, max_batch: int) -> int:
                     self._prefill_chunk(pre, None)
 
     cls = {"chunked": Engine, "whole": Whole}[arm]
-    engine = cls(load_model(), max_batch=max_batch, max_queue=16)
+    kw = {} if share is None else {"prefill_share": share}
+    engine = cls(load_model(), max_batch=max_batch, max_queue=16, **kw)
     srv = ThreadServer(create_app(engine, model_name="m")).start()
     print(f"PORT {srv.port}", flush=True)
     sys.stdin.read()  # the parent closes it (or dies)
@@ -112,8 +113,9 @@ def one_run(url: str, streams: int, prompt_ids: list[int] | None, warm_s: float,
             "gaps": len(during), "ratio": max(during) / med, "prompt_s": t_out - t_in}
 
 
-def start(arm: str, max_batch: int) -> tuple[subprocess.Popen, str]:
-    p = subprocess.Popen([sys.executable, __file__, "--serve", arm, "--max-batch", str(max_batch)],
+def start(arm: str, max_batch: int, share: float | None) -> tuple[subprocess.Popen, str]:
+    extra = [] if share is None else ["--prefill-share", str(share)]
+    p = subprocess.Popen([sys.executable, __file__, "--serve", arm, "--max-batch", str(max_batch), *extra],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     line = p.stdout.readline()
     if not line.startswith("PORT "):
@@ -134,11 +136,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="two of chunked, whole, control (the chunked server, no long prompt: the box's own noise)")
     ap.add_argument("--hold-s", type=float, default=30.0,
                     help="the control's window when no chunked run came before it (else that run's prompt time)")
+    ap.add_argument("--prefill-share", type=float, default=None,
+                    help="the servers' Engine prefill_share (default: the engine's, serve.engine.PREFILL_SHARE)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 2 streams, a 256-token prompt, one A B")
     ap.add_argument("--serve", choices=("chunked", "whole"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve:
-        return serve(args.serve, args.max_batch)
+        return serve(args.serve, args.max_batch, args.prefill_share)
     if args.quick:
         args.streams, args.prompt_tokens, args.warm_s, args.tail_s = 2, 256, 1.5, 0.5
     def prompt_ids(run: int) -> list[int]:  # fixed, in the vocab; its first token differs per run, so the
@@ -147,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(arms) != 2 or not set(arms) <= {"chunked", "whole", "control"}:
         ap.error(f"--arms must be two of chunked, whole, control; got {args.arms!r}")
     kinds = {arm: "chunked" if arm == "control" else arm for arm in arms}  # control: the chunked server
-    servers = {kind: start(kind, args.max_batch) for kind in set(kinds.values())}
+    servers = {kind: start(kind, args.max_batch, args.prefill_share) for kind in set(kinds.values())}
     hold_s = args.hold_s
     try:
         order = arms if args.quick else [arms[0], arms[1], arms[1], arms[0]] * args.rounds
