@@ -374,3 +374,63 @@ def test_submit_paces_only_long_prompts_beside_rows(bundle, monkeypatch):
     engine.submit(Job(prompt_ids=long_ids[:-1], params=SamplingParams(temperature=0.0), max_tokens=1, sink=Collect()))
     assert asked == [(len(long_ids), 0.0), (len(long_ids), engine_mod.TOUCH_IDLE), (len(long_ids) - 1, 0.0)]
     engine.close(1)
+
+
+def test_chunker_prime():
+    """prime(cost, b): the most positions cost fits in b (1 .. PREFILL_CHUNK); a cost <= 0
+    primes nothing (FIRST_CHUNK stays)."""
+    c = Chunker()
+    c.prime(0.002, 0.015)
+    assert c.next == 7 and c.cost == 0.002
+    c.prime(1.0, 0.015)
+    assert c.next == 1
+    c.prime(1e-9, 0.015)
+    assert c.next == engine_mod.PREFILL_CHUNK
+    c = Chunker()
+    c.prime(0.0, 0.015)
+    c.prime(-1.0, 0.015)
+    assert c.next == engine_mod.FIRST_CHUNK and c.cost is None
+
+
+class Unprimed(Engine):
+    """PLANTED: every group starts at FIRST_CHUNK positions, whatever was measured before."""
+
+    def _prefill_some(self):
+        self._cost = None
+        return super()._prefill_some()
+
+
+@pytest.mark.parametrize("cls", [Engine, Unprimed])
+def test_a_new_group_starts_from_the_last_cost(bundle, cls):
+    """A row decodes; a first prompt rides to its end (its Chunker measures a cost per
+    position); a second prompt's first chunk is primed from that cost with the budget:
+    budget / cost positions (here > FIRST_CHUNK: the budget is large), and both prompts'
+    bytes are unchanged (the second equals the job alone). Planted: unprimed, the first
+    chunk is FIRST_CHUNK."""
+    engine = cls(bundle, max_batch=4, k=K)
+    engine.admit(Job(prompt_ids=chat_ids(bundle, "Count to thirty."), params=SamplingParams(temperature=0.0),
+                     max_tokens=200, sink=Collect()))
+    engine._periods.extend([1.0] * 5)  # a 1 s period: a 0.5 s budget, far above a position's cost
+    first_sizes = []
+    for text in ("Name some birds.", "Name some trees, please."):
+        s = Collect()
+        pre = Prefill([Job(prompt_ids=chat_ids(bundle, text), params=SamplingParams(temperature=0.0), max_tokens=3,
+                           sink=s)])
+        engine._prefills.append(pre)
+        first = None
+        for _ in range(80):
+            if pre in engine._prefills:
+                engine._rides = 0
+                engine._prefill_some()
+                first = first or (engine._ride and engine._ride[1])
+            engine.step()
+            engine._finish_ride()
+            if s.events and isinstance(s.events[-1], Done):
+                break
+        first_sizes.append(first)
+        assert s.result() == solo(bundle, chat_ids(bundle, text), SamplingParams(temperature=0.0), 3)
+    assert first_sizes[0] == engine_mod.FIRST_CHUNK
+    if cls is Engine:
+        assert first_sizes[1] > engine_mod.FIRST_CHUNK
+    else:
+        assert first_sizes[1] == engine_mod.FIRST_CHUNK

@@ -331,6 +331,7 @@ class Engine:
         self._rode: tuple | None = None  # (Prefill, h [c, H], t1, seconds over a plain body call) of the last
         self._rode_last = False  # the last decode step carried a chunk (its period is not a plain one)
         self._rides = 0  # decode steps in a row with a chunk (riding or alone); RIDE_RUN: the next is plain
+        self._cost: float | None = None  # the last chunk's Chunker.cost (s per position): primes a new group's
         self._cv = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -498,7 +499,10 @@ class Engine:
             return False
         self._rides += 1
         pre = min(self._prefills, key=lambda p: p.left())  # min keeps the first of equals
-        self._prefill_chunk(pre, self.prefill_share * statistics.median(self._periods))
+        budget = self.prefill_share * statistics.median(self._periods)
+        if pre.chunker.cost is None and self._cost is not None:  # its first chunk: the last group's cost
+            pre.chunker.prime(self._cost, budget)
+        self._prefill_chunk(pre, budget)
         return True
 
     def _note_period(self, now: float, chunked: bool) -> None:
@@ -525,6 +529,7 @@ class Engine:
         finished = self._advance_prefill(pre, size)
         if budget is not None:
             pre.chunker.note(size, time.perf_counter() - t0, budget)
+            self._cost = pre.chunker.cost
         if finished:
             with self._cv:
                 self._prefills.remove(pre)
@@ -540,6 +545,7 @@ class Engine:
             return
         pre, h, t1, extra = rode
         pre.chunker.note(h.shape[0], extra, self.prefill_share * statistics.median(self._periods))
+        self._cost = pre.chunker.cost
         finished = True
         try:
             if pre.took(self, h, t1):
@@ -778,11 +784,24 @@ class Chunker:
     shared box, and a chunk's cost grows slowly with the positions before it, attention);
     the next chunk is the most positions whose predicted cost fits the budget, at most a
     quarter (+ 1) more than the last chunk, between 1 and PREFILL_CHUNK positions. Its own
-    per group. No byte depends on it (cache-invariant body)."""
+    per group; a group's first chunk is FIRST_CHUNK positions, or, once any group has
+    ridden, what the last measured cost fits (prime: a short prompt beside decoding rows
+    goes in one or two chunks, not 2, 3, 4, 6 ...). No byte depends on it (cache-invariant
+    body)."""
 
     def __init__(self, first: int = FIRST_CHUNK):
         self.next = first  # the next chunk's positions
         self.cost: float | None = None  # seconds per position (None: no chunk measured yet)
+
+    def prime(self, cost: float, b: float) -> None:
+        """Before this group's first chunk: start from `cost` (seconds per position, the
+        engine's last measured, Engine._cost) instead of FIRST_CHUNK, the next chunk the
+        most positions it fits in `b` seconds (at least 1, at most PREFILL_CHUNK). A cost
+        of 0 or less (noise: chunks that seemed to take no time) primes nothing."""
+        if cost <= 0:
+            return
+        self.cost = cost
+        self.next = max(1, min(PREFILL_CHUNK, int(b / cost)))
 
     def note(self, size: int, seconds: float, b: float) -> None:
         """A chunk of `size` positions took `seconds` against a budget of `b` seconds."""
