@@ -15,7 +15,8 @@ requests join the running batch after their own prefill and leave when done.
                get those positions' teacher-forced logprobs), sized by its Chunker to
                add about prefill_share x the median decode period (the time a stream
                waits between tokens), so a long prompt does not stall the streams
-               beside it; with no row decoding, every prefilling group runs a
+               beside it; after RIDE_RUN such steps one step is plain (the medians
+               stay current); with no row decoding, every prefilling group runs a
                PREFILL_CHUNK-position llama.forward chunk.
                A group whose prompt is done joins the batch, its cache copied for each
                job after the first (the same bytes: attention reads only filled slots)
