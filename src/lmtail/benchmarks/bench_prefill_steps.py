@@ -82,13 +82,13 @@ def run(share: float, prompt_tokens: int, control_s: float, log: bool) -> None:
         while min(len(s.t) for s in sinks) < 60 and time.monotonic() < t_end:
             time.sleep(0.01)
         t_in = time.perf_counter()
-        if control_s > 0:
-            time.sleep(control_s)
-        else:
+        if control_s <= 0:
             long_ids = [1000 + (i * 7919 + 13) % 40000 for i in range(prompt_tokens)]
             eng.submit(Job(prompt_ids=long_ids, params=SamplingParams(temperature=0.0), max_tokens=1, sink=long_sink))
         t_sub = time.perf_counter() - t_in
-        if control_s <= 0:
+        if control_s > 0:
+            time.sleep(control_s)
+        else:
             long_sink.done.wait(600)
         t_out = time.perf_counter()
     finally:
@@ -106,8 +106,8 @@ def report(steps, sinks, t_in, t_out, t_sub, share, control_s, log) -> None:
     print(f"{what} share {share}: gaps before median {1e3 * med:.1f} p90 {1e3 * quantile(before, .9):.1f} worst "
           f"{1e3 * max(before):.1f} ms; during median {1e3 * statistics.median(during):.1f} p90 "
           f"{1e3 * quantile(during, .9):.1f} p99 {1e3 * quantile(during, .99):.1f} worst {1e3 * max(during):.1f} ms "
-          f"({len(during)} gaps): worst / median before {max(during) / med:.2f}; window {t_out - t_in:.2f} s; "
-          f"submit {1e3 * t_sub:.0f} ms", flush=True)
+          f"({len(during)} gaps): worst / median before {max(during) / med:.2f}; window {t_out - t_in:.2f} s"
+          + ("" if control_s > 0 else f"; submit {1e3 * t_sub:.0f} ms"), flush=True)
     win = [e for e in steps if t_in < e["t0"] < t_out]
     periods = [(b["t0"] - a["t0"], a["ride"] is not None) for a, b in zip(win, win[1:])]
     plain = [p for p, rode in periods if not rode]
