@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import math
 import mmap
+import time
 
 import torch
 
@@ -69,21 +70,28 @@ def row_cache(cfg: LlamaConfig, capacity: int) -> KVCache:
     return KVCache(k=k, v=v, pad=torch.zeros(1, dtype=torch.int64))
 
 
-def touch(cache: KVCache, slots: int) -> KVCache:
+def touch(cache: KVCache, slots: int, *, idle: float = 0.0) -> KVCache:
     """Make the pages of slots [0, slots) of a row_cache memory now (a 0.0 written at
     every 1,024th value of each key row and value block, and at its last one: every page
     they span): the page faults a first write there would take, taken by the caller's
     thread instead (Engine.submit_group: off the engine thread). Only for slots not
-    written yet (0.0 stays 0.0). Returns cache."""
+    written yet (0.0 stays 0.0). idle >= 0: after each layer the thread sleeps idle x the
+    time that layer took (it leaves the cores to others for that share: a long prompt's
+    faults spread out beside decoding rows instead of taking a core at once). Returns cache."""
+    if idle < 0:
+        raise ValueError(f"idle must be >= 0; got {idle!r}")
     n = min(slots, cache.capacity)
     if n < 1:
         return cache
     for k, v in zip(cache.k, cache.v):
+        t0 = time.perf_counter()
         k[..., :n:1024] = 0.0  # [1, nkv, hd, n]: one value per page of each key row
         k[..., n - 1] = 0.0
         flat = v[0, :, :n].reshape(v.shape[1], -1)  # [nkv, n * hd] (a view: each head's slots are contiguous)
         flat[:, ::1024] = 0.0
         flat[:, -1] = 0.0
+        if idle:
+            time.sleep(idle * (time.perf_counter() - t0))
     return cache
 
 

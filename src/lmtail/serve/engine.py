@@ -15,7 +15,8 @@ requests join the running batch after their own prefill and leave when done.
                get those positions' teacher-forced logprobs), sized by its Chunker to
                add about prefill_share x the median decode period (the time a stream
                waits between tokens), so a long prompt does not stall the streams
-               beside it; with no row decoding, every prefilling group runs a
+               beside it; after RIDE_RUN such steps one step is plain (the medians
+               stay current); with no row decoding, every prefilling group runs a
                PREFILL_CHUNK-position llama.forward chunk.
                A group whose prompt is done joins the batch, its cache copied for each
                job after the first (the same bytes: attention reads only filled slots)
@@ -66,6 +67,7 @@ Shape legend: R active rows, H hidden, V vocab, k candidates, P prompt positions
 from __future__ import annotations
 
 import collections
+import gc
 import logging
 import os
 import statistics
@@ -89,8 +91,12 @@ from .grammar import advance_row, with_masks
 
 PREFILL_CHUNK = 256  # prompt positions per forward call at most (cache-invariant: no byte depends on it)
 PREFILL_SHARE = 0.5  # a prefill chunk beside decoding rows adds about this share of a decode period
-PERIODS = 15  # decode periods (and plain body calls) kept: their medians size the prefill chunks
+PERIODS = 5  # decode periods (and plain body calls) kept: their medians size the prefill chunks
+TOUCH_IDLE = 3.0  # submit: a long prompt's cache pages are made memory at 1 / (1 + this) of a core
+TOUCH_PACED = 512  # ... when it has more positions than this and rows are decoding
 FIRST_CHUNK = 2  # a group's first chunk beside decoding rows (then Chunker adapts it)
+COST_GAIN = 0.1  # Chunker: the weight of the last chunk in its cost per position
+RIDE_RUN = 4  # decode steps in a row that carry a chunk; the next one is plain (fresh medians)
 SCORE_ROWS = 64  # positions per teacher-forced tail call
 PREFIXES = 4  # recent prompts whose caches a new prompt may copy its common prefix from
 PREFIX_MAX = 2048  # a prompt longer than this is not kept as a prefix (it would hold its memory)
@@ -325,6 +331,8 @@ class Engine:
         self._ride: tuple[Prefill, int] | None = None  # a chunk to run inside the next body call
         self._rode: tuple | None = None  # (Prefill, h [c, H], t1, seconds over a plain body call) of the last
         self._rode_last = False  # the last decode step carried a chunk (its period is not a plain one)
+        self._rides = 0  # decode steps in a row with a chunk (riding or alone); RIDE_RUN: the next is plain
+        self._cost: float | None = None  # the last chunk's Chunker.cost (s per position): primes a new group's
         self._cv = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -337,9 +345,15 @@ class Engine:
         return self._thread is not None
 
     def start(self) -> "Engine":
-        """Start the engine thread (once)."""
+        """Start the engine thread (once). The objects alive now (the model, the tokenizer,
+        the imported modules) are collected once and then frozen (gc.freeze: the process's
+        collector never scans them again), so a full collection while serving walks only
+        what serving made: a few ms, not the ~100 ms pause, holding the GIL, of one over
+        every object here."""
         if self._thread is not None:
             raise RuntimeError("the engine is already started")
+        gc.collect()
+        gc.freeze()
         self._thread = threading.Thread(target=self._run, name="lmtail-engine", daemon=True)
         self._thread.start()
         return self
@@ -357,7 +371,10 @@ class Engine:
         cfg = self.bundle.config
         if jobs[0].cache is None and len(jobs[0].prompt_ids) < cfg.context_length:  # else the prefill fails it
             # the group's cache, its prompt's pages made memory here (the caller's thread), not on the engine's
-            jobs[0].cache = batch.touch(batch.row_cache(cfg, _capacity(cfg, jobs)), len(jobs[0].prompt_ids))
+            # a long prompt beside decoding rows: its faults paced (TOUCH_IDLE), so the rows' steps keep both cores
+            n = len(jobs[0].prompt_ids)
+            idle = TOUCH_IDLE if self._rows and n > TOUCH_PACED else 0.0
+            jobs[0].cache = batch.touch(batch.row_cache(cfg, _capacity(cfg, jobs)), n, idle=idle)
         with self._cv:
             if self._closing:
                 raise Closed("the engine is shutting down")
@@ -466,16 +483,27 @@ class Engine:
         """The engine thread's prefill move. No row decoding: one PREFILL_CHUNK chunk of
         every prefilling group (oldest first). Rows decoding (and a decode period
         measured): one chunk of the group with the fewest positions left (ties: the
-        oldest), sized to take prefill_share x the median decode period (Chunker). True
-        when a chunk ran beside decoding rows."""
+        oldest), sized to take prefill_share x the median decode period (Chunker), except
+        after RIDE_RUN such steps in a row: then none, so the next step is plain (its body
+        call and period keep the medians the budgets are read from current). True when a
+        chunk ran beside decoding rows."""
         if not self._prefills or (self._rows and not self._periods):
+            self._rides = 0
             return False
         if not self._rows:
             for pre in list(self._prefills):
                 self._prefill_chunk(pre, None)
+            self._rides = 0
             return False
+        if self._rides >= RIDE_RUN:
+            self._rides = 0
+            return False
+        self._rides += 1
         pre = min(self._prefills, key=lambda p: p.left())  # min keeps the first of equals
-        self._prefill_chunk(pre, self.prefill_share * statistics.median(self._periods))
+        budget = self.prefill_share * statistics.median(self._periods)
+        if pre.chunker.cost is None and self._cost is not None:  # its first chunk: the last group's cost
+            pre.chunker.prime(self._cost, budget)
+        self._prefill_chunk(pre, budget)
         return True
 
     def _note_period(self, now: float, chunked: bool) -> None:
@@ -502,6 +530,7 @@ class Engine:
         finished = self._advance_prefill(pre, size)
         if budget is not None:
             pre.chunker.note(size, time.perf_counter() - t0, budget)
+            self._cost = pre.chunker.cost
         if finished:
             with self._cv:
                 self._prefills.remove(pre)
@@ -517,6 +546,7 @@ class Engine:
             return
         pre, h, t1, extra = rode
         pre.chunker.note(h.shape[0], extra, self.prefill_share * statistics.median(self._periods))
+        self._cost = pre.chunker.cost
         finished = True
         try:
             if pre.took(self, h, t1):
@@ -749,22 +779,37 @@ class Engine:
 
 
 class Chunker:
-    """A prefill's chunk size for a time budget: grows by a quarter (+ 1) after a chunk
-    that took under 3/4 of the budget, shrinks in proportion after one over it (at least
-    1, at most PREFILL_CHUNK positions). Its own per group: a chunk's cost grows with
-    the positions before it (attention). No byte depends on it (cache-invariant body)."""
+    """A prefill's chunk size for a time budget, from its measured cost per position: after
+    each chunk, cost (seconds per position) moves COST_GAIN of the way to the chunk's
+    seconds / size (an average over the last few chunks: one step's time is noisy on a
+    shared box, and a chunk's cost grows slowly with the positions before it, attention);
+    the next chunk is the most positions whose predicted cost fits the budget, at most a
+    quarter (+ 1) more than the last chunk, between 1 and PREFILL_CHUNK positions. Its own
+    per group; a group's first chunk is FIRST_CHUNK positions, or, once any group has
+    ridden, what the last measured cost fits (prime: a short prompt beside decoding rows
+    goes in one or two chunks, not 2, 3, 4, 6 ...). No byte depends on it (cache-invariant
+    body)."""
 
     def __init__(self, first: int = FIRST_CHUNK):
         self.next = first  # the next chunk's positions
+        self.cost: float | None = None  # seconds per position (None: no chunk measured yet)
+
+    def prime(self, cost: float, b: float) -> None:
+        """Before this group's first chunk: start from `cost` (seconds per position, the
+        engine's last measured, Engine._cost) instead of FIRST_CHUNK, the next chunk the
+        most positions it fits in `b` seconds (at least 1, at most PREFILL_CHUNK). A cost
+        of 0 or less (noise: chunks that seemed to take no time) primes nothing."""
+        if cost <= 0:
+            return
+        self.cost = cost
+        self.next = max(1, min(PREFILL_CHUNK, int(b / cost)))
 
     def note(self, size: int, seconds: float, b: float) -> None:
         """A chunk of `size` positions took `seconds` against a budget of `b` seconds."""
-        if seconds > b:
-            self.next = max(1, min(size - 1, int(size * b / seconds)))
-        elif seconds < 0.75 * b:
-            self.next = min(PREFILL_CHUNK, size + size // 4 + 1)
-        else:
-            self.next = size
+        per = max(seconds, 0.0) / size
+        self.cost = per if self.cost is None else self.cost + COST_GAIN * (per - self.cost)
+        fit = PREFILL_CHUNK if self.cost <= 0 else int(b / self.cost)
+        self.next = max(1, min(PREFILL_CHUNK, fit, size + size // 4 + 1))
 
 
 class Prefill:
