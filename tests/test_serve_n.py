@@ -384,7 +384,7 @@ class Timed:
         self.ended = self.ended or not isinstance(ev, Token)
 
 
-WORST_X = 8.0  # the worst gap bound this box meets (measured 4.5-5.5x; the target: 2.0)
+WORST_X = 8.0  # the worst gap bound this shared box meets (the target: 2.0; docs/serve.md)
 
 
 @pytest.mark.slow

@@ -30,9 +30,11 @@ __all__ = ["QUICK_ARGS", "ISA_FLAGS", "default_bench_dir", "find_benchmarks", "c
 # `--quick` passes each script its smoke-run arguments: "--quick" unless listed here (scripts
 # whose own flags give a short run).
 QUICK_ARGS: dict[str, tuple[str, ...]] = {
+    "body_ops": ("--rounds", "2", "--number", "20"),
     "memory": ("--tokens", "2"),
     "model": ("--rows", "2", "--steps", "2", "--rounds", "2"),
     "overhead": ("--steps", "4", "--rounds", "2"),
+    "prefill_steps": ("--prompt-tokens", "256"),
     "serve": ("--clients", "1", "--requests-per-client", "1", "--max-tokens", "4"),
 }
 # /proc/cpuinfo flags the kernels dispatch on (present or absent, both are stamped)
