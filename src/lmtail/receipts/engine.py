@@ -248,8 +248,8 @@ def ideal_bounds(hidden, gamma, weight, *, eps, decls, col_chunk: int = 8192):
             lo, hi = logits_range(hidden, gamma, w64[:, sl], eps=eps, decl=decls[idx[0]], interleaved=False)
             for i in idx:
                 mirror = any(p.startswith("mirror:") for p in decls[i].rounding_points)
-                l, u = mirror_range(lo, hi) if mirror else (lo, hi)
-                deltas[i][:, sl] = np.maximum(np.maximum(u - ref[:, sl], ref[:, sl] - l), 0.0)
+                low, up = mirror_range(lo, hi) if mirror else (lo, hi)
+                deltas[i][:, sl] = np.maximum(np.maximum(up - ref[:, sl], ref[:, sl] - low), 0.0)
     return ref, deltas
 
 

@@ -32,7 +32,7 @@ def processed_row(row: np.ndarray, p, v0: int) -> np.ndarray:
         return row.copy()
     vs = row.shape[0]
     ids = np.arange(v0, v0 + vs)  # [V_s] global ids
-    l = row.astype(np.float64)
+    z = row.astype(np.float64)
     r, f, pr = (float(np.float32(x)) for x in (p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
     counts = np.zeros(vs, dtype=np.float64)
     for j, c in p.output_counts:
@@ -41,18 +41,18 @@ def processed_row(row: np.ndarray, p, v0: int) -> np.ndarray:
     with np.errstate(all="ignore"):
         if r != 1:
             seen = np.isin(ids, list(p.prompt_ids) + [j for j, _ in p.output_counts])
-            l = np.where(seen, np.where(l > 0, _r32(l / r), _r32(l * r)), l)
+            z = np.where(seen, np.where(z > 0, _r32(z / r), _r32(z * r)), z)
         if f != 0:
-            l = np.where(counts > 0, _r32(l - _r32(f * counts)), l)
+            z = np.where(counts > 0, _r32(z - _r32(f * counts)), z)
         if pr != 0:
-            l = np.where(counts > 0, _r32(l - pr), l)
+            z = np.where(counts > 0, _r32(z - pr), z)
         for j, b in p.logit_bias:
             if v0 <= j < v0 + vs:
-                l[j - v0] = _r32(l[j - v0] + float(np.float32(b)))
+                z[j - v0] = _r32(z[j - v0] + float(np.float32(b)))
     if p.allowed is not None:
         ok = np.asarray(p.allowed, dtype=bool)[v0:v0 + vs]
-        l = np.where(ok, l, -np.inf)
-    return l.astype(np.float32)
+        z = np.where(ok, z, -np.inf)
+    return z.astype(np.float32)
 
 
 def processed_logits(logits: torch.Tensor, processing, *, v0: int = 0) -> torch.Tensor:

@@ -169,7 +169,7 @@ def validate_tail_inputs(hidden_states, gamma, lm_head_weight_t, sampling_params
         need_tensor("hidden_states", x, "[gbs, H]")
     if not (x.dim() == 2):
         raise ValueError(f"hidden_states must be [gbs, H]; got {tuple(x.shape)}")
-    if not (x.dtype in (torch.float32, torch.float16, torch.bfloat16)):
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"hidden_states must be float32, float16 or bfloat16; got {x.dtype}")
     gbs, h = x.shape
     if not (gbs >= 1 and h >= 1):
