@@ -126,17 +126,19 @@ def main(argv=None) -> int:
     try:
         level(url, args.model, 1, 1, 4, args.budget_s)  # warm-up (kernel loads, first prefill)
         rows = [level(url, args.model, c, args.requests_per_client, args.max_tokens, args.budget_s) for c in levels]
-        show(f"lmtail serve ({url}), max_tokens {args.max_tokens}", rows)
+        name = "lmtail serve" if srv is not None else f"server {args.model!r}"
+        show(f"{name} ({url}), max_tokens {args.max_tokens}", rows)
     finally:
         if srv is not None:
             srv.stop(30)
             engine.close(10)
     if args.peer_url:
+        level(args.peer_url, args.peer_model, 1, 1, 4, args.budget_s)  # the same warm-up
         rows = [level(args.peer_url, args.peer_model, c, args.requests_per_client, args.max_tokens, args.budget_s)
                 for c in levels]
         show(f"peer ({args.peer_url})", rows)
     else:
-        print("\npeer vLLM `vllm serve`: SKIP (vLLM is not installed in this environment; see --peer-url)")
+        print("\npeer: none (pass --peer-url: a vLLM or llama.cpp OpenAI server, docs/serve.md)")
     return 0
 
 
