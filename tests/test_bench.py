@@ -409,3 +409,20 @@ def test_peer_scripts_import_what_exists(tmp_path):
     f.write_text(f.read_text().replace("from lmtail.benchmarks import bench_rows_tail as brt",
                                        "import bench_rows_tail as brt"))
     assert any("bench_rows_tail" in p for p in peer_import_problems(planted))
+
+
+def test_peer_table_measures_bq32_where_amx_is(monkeypatch):
+    """The peer table's default bodies: generate()'s default alone on a CPU without AMX, then
+    bq32 beside it where gemm_bq has its hardware amx path (the body made for the tiles).
+    Planted: a CPU whose gemm_bq lists only emu-amx (the tile model, not hardware) adds
+    nothing."""
+    import lmtail.kernels.quant.gemm_bq as kbq
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks" / "peers"))
+    import lmtail_arm
+
+    monkeypatch.setattr(kbq, "available_backends", lambda: ("avx512", "avx2", "c"))
+    assert lmtail_arm.table_bodies() == [lmtail_arm.default_body()] == ["q32"]
+    monkeypatch.setattr(kbq, "available_backends", lambda: ("amx", "avx512", "avx2", "c"))
+    assert lmtail_arm.table_bodies() == ["q32", "bq32"]
+    monkeypatch.setattr(kbq, "available_backends", lambda: ("avx512", "c", "emu-amx"))
+    assert lmtail_arm.table_bodies() == ["q32"]

@@ -50,6 +50,21 @@ def default_body() -> str:
     return getattr(gen_mod, "DEFAULT_BODY", None) or inspect.signature(llama.lmtail_ops).parameters["body"].default
 
 
+def table_bodies() -> list[str]:
+    """The bodies the peer table measures by default: default_body(), then "bq32" where
+    gemm_bq has a hardware AMX path on this CPU (the body made for the tile units: its column
+    is what an AMX machine's table is for). Which bodies are timed follows the CPU; no
+    body's bytes do."""
+    bodies = [default_body()]
+    try:
+        from lmtail.kernels.quant.gemm_bq import available_backends
+    except ImportError:  # a tree before gemm_bq
+        return bodies
+    if "bq32" in getattr(llama, "BODIES", ()) and "amx" in available_backends() and "bq32" not in bodies:
+        bodies.append("bq32")
+    return bodies
+
+
 def ops_for(body: str) -> llama.Ops:
     """llama.FP32_OPS for "fp32"; generate's default_ops() for its default body; else lmtail_ops(body=body)."""
     if body == "fp32":

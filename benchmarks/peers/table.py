@@ -409,7 +409,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-new", type=int, default=48, help="tokens per request in the alone-vs-batch row")
     ap.add_argument("--texts", type=int, default=6, help="receipt texts for faithfulness (256 tokens each)")
     ap.add_argument("--body", nargs="+", default=None,
-                    help="lmtail bodies to measure (first = the base of every ratio; default: generate()'s)")
+                    help="lmtail bodies to measure (first = the base of every ratio; default: generate()'s, "
+                         "and bq32 on a CPU with AMX)")
     ap.add_argument("--peers", nargs="*", default=["llamacpp", "vllm"], choices=["llamacpp", "vllm"],
                     help="peer arms (none: lmtail alone)")
     ap.add_argument("--vllm-prefill", action="store_true", help="time vLLM's prefill too (generate, max_tokens 1)")
@@ -423,7 +424,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import lmtail_arm
     if args.body is None:
-        args.body = [lmtail_arm.default_body()]
+        args.body = lmtail_arm.table_bodies()
     if args.quick:
         args.rounds, args.new, args.batches, args.prefill, args.texts = 2, 8, [1, 4], [512], 1
         args.threads, args.batch_new = [1], 16
