@@ -44,9 +44,12 @@ import traceback
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from ..numerics import Decl
+from ..reference.contract import range_margin
+from ..reference.gemm import in_range
 
 DATA_GATES = ("shapes", "random", "special", "adversarial")
 BYTE_GATES = ("emulate", "batch", "ranks", "threads", "repeat")
@@ -190,6 +193,22 @@ def same_bytes(a, b) -> bool:
     v = _INT_VIEW.get(a.dtype)
     a, b = a.contiguous(), b.contiguous()
     return torch.equal(a.view(v), b.view(v)) if v is not None else torch.equal(a, b)
+
+
+def range_verdict(y: torch.Tensor, lo: np.ndarray, hi: np.ndarray) -> Verdict:
+    """Every element of y inside [lo, hi] (reference.gemm.in_range: NaN only where the
+    range is unbounded): the first one outside named, else the least margin over the
+    bounded elements (None when every range is unbounded)."""
+    ok = in_range(y, lo, hi)
+    bounded = np.isfinite(lo) & np.isfinite(hi)
+    if not ok.all():
+        r, c = (int(i) for i in np.argwhere(~ok)[0])
+        return Verdict(False, None, f"out[{r},{c}] = {float(y[r, c])!r} outside [{lo[r, c]!r}, {hi[r, c]!r}] "
+                       f"({int((~ok).sum())} of {ok.size})")
+    if not bounded.any():
+        return Verdict(True, None, f"{ok.size} elements, every range unbounded")
+    _, m = range_margin(y.double().numpy()[bounded], lo[bounded], hi[bounded])
+    return Verdict(True, float(m.min()), f"{int(bounded.sum())} bounded elements inside")
 
 
 def diff_outputs(got: dict, want: dict, rows=None, *, nan_equal=False) -> str:

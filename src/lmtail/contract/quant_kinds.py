@@ -29,10 +29,8 @@ import torch
 from ..kernels.quant.gemm_bq import gemm_bq, gemm_bq_decl, pack_bq
 from ..kernels.quant.gemm_q import FORMATS, QuantWeight, gemm_q, gemm_q_decl
 from ..numerics import Decl
-from ..reference.contract import range_margin
-from ..reference.gemm import in_range
 from ..reference.quant import gemm_bq_emulation, gemm_bq_range, gemm_q_emulation, gemm_q_range
-from .harness import Case, Control, Kind, Verdict, diff_outputs, half_depth
+from .harness import Case, Control, Kind, Verdict, diff_outputs, half_depth, range_verdict
 
 
 # ---------------------------------------------------------------------------------------
@@ -91,16 +89,7 @@ def check_gemm_q(data, out, run, decl) -> Verdict:
     if y.dtype != torch.float32 or tuple(y.shape) != want:
         return Verdict(False, None, f"out must be fp32 [M, N] = {list(want)}; got {y.dtype} {tuple(y.shape)}")
     lo, hi = gemm_q_range(data["a"].numpy(), data["w"], decl)
-    ok = in_range(y, lo, hi)
-    bounded = np.isfinite(lo) & np.isfinite(hi)
-    if not ok.all():
-        r, c = (int(i) for i in np.argwhere(~ok)[0])
-        return Verdict(False, None, f"out[{r},{c}] = {float(y[r, c])!r} outside [{lo[r, c]!r}, {hi[r, c]!r}] "
-                       f"({int((~ok).sum())} of {ok.size})")
-    if not bounded.any():
-        return Verdict(True, None, f"{ok.size} elements, every range unbounded")
-    _, m = range_margin(y.double().numpy()[bounded], lo[bounded], hi[bounded])
-    return Verdict(True, float(m.min()), f"{int(bounded.sum())} bounded elements inside")
+    return range_verdict(y, lo, hi)
 
 
 def _bytes_and_range(data, out, run, decl) -> Verdict:
@@ -207,16 +196,7 @@ def check_gemm_bq(data, out, run, decl) -> Verdict:
     if y.dtype != torch.float32 or tuple(y.shape) != want:
         return Verdict(False, None, f"out must be fp32 [M, N] = {list(want)}; got {y.dtype} {tuple(y.shape)}")
     lo, hi = gemm_bq_range(data["a"].numpy(), data["w"], decl)
-    ok = in_range(y, lo, hi)
-    bounded = np.isfinite(lo) & np.isfinite(hi)
-    if not ok.all():
-        r, c = (int(i) for i in np.argwhere(~ok)[0])
-        return Verdict(False, None, f"out[{r},{c}] = {float(y[r, c])!r} outside [{lo[r, c]!r}, {hi[r, c]!r}] "
-                       f"({int((~ok).sum())} of {ok.size})")
-    if not bounded.any():
-        return Verdict(True, None, f"{ok.size} elements, every range unbounded")
-    _, m = range_margin(y.double().numpy()[bounded], lo[bounded], hi[bounded])
-    return Verdict(True, float(m.min()), f"{int(bounded.sum())} bounded elements inside")
+    return range_verdict(y, lo, hi)
 
 
 def _bq_bytes_and_range(data, out, run, decl) -> Verdict:
