@@ -72,6 +72,14 @@
 #define LMTAIL_TARGET_AVX512_F16C LMTAIL_TARGET("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 #define LMTAIL_TARGET_AVX512_BF16 LMTAIL_TARGET("avx512bf16,avx512f,avx512bw,avx512vl,avx512dq")
 #define LMTAIL_TARGET_AMX LMTAIL_TARGET("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl")
+/* LDTILECFG's 64-byte operand (Intel SDM): palette, start row, 14 reserved bytes, then each
+ * tile's bytes per row (16 x 16 bits) and rows (16 x 8 bits). Each AMX kernel keeps its one
+ * configuration as a static const of this type (never a local: gemm_amx32.c says why). */
+typedef struct {
+    uint8_t palette_id, start_row, rsv[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} lmtail_tilecfg;
 
 /* ================================================================ bits */
 static inline LMTAIL_UNUSED uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }

@@ -670,11 +670,6 @@ static AVX2 void small_plain_avx2(const job_t *j, int64_t m0, int64_t m1, int64_
 
 /* ---------------------------------------------------------------- AMX */
 #define AMX LMTAIL_TARGET_AMX
-typedef struct {
-    uint8_t palette_id, start_row, rsv[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tilecfg_t;
 
 static AMX void amx_release(void) { _tile_release(); }
 
@@ -684,7 +679,7 @@ static AMX void amx_release(void) { _tile_release(); }
  * get dropped, and LDTILECFG faults (#GP) on the half-written bytes. A constant has no
  * stores to drop (tests/test_backends.py reads the assembly: every ldtilecfg operand is a
  * 64-byte constant holding this configuration). */
-static const tilecfg_t AMX_CFG = {
+static const lmtail_tilecfg AMX_CFG = {
     .palette_id = 1,
     .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
     .rows = {16, 16, 16, 16, 16, 16, 16, 16},

@@ -323,11 +323,6 @@ static AVX2 void unit_avx2(const job_t *j, int64_t g0, int64_t g1) {
 
 /* ---------------------------------------------------------------- AMX */
 #define AMX LMTAIL_TARGET_AMX
-typedef struct {
-    uint8_t palette_id, start_row, rsv[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tilecfg_t;
 
 /* The one tile configuration: palette 1, tiles 0-7 all 16 rows x 64 bytes, 8-15 unused.
  * A static const object in .rodata, never a local: GCC's _tile_loadconfig names only an
@@ -337,7 +332,7 @@ typedef struct {
  * library shows amx_config as `ldtilecfg 0x44d7(%rip)  # 7000 <AMX_CFG>` then `ret`, and
  * `objdump -t` AMX_CFG as a 0x40-byte object in .rodata: no stores build a config
  * (tests/test_gemm_bq.py runs tests/test_amx_config.py's assembly check on this file). */
-static const tilecfg_t AMX_CFG = {
+static const lmtail_tilecfg AMX_CFG = {
     .palette_id = 1,
     .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
     .rows = {16, 16, 16, 16, 16, 16, 16, 16},
