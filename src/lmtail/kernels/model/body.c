@@ -81,26 +81,19 @@ static AVX512 void exp_rows512(const float *x, float *y, int64_t n) {
     }
 }
 
-/* silu_rows on 16 lanes: silu_mul1's operations one for one (-g by flipping the sign bit,
- * exp32_512, IEEE division, the -inf select), the last F % 16 of a row as masked lanes (read
- * as +0.0, not stored): the same bits.
+/* silu_rows on 16 lanes: silu_mul_512 (exp32.h: silu_mul1's operations one for one), the
+ * last F % 16 of a row as masked lanes (read as +0.0, not stored): the same bits.
  * Estimate (llvm-mca-14, as exp_rows512's): sapphirerapids and icelake-server alike, 32
  * instructions, 16.5 cycles per 16 outputs (block reciprocal throughput 10.0: the divider)
  * against silu_rows256's 14.8 per 8: ~1.8x per output. Measured on Zen 4: 0.78-0.91x the
  * AVX2 row's time at F = 1536 (bench_body_ops). */
 static AVX512 void silu_rows512(const float *gu, float *out, int64_t M, int64_t F, int64_t ld) {
-    const __m512 one = _mm512_set1_ps(1.0f), ninf = _mm512_set1_ps(-INFINITY);
-    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
     for (int64_t m = 0; m < M; ++m) {
         const float *g = gu + m * ld, *u = g + F;
         float *o = out + m * F;
         for (int64_t c = 0; c < F; c += 16) {
             const __mmask16 k = F - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (F - c)) - 1u);
-            const __m512 gv = _mm512_maskz_loadu_ps(k, g + c);
-            const __m512 e = exp32_512(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gv), sign)));
-            __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(one, e));
-            sv = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(gv, ninf, _CMP_EQ_OQ), sv, _mm512_set1_ps(-0.0f));
-            _mm512_mask_storeu_ps(o + c, k, _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(k, u + c)));
+            _mm512_mask_storeu_ps(o + c, k, silu_mul_512(_mm512_maskz_loadu_ps(k, g + c), _mm512_maskz_loadu_ps(k, u + c)));
         }
     }
 }
@@ -411,10 +404,9 @@ CLONES static void silu_rows_bf16(const float *gu, uint16_t *out, int64_t M, int
 }
 
 #if defined(__x86_64__)
-/* silu_rows_bf16 on 16 lanes: silu_mul1's operations one for one (exp32_512, IEEE division),
- * then to_bf16's integer rounding (NaN -> 0x7FC0): the same bits. */
+/* silu_rows_bf16 on 16 lanes: silu_mul_512 (silu_mul1's operations one for one), then
+ * to_bf16's integer rounding (NaN -> 0x7FC0): the same bits. */
 static LMTAIL_TARGET_AVX512VL void silu_rows_bf16_512(const float *gu, uint16_t *out, int64_t M, int64_t F, int64_t ld) {
-    const __m512 one = _mm512_set1_ps(1.0f), ninf = _mm512_set1_ps(-INFINITY);
     const __m512i bias = _mm512_set1_epi32(0x7FFF), lsb = _mm512_set1_epi32(1);
     const __m512i qnan = _mm512_set1_epi32(0x7FC0);
     for (int64_t m = 0; m < M; ++m) {
@@ -422,12 +414,7 @@ static LMTAIL_TARGET_AVX512VL void silu_rows_bf16_512(const float *gu, uint16_t 
         uint16_t *o = out + m * F;
         for (int64_t c = 0; c < F; c += 16) {
             const __mmask16 k = F - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (F - c)) - 1u);
-            const __m512 gv = _mm512_maskz_loadu_ps(k, g + c), uv = _mm512_maskz_loadu_ps(k, u + c);
-            const __m512 e = exp32_512(_mm512_castsi512_ps(  /* -g: the sign bit flipped */
-                _mm512_xor_si512(_mm512_castps_si512(gv), _mm512_set1_epi32((int)0x80000000u))));
-            __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(one, e));
-            sv = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(gv, ninf, _CMP_EQ_OQ), sv, _mm512_set1_ps(-0.0f));
-            const __m512 y = _mm512_mul_ps(sv, uv);
+            const __m512 y = silu_mul_512(_mm512_maskz_loadu_ps(k, g + c), _mm512_maskz_loadu_ps(k, u + c));
             const __m512i yi = _mm512_castps_si512(y);
             __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(yi, bias),
                                                            _mm512_and_si512(_mm512_srli_epi32(yi, 16), lsb)), 16);

@@ -95,6 +95,15 @@ static inline __attribute__((always_inline)) AVX512 __m512 exp32_512(__m512 x) {
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), y, _mm512_set1_ps(NAN));
 }
 
+/* silu_mul1 on 16 lanes: its operations one for one (-g by flipping the sign bit, exp32_512,
+ * IEEE division, the -inf select, the product): the same bits lane by lane. */
+static inline __attribute__((always_inline)) AVX512 __m512 silu_mul_512(__m512 gv, __m512 uv) {
+    const __m512 ng = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gv), _mm512_set1_epi32((int)0x80000000u)));
+    __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp32_512(ng)));
+    sv = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(gv, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), sv, _mm512_set1_ps(-0.0f));
+    return _mm512_mul_ps(sv, uv);
+}
+
 /* exp32_512_in on 8 lanes all in [X_LO, X_HI]. */
 static inline __attribute__((always_inline)) AVX2 __m256 exp32_256_in(__m256 xc) {
     const __m256 rnd = _mm256_set1_ps(RND);
