@@ -494,7 +494,7 @@ def q32_model(bundle: ModelBundle, lanes: int, gemm_backend: str, attend_backend
     shape = kstep.StepShape(L=cfg.n_layers, H=cfg.hidden, nh=cfg.n_heads, nkv=cfg.n_kv_heads, F=cfg.ffn)
     return kstep.Q32Model(shape, lins, an, fn_, fin, cos_t, sin_t, lanes=lanes, eps=cfg.eps,
                           scale=1.0 / math.sqrt(cfg.head_dim), gemm_backend=gemm_backend,
-                          attend_backend=attend_backend, silu_backend=decl.SILU_MUL.pick(None, rows=1).name)
+                          attend_backend=attend_backend, body_backend=decl.SILU_MUL.pick(None, rows=1).name)
 
 
 def embed_rows(bundle: ModelBundle, ids: torch.Tensor) -> torch.Tensor:

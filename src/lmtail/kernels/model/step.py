@@ -80,13 +80,12 @@ class Q32Model:
     `final_norm` [H] fp32, rope tables cos_t, sin_t [P, 32] fp32, the norm's lane count, eps,
     the attention scale, the gemm_q backend ("avx512" | "avx2" | "c") and the attend backend
     ("avx512" | "avx2" | "c": the micro-kernels attend.c may pick; the same bytes) and
-    the silu_mul backend (the same caps; another name: "c"), which also caps body.c's
-    add_rms_rows32 and rope_qkv rows (body_isa: one cap for body.c's glue). Keeps every
-    tensor it points into alive."""
+    body.c's glue backend (body_isa: the cap of its silu_mul, add_rms_rows32 and rope_qkv
+    rows; the same caps, another name: "c"). Keeps every tensor it points into alive."""
 
     def __init__(self, shape: StepShape, linears, attn_norms, ffn_norms, final_norm, cos_t, sin_t, *,
                  lanes: int, eps: float, scale: float, gemm_backend: str, attend_backend: str,
-                 silu_backend: str = "c"):
+                 body_backend: str = "c"):
         keep = [t.contiguous() for t in (*attn_norms, *ffn_norms, final_norm, cos_t, sin_t)]
         self._keep = (keep, linears)
         an, fn_, (fin, cs, sn) = keep[:shape.L], keep[shape.L:2 * shape.L], keep[2 * shape.L:]
@@ -104,7 +103,7 @@ class Q32Model:
             layers=ctypes.cast(layers, ctypes.POINTER(_Layer)), final_norm=fin.data_ptr(), cos_t=cs.data_ptr(),
             sin_t=sn.data_ptr(), L=shape.L, H=shape.H, nh=shape.nh, nkv=shape.nkv, F=shape.F, lanes=lanes,
             eps=eps, scale=scale, gemm_isa=kquant.ISA[gemm_backend], attend_isa=kbody.ISA_CAP[attend_backend],
-            body_isa=kbody.ISA_CAP.get(silu_backend, kbody.ISA_CAP["c"]))
+            body_isa=kbody.ISA_CAP.get(body_backend, kbody.ISA_CAP["c"]))
         self.shape = shape
 
 
